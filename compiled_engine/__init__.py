@@ -7,7 +7,9 @@ without pulling in torch.
 from importlib import import_module
 
 _LAZY = {
+    "LLM": "compiled_engine.llm",
     "SamplingParams": "compiled_engine.scheduler.sampling_params",
+    "EngineConfig": "compiled_engine.config",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,28 @@
+"""Engine settings shared by `LLM`, `serve`, `bench` and `warmup`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str = "demo"  # 'demo' or a local Hugging Face checkpoint directory
+    dtype: str = "auto"  # auto follows the checkpoint
+    device: str = "auto"  # auto: cuda when available, else cpu
+    load_format: str = "auto"  # auto | dummy (random weights)
+    page_size: int = 1
+    num_pages: int | None = None  # KV pool size; None: sized from memory (mem_fraction)
+    mem_fraction: float | None = None  # of the memory free after loading weights (cuda 0.8, cpu 0.25)
+    max_running: int = 256
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    chunk_budget: int = 8192  # tokens computed per step (chunked prefill)
+    mixed: bool = True  # decode and prefill chunks share steps
+    prefix_cache: str = "radix"  # radix | naive
+    enforce_eager: bool = False
+    buckets: list[int] | None = None  # decode batch sizes with compiled graphs
+    max_bucket: int | None = None  # None: cpu 32, cuda max_running
+    overlap: bool = True
+    seed: int = 0
+    tp_size: int = 1
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,150 @@
+"""The engine loop: scheduler plan -> model runner -> commit, with overlap scheduling.
+
+With overlap (the default) step k+1 is planned and launched before step k's tokens reach the host: the
+forward runs in a worker thread (which queues device work in order), and the token sampled at step k is
+read from the device token table by step k+1. The scheduler defers frees until no in-flight step can
+touch the pages, and drops tokens sampled after a request finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.runner.model_runner import ModelRunner, StepOutput
+from compiled_engine.runner.sampler import SamplingRow, needs_history
+from compiled_engine.runner.step_inputs import StepInputs
+from compiled_engine.scheduler.plan import Batch
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One event for one request: a new token, the end of the request, or both."""
+
+    rid: str
+    token: int | None
+    finished: bool
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class _Live:
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
+
+
+class Engine:
+    """One TP rank's engine. Callers add requests, then call `step()` until `has_work()` is false."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, scheduler: Scheduler, runner: ModelRunner,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
+        self.eos_token_ids = eos_token_ids
+        self._live: dict[str, _Live] = {}
+        self._inflight: collections.deque[tuple[Batch, Future | StepOutput]] = collections.deque()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.overlap else None
+        self.steps = 0
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError (RequestRejected) with a clear message if it can never run."""
+        params.validate()
+        self.scheduler.add_request(rid, list(prompt_ids), params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
+        self._live[rid] = _Live(len(prompt_ids), params, generator, banned)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+        self._live.pop(rid, None)
+
+    def finish(self, rid: str, reason: str = "stop") -> None:
+        """End a request early (a stop string matched on the detokenized text)."""
+        self.scheduler.finish(rid, reason)
+        self._live.pop(rid, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._inflight)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        """Plan and launch one step; commit the previous one (overlap) or this one. Returns the events."""
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            self._inflight.append((batch, self._launch(batch)))
+            self.steps += 1
+        keep = 1 if (self._worker is not None and batch is not None) else 0
+        events: list[TokenOutput] = []
+        while len(self._inflight) > keep:
+            done, result = self._inflight.popleft()
+            output = result.result() if isinstance(result, Future) else result
+            events.extend(self._commit(done, output))
+        return events
+
+    def run_until_idle(self, timeout_s: float | None = None) -> list[TokenOutput]:
+        events: list[TokenOutput] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.has_work():
+            events.extend(self.step())
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("engine did not become idle in time")
+        return events
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    def _launch(self, batch: Batch) -> Future | StepOutput:
+        live = [self._live.get(r.rid) for r in batch.reqs if r.sample]
+        sampled = [r for r in batch.reqs if r.sample]
+
+        def rows(inputs: StepInputs) -> list[SamplingRow]:
+            out = []
+            for req, info in zip(sampled, live):
+                if info is None:  # aborted or finished while planned: its token is dropped at commit
+                    out.append(SamplingRow(req.sampling))
+                    continue
+                seq_len = req.start + req.length
+                generated = seq_len - info.prompt_len
+                row = SamplingRow(info.params, info.generator,
+                                  info.banned if generated < info.params.min_tokens else ())
+                if needs_history(info.params):
+                    row.prompt_ids, row.output_ids = self.runner.history(req.row, info.prompt_len, seq_len)
+                out.append(row)
+            return out
+
+        if self._worker is None:
+            return self.runner.execute(batch, rows)
+        return self._worker.submit(self.runner.execute, batch, rows)
+
+    def _commit(self, batch: Batch, output: StepOutput) -> list[TokenOutput]:
+        extras: dict[str, tuple[float | None, list | None]] = {}
+        if output.logprobs is not None:
+            sampled = [r for r in batch.reqs if r.sample]
+            for i, req in enumerate(sampled):
+                top = output.top_logprobs[i] if output.top_logprobs is not None else None
+                if req.sampling.logprobs is not None:
+                    extras[req.rid] = (output.logprobs[i], top[: req.sampling.logprobs] if top else [])
+        events = []
+        for ev in self.scheduler.commit(batch, output.tokens):
+            lp, top = extras.get(ev.rid, (None, None)) if ev.token is not None else (None, None)
+            events.append(TokenOutput(ev.rid, ev.token, ev.finished, ev.finish_reason, lp, top))
+            if ev.finished:
+                self._live.pop(ev.rid, None)
+        return events

@@ -1,0 +1,100 @@
+"""The offline API: `LLM(model).generate(prompts, params)`, on the same engine as the server."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.demo_model import resolve_model
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.startup import build_engine
+from compiled_engine.tokenization import IncrementalDetokenizer, Prompt, encode_prompt, load_tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    """`LLM("demo").generate(["Hello"], SamplingParams(max_tokens=8))`; keyword arguments are
+    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, ...)."""
+
+    def __init__(self, model: str = "demo", **kwargs) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.tokenizer = load_tokenizer(resolve_model(model))
+        self.engine = build_engine(self.config)
+        self._next_id = 0
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        results: list[RequestOutput] = []
+        streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        for prompt, p in zip(prompts, params_list):
+            ids = encode_prompt(self.tokenizer, prompt)
+            result = RequestOutput(prompt_token_ids=ids)
+            for i in range(p.n):
+                sub = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, ids, sub)
+                out = CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None,
+                                       [] if p.logprobs else None)
+                result.outputs.append(out)
+                streams[rid] = (out, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop)))
+            results.append(result)
+        show = use_tqdm if use_tqdm is not None else len(streams) >= 32
+        bar = tqdm(total=len(streams), desc="generate", disable=not show)
+        while self.engine.has_work():
+            for ev in self.engine.step():
+                out, detok = streams[ev.rid]
+                if ev.token is not None and not detok.stopped:
+                    out.token_ids.append(ev.token)
+                    detok.add(ev.token)
+                    if out.logprobs is not None:
+                        out.logprobs.append(ev.logprob)
+                    if out.top_logprobs is not None:
+                        out.top_logprobs.append(ev.top_logprobs or [])
+                    if detok.stopped and not ev.finished:
+                        self.engine.finish(ev.rid, "stop")
+                        out.finish_reason = "stop"
+                        bar.update()
+                if ev.finished and out.finish_reason is None:
+                    detok.flush()
+                    out.finish_reason = ev.finish_reason
+                    bar.update()
+        bar.close()
+        for out, detok in streams.values():
+            out.text = detok.text
+        return results

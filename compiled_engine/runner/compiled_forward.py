@@ -1,0 +1,122 @@
+"""The model forward as compiled graphs: one static-shape graph per decode bucket (captured as a CUDA
+graph on a GPU) and one dynamic-token-count graph for prefill / mixed steps. Attention is an opaque
+custom op, so the graphs split there. A batch larger than the largest bucket runs the dynamic graph."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_engine.layers.attention import AttentionMetadata
+from compiled_engine.runner.step_inputs import StepInputs
+
+# One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
+torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
+torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+
+
+class CompiledForward:
+    def __init__(self, model: torch.nn.Module, buckets: list[int], enabled: bool, device: torch.device) -> None:
+        self.model = model
+        self.enabled = enabled
+        self.buckets = sorted(buckets) if enabled else []
+        self.device = device
+        if enabled:
+            self._decode = torch.compile(self._decode_fn, dynamic=False)
+            self._extend = torch.compile(self._extend_fn, dynamic=True)
+        self.cuda_graphs: dict[int, _CapturedDecode] = {}
+
+    def _logits(self, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden.index_select(0, logits_index))
+
+    # Two entry points with their own code objects, so that dynamo keeps their graphs apart.
+    def _decode_fn(self, *args) -> torch.Tensor:
+        return self._logits(*args)
+
+    def _extend_fn(self, *args) -> torch.Tensor:
+        return self._logits(*args)
+
+    def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+        if not self.enabled:
+            return self._logits(*args)
+        batch = inputs.rows.shape[0]
+        if inputs.meta.is_decode and batch in self.buckets:
+            graph = self.cuda_graphs.get(batch)
+            if graph is not None:
+                return graph.replay(inputs)
+            return self._decode(*args)
+        if inputs.meta.is_decode:  # beyond the largest bucket: run it through the dynamic graph
+            inputs = _as_extend(inputs)
+            args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+        _mark_dynamic(inputs)
+        return self._extend(*args)
+
+    def capture_cuda_graphs(self, make_inputs) -> None:
+        """Capture every decode bucket, largest first, into one memory pool (CUDA only)."""
+        pool = torch.cuda.graph_pool_handle()
+        for batch in sorted(self.buckets, reverse=True):
+            self.cuda_graphs[batch] = _CapturedDecode(self._decode, make_inputs(batch), pool)
+
+
+class _CapturedDecode:
+    """Static input buffers + a CUDA graph of one decode bucket; replay copies the step's inputs in."""
+
+    def __init__(self, fn, inputs: StepInputs, pool) -> None:
+        self.inputs = inputs
+        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and warm up outside the capture
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn(*args)
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        s, m = self.inputs, self.inputs.meta
+        s.input_ids.copy_(inputs.input_ids)
+        s.positions.copy_(inputs.positions)
+        s.logits_index.copy_(inputs.logits_index)
+        m.out_slots.copy_(inputs.meta.out_slots)
+        m.page_table.copy_(inputs.meta.page_table)
+        m.seq_lens.copy_(inputs.meta.seq_lens)
+        m.cu_q_lens.copy_(inputs.meta.cu_q_lens)
+        self.graph.replay()
+        return self.output
+
+
+def _as_extend(inputs: StepInputs) -> StepInputs:
+    """A decode batch viewed as an extend batch of one-token requests (plus the padding request)."""
+    m = inputs.meta
+    n = inputs.rows.shape[0]
+    device = inputs.input_ids.device
+    one = torch.ones(1, dtype=torch.long, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    meta = AttentionMetadata(
+        out_slots=torch.cat([m.out_slots, -one]),
+        page_table=torch.cat([m.page_table, torch.zeros_like(m.page_table[:1])]),
+        seq_lens=torch.cat([m.seq_lens, one.to(m.seq_lens.dtype)]),
+        cu_q_lens=torch.arange(n + 2, dtype=m.cu_q_lens.dtype, device=device),
+        page_size=m.page_size,
+        is_decode=False,
+    )
+    return StepInputs(
+        input_ids=torch.cat([inputs.input_ids, zero]),
+        positions=torch.cat([inputs.positions, zero]),
+        meta=meta,
+        logits_index=inputs.logits_index,
+        num_sampled=inputs.num_sampled,
+        rows=torch.cat([inputs.rows, zero]),
+        sample_rows=inputs.sample_rows,
+        sample_next_pos=inputs.sample_next_pos,
+    )
+
+
+def _mark_dynamic(inputs: StepInputs) -> None:
+    m = inputs.meta
+    for t in (inputs.input_ids, inputs.positions, inputs.logits_index, m.out_slots, m.page_table, m.seq_lens,
+              m.cu_q_lens):
+        torch._dynamo.mark_dynamic(t, 0)

@@ -1,0 +1,156 @@
+"""Sampling on the device, per request within one batch.
+
+Order of logit processing (as vLLM): logit_bias and banned ids, repetition / frequency / presence
+penalties, then logprobs are taken from these processed logits, then temperature, top-k, top-p, min-p and
+the draw. Greedy rows (temperature 0, or top_k 1) take the argmax. A seeded request draws from its own
+generator, so its tokens do not depend on its batch neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiled_engine.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request that samples this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # the request's own generator when it is seeded
+    banned_ids: tuple[int, ...] = ()  # e.g. EOS ids while fewer than min_tokens were generated
+    prompt_ids: torch.Tensor | None = None  # device tensors; needed only for penalties
+    output_ids: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    tokens: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N] logprob of the chosen token (when any row asked)
+    top_ids: torch.Tensor | None = None  # [N, K] top alternatives, K = max requested
+    top_logprobs: torch.Tensor | None = None
+
+
+def is_greedy(p: SamplingParams) -> bool:
+    return p.temperature == 0.0 or p.top_k == 1
+
+
+def needs_history(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        # Unseeded requests share one generator; every TP rank seeds it alike, so ranks draw alike.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+        params = [r.params for r in rows]
+        if all(is_greedy(p) and not _processes_logits(r) and p.logprobs is None for p, r in zip(params, rows)):
+            return SampleOutput(tokens=logits.argmax(dim=-1))
+        logits = logits.float()
+        if any(_processes_logits(r) for r in rows):
+            logits = logits.clone()
+            self._apply_bias_and_bans(logits, rows)
+            self._apply_penalties(logits, rows)
+        out = SampleOutput(tokens=self._draw(logits, rows))
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        if want:
+            logp = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logp.gather(1, out.tokens[:, None]).squeeze(1)
+            k = max(want)
+            if k > 0:
+                out.top_logprobs, out.top_ids = logp.topk(k, dim=-1)
+        return out
+
+    def _apply_bias_and_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        idx_r, idx_c, vals = [], [], []
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                for tok, bias in r.params.logit_bias.items():
+                    if 0 <= tok < logits.shape[1]:
+                        idx_r.append(i)
+                        idx_c.append(tok)
+                        vals.append(bias)
+        if idx_r:
+            logits.index_put_(
+                (torch.tensor(idx_r, device=logits.device), torch.tensor(idx_c, device=logits.device)),
+                torch.tensor(vals, device=logits.device, dtype=logits.dtype),
+                accumulate=True,
+            )
+        for i, r in enumerate(rows):
+            if r.banned_ids:
+                logits[i, list(r.banned_ids)] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if not needs_history(p):
+                continue
+            out_ids = _in_vocab(r.output_ids, vocab, logits.device)
+            counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
+            counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt_ids = _in_vocab(r.prompt_ids, vocab, logits.device)
+                seen[prompt_ids] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if p.frequency_penalty:
+                row.sub_(p.frequency_penalty * counts)
+            if p.presence_penalty:
+                row.sub_(p.presence_penalty * (counts > 0).to(row.dtype))
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = torch.tensor([is_greedy(r.params) for r in rows], device=logits.device)
+        argmax = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return argmax
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+        probs = self._filtered_probs(logits / temps[:, None], rows)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):  # seeded requests draw from their own stream
+            if r.generator is not None and not is_greedy(r.params):
+                noise[i] = torch.empty_like(probs[i]).exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)  # exponential race == a draw from probs
+        return torch.where(greedy, argmax, sampled)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=logits.device)
+            k = torch.tensor(top_k, device=logits.device)
+            sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+            sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(m > 0 for m in min_p):
+            m = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
+            probs = probs.masked_fill(probs < m[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
+
+def _processes_logits(r: SamplingRow) -> bool:
+    return bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
+
+
+def _in_vocab(ids: torch.Tensor | None, vocab: int, device: torch.device) -> torch.Tensor:
+    if ids is None:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    ids = ids.long()
+    return ids[(ids >= 0) & (ids < vocab)]

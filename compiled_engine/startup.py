@@ -1,0 +1,126 @@
+"""Building an engine from an `EngineConfig`: load the model, size the KV pool, compile the graphs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.demo_model import resolve_model
+from compiled_engine.engine import Engine
+from compiled_engine.models.loader import load_model
+from compiled_engine.runner.buckets import default_buckets
+from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
+from compiled_engine.runner.step_inputs import build_step_inputs
+from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.plan import Batch, ReqStep
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
+    """Every EOS id: generation_config.json's (int or list) and the model config's."""
+    ids: set[int] = set()
+    for value in (_generation_config(model_dir).get("eos_token_id"), getattr(hf_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
+
+
+def _generation_config(model_dir: str) -> dict:
+    path = Path(model_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+
+
+def size_kv_pool(config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device) -> int:
+    """Pages for the KV pool: `num_pages` if given, else a fraction of free memory, capped at what
+    `max_running` full-length requests could use."""
+    if config.num_pages is not None:
+        return config.num_pages
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        fraction = config.mem_fraction or 0.8
+    else:
+        free = _available_host_memory()
+        fraction = config.mem_fraction or 0.25
+    tokens = int(free * fraction) // kv_bytes_per_token(model)
+    tokens = min(tokens, config.max_running * max_context)
+    return max(2, tokens // config.page_size + 1)
+
+
+def _available_host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    device = resolve_device(config.device)
+    model_dir = resolve_model(config.model)
+    t0 = time.perf_counter()
+    model, hf_config = load_model(model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format)
+    max_context = config.max_context or hf_config.max_position_embeddings
+    eos = eos_token_ids(model_dir, hf_config)
+    num_pages = size_kv_pool(config, model, max_context, device)
+    if config.buckets is not None:
+        buckets = sorted(config.buckets)
+    else:
+        max_bucket = config.max_bucket or (config.max_running if device.type == "cuda" else 32)
+        buckets = default_buckets(min(max_bucket, config.max_running))
+    scheduler = Scheduler(SchedulerConfig(
+        num_pages=num_pages, page_size=config.page_size, max_running=config.max_running, max_context=max_context,
+        chunk_budget=config.chunk_budget, mixed=config.mixed, prefix_cache=config.prefix_cache, eos_token_ids=eos,
+    ))
+    runner = ModelRunner(model, RunnerConfig(
+        max_rows=config.max_running, max_context=max_context, page_size=config.page_size, num_pages=num_pages,
+        buckets=buckets, enforce_eager=config.enforce_eager, seed=config.seed,
+    ), device)
+    log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
+             config.page_size)
+    if not config.enforce_eager:
+        warm_up(runner)
+    return Engine(config, model, scheduler, runner, eos)
+
+
+def warm_up(runner: ModelRunner) -> None:
+    """Compile every decode bucket and the dynamic extend graph now, so serving never compiles.
+    The warm-up batches write nowhere (slot -1) and read only the dummy page."""
+    t0 = time.perf_counter()
+    params = SamplingParams()
+    fwd = runner.forward
+
+    def batch(lengths: list[int], decode: bool) -> Batch:
+        reqs = tuple(ReqStep(f"warmup-{i}", i, 0, n, (-1,) * n, True, params) for i, n in enumerate(lengths))
+        return Batch(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)
+
+    with torch.inference_mode():
+        for lengths in ([3, 5], [2, 1, 4]):
+            fwd(build_step_inputs(batch(lengths, False), runner.tables, runner.config.page_size, None))
+        if runner.device.type == "cuda":
+            fwd.capture_cuda_graphs(
+                lambda n: build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n))
+        else:
+            for n in sorted(fwd.buckets, reverse=True):
+                fwd(build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n))
+    log.info("compiled %d decode buckets + the extend graph in %.1fs", len(fwd.buckets), time.perf_counter() - t0)
