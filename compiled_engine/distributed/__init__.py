@@ -1,0 +1,1 @@
+"""torch.distributed state shared by the TP ranks."""

@@ -1,0 +1,50 @@
+"""Tensor-parallel group state. Without `init_tensor_parallel` the world is one rank and every
+collective is a no-op, so single-process code never touches torch.distributed."""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+_group: dist.ProcessGroup | None = None
+_rank = 0
+_size = 1
+
+
+def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
+    """Use `group` (default: the whole default process group, which must be initialized) for TP."""
+    global _group, _rank, _size
+    _group = group if group is not None else dist.group.WORLD
+    _rank = dist.get_rank(_group)
+    _size = dist.get_world_size(_group)
+
+
+def destroy_tensor_parallel() -> None:
+    global _group, _rank, _size
+    _group, _rank, _size = None, 0, 1
+
+
+def get_tp_rank() -> int:
+    return _rank
+
+
+def get_tp_size() -> int:
+    return _size
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    return _group
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over the TP ranks. Functional collectives, so that torch.compile traces them."""
+    if _size == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", _group))
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order."""
+    if _size == 1:
+        return x
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, _group))
+    return torch.cat(gathered.chunk(_size, dim=0), dim=dim)

@@ -1,0 +1,164 @@
+"""Llama, and the decoder that Qwen2, Qwen3 and Mistral reuse with a few `DecoderOptions`."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from compiled_engine.layers.activation import SiluAndMul
+from compiled_engine.layers.attention import Attention, AttentionMetadata
+from compiled_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from compiled_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from compiled_engine.layers.norm import RMSNorm
+from compiled_engine.layers.rotary import RotaryEmbedding
+from compiled_engine.models.registry import register
+
+
+@dataclass
+class DecoderOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: list[int] | None = None  # per layer; 0 = full attention
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, opts: DecoderOptions, rotary: RotaryEmbedding, sliding_window: int
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, opts.qkv_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, opts.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if opts.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, opts: DecoderOptions, rotary: RotaryEmbedding, sliding_window: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, opts, rotary, sliding_window)
+        self.mlp = DecoderMLP(config, opts.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, opts: DecoderOptions) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, config.rope_parameters)
+        windows = opts.sliding_windows or [0] * config.num_hidden_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, opts, self.rotary, windows[i]) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_type_windows(config: PretrainedConfig) -> list[int]:
+    """Per-layer sliding windows from `layer_types` (Qwen2/Qwen3 style)."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or 0
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+@register("LlamaForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (our fused module name, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @staticmethod
+    def options(config: PretrainedConfig) -> DecoderOptions:
+        bias = getattr(config, "attention_bias", False)
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, mlp_bias=getattr(config, "mlp_bias", False))
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.model = DecoderModel(config, self.options(config))
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tied else None
+        )
+        attn = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads  # per rank
+        self.head_dim = attn.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def attach_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        """One [num_slots, num_kv_heads, head_dim] K and V tensor per layer."""
+        if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+        for layer, k, v in zip(self.model.layers, k_caches, v_caches, strict=True):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,170 @@
+"""Building a model from a local Hugging Face checkpoint directory.
+
+    model, config = load_model("/path/to/checkpoint", dtype="auto", device="cpu", load_format="auto")
+
+Weights stream tensor by tensor from the `*.safetensors` file(s) (`model.safetensors.index.json` when
+sharded); each tensor is narrowed to this TP rank's part before it is read, so peak host memory stays
+about one tensor above the model. Every problem with the checkpoint is a `CheckpointError` (a
+`ValueError`) naming the file, tensor or architecture at fault.
+"""
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from compiled_engine.layers.weight_utils import default_weight_loader
+from compiled_engine.models.registry import UnsupportedArchitectureError, get_model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint entries that are derived buffers, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
+    """`auto` follows the config's `dtype` (`torch_dtype`), defaulting to float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nn.Module, PretrainedConfig]:
+    """Model (eval mode, this TP rank's shard) and its Hugging Face config. `load_format="dummy"` gives
+    deterministic random weights (from `seed`) instead of reading the checkpoint."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"unsupported load_format {load_format!r}; use auto, safetensors or dummy")
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read the config of {model_dir}: {e}") from e
+    try:
+        model_cls = get_model_class(getattr(config, "architectures", None))
+    except UnsupportedArchitectureError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+    with torch.device(device), _default_dtype(resolve_dtype(dtype, config)):
+        model = model_cls(config)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, model_dir, tied=getattr(config, "tie_word_embeddings", False))
+    return model.eval(), config
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Small uniform weights (norm scales 1), the same for a given seed on every device and rank."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            param.data.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05, generator=gen))
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [os.path.join(model_dir, n) for n in names]
+        for path in files:
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: listed in {index} but missing")
+        return files
+    files = sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """Checkpoint tensor name -> (our parameter name, shard id)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard_id = packed[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard_id
+    return name, None
+
+
+def expected_checkpoint_names(model: nn.Module) -> set[str]:
+    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules", {})
+    by_fused: dict[str, list[str]] = {}
+    for ckpt, (fused, _) in packed.items():
+        by_fused.setdefault(fused, []).append(ckpt)
+    names = set()
+    for pname, _ in model.named_parameters():
+        parts = pname.split(".")
+        fused = next((i for i, p in enumerate(parts) if p in by_fused), None)
+        if fused is None:
+            names.add(pname)
+        else:
+            names.update(".".join([*parts[:fused], c, *parts[fused + 1 :]]) for c in by_fused[parts[fused]])
+    return names
+
+
+def load_weights(model: nn.Module, model_dir: str, tied: bool = False) -> None:
+    packed = getattr(model, "packed_modules", {})
+    params = dict(model.named_parameters())
+    expected = expected_checkpoint_names(model)
+    loaded: set[str] = set()
+    files = checkpoint_files(model_dir)
+    for path in tqdm(files, desc="Loading safetensors", unit="file"):
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type for corrupt headers
+            raise CheckpointError(f"{path}: cannot open safetensors file ({e})") from e
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                pname, shard_id = _target(name, packed)
+                if name not in expected or pname not in params:
+                    raise CheckpointError(f"{path}: unexpected tensor {name!r} for {type(model).__name__}")
+                param = params[pname]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    src = f.get_slice(name)
+                    loader(param, src, shard_id)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: tensor {name!r}: {e}") from e
+                loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir}: missing tensors {shown}")
