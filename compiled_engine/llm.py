@@ -61,19 +61,24 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         results: list[RequestOutput] = []
         streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
-        for prompt, p in zip(prompts, params_list):
-            ids = encode_prompt(self.tokenizer, prompt)
-            result = RequestOutput(prompt_token_ids=ids)
-            for i in range(p.n):
-                sub = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-                rid = f"llm-{self._next_id}"
-                self._next_id += 1
-                self.engine.add_request(rid, ids, sub)
-                out = CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None,
-                                       [] if p.logprobs else None)
-                result.outputs.append(out)
-                streams[rid] = (out, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop)))
-            results.append(result)
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids = encode_prompt(self.tokenizer, prompt)
+                result = RequestOutput(prompt_token_ids=ids)
+                for i in range(p.n):
+                    sub = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    rid = f"llm-{self._next_id}"
+                    self._next_id += 1
+                    self.engine.add_request(rid, ids, sub)
+                    out = CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None,
+                                           [] if p.logprobs else None)
+                    result.outputs.append(out)
+                    streams[rid] = (out, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop)))
+                results.append(result)
+        except Exception:
+            for rid in streams:  # a bad prompt rejects the whole call, and leaves nothing queued
+                self.engine.abort(rid)
+            raise
         show = use_tqdm if use_tqdm is not None else len(streams) >= 32
         bar = tqdm(total=len(streams), desc="generate", disable=not show)
         while self.engine.has_work():

@@ -6,17 +6,19 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from compiled_engine.compile_cache import cache_key, compile_with_cache, default_root
 from compiled_engine.config import EngineConfig
 from compiled_engine.demo_model import resolve_model
 from compiled_engine.engine import Engine
 from compiled_engine.models.loader import load_model
 from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
-from compiled_engine.runner.step_inputs import build_step_inputs
+from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import Batch, ReqStep
 from compiled_engine.scheduler.sampling_params import SamplingParams
@@ -75,7 +77,7 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
     device = resolve_device(config.device)
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
@@ -99,28 +101,39 @@ def build_engine(config: EngineConfig) -> Engine:
     log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
              config.page_size)
     if not config.enforce_eager:
-        warm_up(runner)
+        key = cache_key(config, model_dir, model.dtype, device, runner.config)
+        compile_with_cache(key, default_root(config.compile_cache_dir), lambda: warm_up(runner, progress))
     return Engine(config, model, scheduler, runner, eos)
 
 
-def warm_up(runner: ModelRunner) -> None:
+def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None) -> None:
     """Compile every decode bucket and the dynamic extend graph now, so serving never compiles.
-    The warm-up batches write nowhere (slot -1) and read only the dummy page."""
+    The warm-up batches write nowhere (slot -1) and read only the dummy page.
+    `progress(graph, total)` is called as each graph starts."""
     t0 = time.perf_counter()
     params = SamplingParams()
     fwd = runner.forward
+    total = 2 + len(fwd.buckets)
+
+    def tick(graph: str) -> None:
+        if progress is not None:
+            progress(graph, total)
 
     def batch(lengths: list[int], decode: bool) -> Batch:
         reqs = tuple(ReqStep(f"warmup-{i}", i, 0, n, (-1,) * n, True, params) for i, n in enumerate(lengths))
         return Batch(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)
 
+    def decode_inputs(n: int) -> StepInputs:
+        tick(f"decode {n}")
+        return build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n)
+
     with torch.inference_mode():
         for lengths in ([3, 5], [2, 1, 4]):
+            tick(f"extend {lengths}")
             fwd(build_step_inputs(batch(lengths, False), runner.tables, runner.config.page_size, None))
         if runner.device.type == "cuda":
-            fwd.capture_cuda_graphs(
-                lambda n: build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n))
+            fwd.capture_cuda_graphs(decode_inputs)
         else:
             for n in sorted(fwd.buckets, reverse=True):
-                fwd(build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n))
+                fwd(decode_inputs(n))
     log.info("compiled %d decode buckets + the extend graph in %.1fs", len(fwd.buckets), time.perf_counter() - t0)

@@ -9,7 +9,7 @@ import torch
 
 from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.compiled_forward import CompiledForward
-from compiled_engine.runner.sampler import Sampler, SampleOutput, SamplingRow, needs_history
+from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.step_inputs import DeviceTables, StepInputs, build_step_inputs
 from compiled_engine.scheduler.plan import Batch
 
@@ -50,10 +50,11 @@ class ModelRunner:
         """Apply the plan's writes, run the forward, sample, and write sampled tokens to the token table.
 
         `rows` builds the sampler's per-request view (it may read token history from the tables)."""
-        self.tables.apply_writes(batch)
-        pad_to = next_bucket(self.forward.buckets, len(batch.reqs)) if batch.is_decode else None
-        inputs = build_step_inputs(batch, self.tables, self.config.page_size, pad_to)
+        # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must agree.
         with torch.inference_mode():
+            self.tables.apply_writes(batch)
+            pad_to = next_bucket(self.forward.buckets, len(batch.reqs)) if batch.is_decode else None
+            inputs = build_step_inputs(batch, self.tables, self.config.page_size, pad_to)
             logits = self.forward(inputs)[: inputs.num_sampled]
             if not inputs.num_sampled:
                 return StepOutput(tokens=[])
@@ -67,10 +68,6 @@ class ModelRunner:
     def history(self, row: int, prompt_len: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device views of a row's prompt tokens and generated tokens (for penalties)."""
         return self.tables.tokens[row, :prompt_len], self.tables.tokens[row, prompt_len:length]
-
-    @staticmethod
-    def wants_history(params) -> bool:
-        return needs_history(params)
 
 
 def _to_host(out: SampleOutput) -> StepOutput:

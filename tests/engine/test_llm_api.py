@@ -1,0 +1,91 @@
+"""The offline API as a user calls it: prompts in every form, sampling options, finish rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiled_engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir: str) -> LLM:
+    return LLM(demo_dir, enforce_eager=True, num_pages=1000, max_running=8)
+
+
+def test_text_token_and_chat_prompts(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    text_out, ids_out, chat_out = llm.generate(
+        ["Hello there", llm.tokenizer("Hello there").input_ids, [{"role": "user", "content": "Hello there"}]],
+        params,
+    )
+    assert text_out.token_ids == ids_out.token_ids and len(text_out.token_ids) == 5
+    assert text_out.text == llm.tokenizer.decode(text_out.token_ids, skip_special_tokens=True)
+    assert chat_out.prompt_token_ids.count(llm.tokenizer.bos_token_id) == 1
+
+
+def test_max_tokens_zero_generates_nothing(llm: LLM) -> None:
+    out = llm.generate("Hi", SamplingParams(max_tokens=0))[0]
+    assert out.token_ids == [] and out.text == "" and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(llm: LLM) -> None:
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
+    alone = llm.generate("A seeded prompt", seeded)[0].token_ids
+    noisy = SamplingParams(max_tokens=8, temperature=1.5, ignore_eos=True)
+    crowded = llm.generate(["Other prompt", "A seeded prompt", "Third"], [noisy, seeded, noisy])[1].token_ids
+    assert alone == crowded
+    other_seed = llm.generate("A seeded prompt", SamplingParams(max_tokens=8, seed=43, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_n_parallel_samples_differ_and_share_the_prompt(llm: LLM) -> None:
+    out = llm.generate("Tell me", SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))[0]
+    assert len(out.outputs) == 3
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert all(len(o.token_ids) == 6 for o in out.outputs)
+
+
+def test_stop_string_ends_the_text_before_it(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    full = llm.generate("Stop here", greedy)[0].text
+    stop = full[len(full) // 2:][:3]
+    assert stop.strip(), "the demo continuation should have text to stop on"
+    out = llm.generate("Stop here", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                   stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.find(stop)]
+
+
+def test_eos_ends_a_request_unless_ignored(llm: LLM) -> None:
+    greedy = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0))[0]
+    eos = greedy.token_ids[2]  # pretend the third greedy token is a stop token
+    out = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(eos,)))[0]
+    assert out.token_ids == greedy.token_ids[:3] and out.finish_reason == "stop"
+    held = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(eos,),
+                                                min_tokens=4))[0]
+    assert len(held.token_ids) >= 4 and eos not in held.token_ids[:4]
+
+
+def test_logprobs_are_returned_per_token(llm: LLM) -> None:
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    first = out.outputs[0]
+    assert len(first.logprobs) == 4 and all(lp <= 0 for lp in first.logprobs)
+    for token, lp, top in zip(first.token_ids, first.logprobs, first.top_logprobs):
+        assert len(top) == 3 and top[0][0] == token and top[0][1] == pytest.approx(lp)
+
+
+def test_bad_requests_are_rejected_with_a_clear_error(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("x", SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[1] * 5000], SamplingParams())
+    assert llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+def test_a_rejected_prompt_leaves_nothing_queued(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine prompt", []], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_work()
+    llm.engine.scheduler.check_integrity()
