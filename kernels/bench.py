@@ -1,0 +1,119 @@
+"""Benchmark the attention ops: `python -m kernels.bench` (CPU op vs the reference), `--cuda` (Triton
+decode bandwidth and extend throughput on a GPU)."""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels import ops, reference
+
+
+def _paged(
+    seq_lens: list[int], num_kv: int, head_dim: int, page_size: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches and a page table whose pages are a random permutation of the pool."""
+    pages = [-(-n // page_size) for n in seq_lens]
+    order = torch.randperm(sum(pages))
+    width = max(pages) * page_size
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    first = 0
+    for b, count in enumerate(pages):
+        row_pages = order[first : first + count]
+        first += count
+        table[b] = (row_pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    shape = (sum(pages) * page_size, num_kv, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    return k_cache, torch.randn_like(k_cache), table.to(device)
+
+
+def _time_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time after one warm-up call (the machine may be shared: the median resists noise)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_cpu(repeats: int) -> None:
+    num_heads, num_kv, page_size = 8, 2, 16
+    print(f"CPU, {torch.get_num_threads()} threads, H={num_heads} Hkv={num_kv} page_size={page_size}, median ms")
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (128, 64):
+            batch, context = 32, 1024
+            seq_lens = [context] * batch
+            k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cpu")
+            q = torch.randn(batch, num_heads, head_dim, dtype=dtype)
+            args = (q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), head_dim**-0.5, page_size)
+            op = _time_ms(lambda args=args: ops.decode_attention(*args), repeats)
+            ref = _time_ms(lambda args=args: reference.decode_attention_reference(*args), 1)
+            print(
+                f"decode {str(dtype)[6:]:8} B={batch} ctx={context} D={head_dim}: "
+                f"op {op:8.2f}  reference {ref:9.1f}  ({ref / op:.0f}x)"
+            )
+    for dtype in (torch.bfloat16, torch.float32):
+        for prefix in (0, 512):
+            requests, new, head_dim = 4, 512, 128
+            seq_lens = [prefix + new] * requests
+            k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cpu")
+            q = torch.randn(requests * new, num_heads, head_dim, dtype=dtype)
+            cu = torch.arange(0, requests + 1, dtype=torch.int32) * new
+            lens = torch.tensor(seq_lens, dtype=torch.int32)
+            args = (q, k_cache, v_cache, table, cu, lens, head_dim**-0.5, page_size)
+            op = _time_ms(lambda args=args: ops.extend_attention(*args), repeats)
+            ref = _time_ms(lambda args=args: reference.extend_attention_reference(*args), 1)
+            print(
+                f"extend {str(dtype)[6:]:8} {requests}x{new} prefix={prefix} D={head_dim}: "
+                f"op {op:8.2f}  reference {ref:9.1f}  ({ref / op:.0f}x)"
+            )
+
+
+def bench_cuda() -> None:
+    from triton.testing import do_bench
+
+    from kernels.triton_attention import decode_attention_triton, extend_attention_triton
+
+    num_heads, num_kv, head_dim, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
+    print(f"CUDA {torch.cuda.get_device_name()}, bf16, H={num_heads} Hkv={num_kv} D={head_dim} page_size={page_size}")
+    for batch, context in ((1, 4096), (1, 32768), (8, 4096), (32, 1024), (32, 8192), (128, 2048), (256, 4096)):
+        seq_lens = [context] * batch
+        k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cuda")
+        q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        args = (q, k_cache, v_cache, table, lens, 0.088, page_size)
+        ms = do_bench(lambda args=args: decode_attention_triton(*args))
+        kv_bytes = 2 * sum(seq_lens) * num_kv * head_dim * k_cache.element_size()
+        print(f"decode B={batch:4} ctx={context:6}: {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s of KV read")
+    for requests, new, prefix in ((4, 512, 0), (4, 512, 512), (1, 8192, 0), (16, 1024, 2048)):
+        seq_lens = [prefix + new] * requests
+        k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cuda")
+        q = torch.randn(requests * new, num_heads, head_dim, dtype=dtype, device="cuda")
+        cu = torch.arange(0, requests + 1, dtype=torch.int32, device="cuda") * new
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        args = (q, k_cache, v_cache, table, cu, lens, 0.088, page_size)
+        ms = do_bench(lambda args=args: extend_attention_triton(*args))
+        flops = 4 * requests * num_heads * head_dim * new * (prefix + (new + 1) / 2)
+        print(f"extend {requests}x{new} prefix={prefix}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cuda", action="store_true", help="benchmark the Triton kernels on the GPU")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cuda:
+        bench_cuda()
+    else:
+        bench_cpu(args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines only)."""
+
+import os
+
+import pytest
+import torch
+from kernel_batches import PagedBatch, make_batch
+
+from kernels import ops, reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 would interpret the CUDA kernels"
+    ),
+]
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _cuda(batch: PagedBatch) -> PagedBatch:
+    moved = {name: value.cuda() for name, value in vars(batch).items() if isinstance(value, torch.Tensor)}
+    return PagedBatch(**moved, page_size=batch.page_size)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = TOL[expected.dtype]
+    torch.testing.assert_close(actual.cpu().float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode(dtype: torch.dtype, head_dim: int, page_size: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    seq_lens = [*torch.randint(1, 2049, (12,), generator=gen).tolist(), 1, 16, 17, 4096, 0, 0]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, page_size, dtype, extra_width=64)
+    args = batch.decode_args(head_dim**-0.5)
+    _close(ops.decode_attention(*_cuda(batch).decode_args(head_dim**-0.5)), reference.decode_attention_reference(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [0, 500])
+@pytest.mark.parametrize("group", [1, 4])
+def test_extend(dtype: torch.dtype, prefix: int, group: int) -> None:
+    q_lens = [300, 1, 65, 128, 0]
+    seq_lens = [q + prefix for q in q_lens]
+    batch = make_batch(seq_lens, q_lens, 2 * group, 2, 128, 16, dtype, seed=prefix)
+    args = batch.extend_args(128**-0.5)
+    expected = reference.extend_attention_reference(*args)
+    _close(ops.extend_attention(*_cuda(batch).extend_args(128**-0.5)), expected)
+
+
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), [(128, 0.0), (0, 30.0), (1000, 50.0)])
+def test_window_and_soft_cap(sliding_window: int, soft_cap: float) -> None:
+    seq_lens = [100, 129, 3000, 1]
+    batch = make_batch(seq_lens, [1] * 4, 8, 2, 128, 16, torch.bfloat16)
+    args = (*batch.decode_args(0.1), sliding_window, soft_cap)
+    actual = ops.decode_attention(*_cuda(batch).decode_args(0.1), sliding_window, soft_cap)
+    _close(actual, reference.decode_attention_reference(*args))
+    batch = make_batch(seq_lens, [100, 60, 200, 1], 8, 2, 128, 16, torch.bfloat16)
+    args = (*batch.extend_args(0.1), sliding_window, soft_cap)
+    actual = ops.extend_attention(*_cuda(batch).extend_args(0.1), sliding_window, soft_cap)
+    _close(actual, reference.extend_attention_reference(*args))
+
+
+def test_store_kv() -> None:
+    k_cache = torch.zeros(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn_like(k_cache[:300]), torch.randn_like(k_cache[:300])
+    slots = torch.randperm(4096, device="cuda")[:300]
+    slots[::7] = -1
+    expected_k, expected_v = k_cache.cpu(), v_cache.cpu()
+    reference.store_kv_reference(expected_k, expected_v, k.cpu(), v.cpu(), slots.cpu())
+    ops.store_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache.cpu(), expected_k) and torch.equal(v_cache.cpu(), expected_v)
+
+
+def test_decode_replays_in_a_cuda_graph() -> None:
+    """No host reads: a captured decode step follows new lengths written into its input tensors."""
+    batch = _cuda(make_batch([40, 300, 1000, 7], [1] * 4, 8, 2, 128, 16, torch.bfloat16))
+    args = batch.decode_args(0.1)
+    ops.decode_attention(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(*args)
+    batch.seq_lens.copy_(torch.tensor([41, 1, 999, 0], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference.decode_attention_reference(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    _close(out, expected)
