@@ -14,10 +14,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
-# Until the HTTP server lands, `make serve` runs the main job offline: prompt in, text out.
+# The OpenAI-compatible server on 127.0.0.1:8000 (demo model by default); flags via ARGS='--model ... --tp 2'.
 serve: $(STAMP)
-	@echo "make serve: HTTP server not built yet; running offline generation on the demo model"
-	$(VENV)/bin/compiled-engine generate $(ARGS)
+	$(VENV)/bin/compiled-engine serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,84 @@
+"""The Starlette app: OpenAI-compatible and native endpoints over one engine (launched in the lifespan)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME, resolve_model
+from compiled_engine.distributed.launcher import EngineHandle, launch
+from compiled_engine.tokenization import load_tokenizer
+from server import routes
+from server.engine_client import EngineClient
+from server.handlers import error_response
+from server.metrics import Metrics
+from server.protocol import Limits, ProtocolError
+from server.state import ServerConfig, ServerState
+
+log = logging.getLogger(__name__)
+
+
+def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
+    from transformers import AutoConfig
+
+    model_dir = resolve_model(config.engine.model)
+    if config.engine.model == DEMO_NAME:
+        log.warning("model: %s", DEMO_LABEL)
+    tokenizer = load_tokenizer(model_dir)
+    vocab = getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None) or len(tokenizer)
+    handle = launch(config.engine)
+    return tokenizer, Limits(handle.ready.max_context, vocab), handle
+
+
+def create_app(config: ServerConfig) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        tokenizer, limits, handle = await asyncio.to_thread(_start_engine, config)
+        client = EngineClient(handle, config.max_queue)
+        client.start()
+        app.state.server = ServerState(config, client, tokenizer, limits, Metrics(), config.engine.model)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    table = [
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.metrics, methods=["GET"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/generate", routes.generate, methods=["POST"]),
+        Route("/tokenize", routes.tokenize, methods=["POST"]),
+        Route("/detokenize", routes.detokenize, methods=["POST"]),
+    ]
+    if config.debug:
+        table.append(Route("/debug/integrity", routes.integrity, methods=["GET"]))
+    app = Starlette(routes=table, lifespan=lifespan)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+class ApiKeyMiddleware:
+    """Every endpoint except /health requires `Authorization: Bearer KEY`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = ProtocolError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
+                                    kind="authentication_error", code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

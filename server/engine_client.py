@@ -1,0 +1,202 @@
+"""The asyncio side of the channel to engine rank 0.
+
+A reader thread receives event lists and hands each event to its request's asyncio queue on the event
+loop. Requests are opened in groups (the `n` choices of one HTTP request); a group's exit always removes
+its queues and aborts whatever is still running in the engine (client gone, error, cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from compiled_engine.distributed.launcher import EngineHandle
+from compiled_engine.distributed.rank_loop import (
+    Abort,
+    Add,
+    Fatal,
+    Finish,
+    RequestError,
+    StatsReply,
+    StatsRequest,
+)
+from compiled_engine.engine import TokenOutput
+from compiled_engine.scheduler.sampling_params import SamplingParams
+
+
+class EngineDead(RuntimeError):
+    """The engine processes are gone: every in-flight request fails with this."""
+
+
+class EngineRejected(ValueError):
+    """The engine refused one request (e.g. it can never fit the KV pool)."""
+
+
+class Overloaded(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SubRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class RequestGroup:
+    """The live sub-requests of one HTTP request; iterate `events()` until every one has finished."""
+
+    def __init__(self, client: EngineClient, rids: list[str]) -> None:
+        self._client = client
+        self.queue: asyncio.Queue[TokenOutput | BaseException] = asyncio.Queue()
+        self.pending = list(rids)
+
+    async def events(self) -> AsyncIterator[TokenOutput]:
+        """Events of the pending sub-requests (late events of ones the server finished are dropped)."""
+        while self.pending:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.rid not in self.pending:
+                continue
+            if item.finished:
+                self.pending.remove(item.rid)
+            yield item
+
+    def finish(self, rid: str) -> None:
+        """A stop string matched in the server: end the request in the engine (no event comes back)."""
+        if rid in self.pending:
+            self.pending.remove(rid)
+            self._client.send(Finish(rid, "stop"))
+
+
+class EngineClient:
+    def __init__(self, handle: EngineHandle, max_in_flight: int) -> None:
+        self.handle = handle
+        self.max_in_flight = max_in_flight
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self.dead_reason: str | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    async def close(self) -> None:
+        """Fail what is in flight, then stop the rank processes."""
+        self._die("the server is shutting down")
+        await asyncio.to_thread(self.handle.shutdown)
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, 5.0)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.handle.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ---- requests -----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def open(self, subs: list[SubRequest]) -> AsyncIterator[RequestGroup]:
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        if self.num_in_flight + len(subs) > self.max_in_flight:
+            raise Overloaded(
+                f"the server is overloaded: {self.num_in_flight} sequences in flight, this request adds "
+                f"{len(subs)} and the limit (--max-queue) is {self.max_in_flight}; retry later"
+            )
+        group = RequestGroup(self, [s.rid for s in subs])
+        for s in subs:
+            self._queues[s.rid] = group.queue
+        try:
+            for s in subs:
+                self.send(Add(s.rid, s.prompt_ids, s.params))
+            yield group
+        finally:
+            for s in subs:
+                self._queues.pop(s.rid, None)
+            for rid in group.pending:
+                with contextlib.suppress(EngineDead):
+                    self.send(Abort(rid))
+
+    def send(self, msg: object) -> None:
+        if self.dead_reason is not None:
+            raise EngineDead(self.dead_reason)
+        try:
+            with self._send_lock:
+                self.handle.conn.send(msg)
+        except (OSError, ValueError) as e:
+            self._die(f"the engine channel is closed ({e})")
+            raise EngineDead(self.dead_reason) from None
+
+    async def stats(self, timeout_s: float) -> StatsReply:
+        """A round trip to rank 0 (also the health ping)."""
+        token = next(self._tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[token] = fut
+        try:
+            self.send(StatsRequest(token))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._stats_waiters.pop(token, None)
+
+    # ---- events (reader thread -> loop) -------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                events = self.handle.conn.recv()
+            except (EOFError, OSError):
+                reason = "the engine process exited"
+                break
+            fatal = next((ev for ev in events if isinstance(ev, Fatal)), None)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                return
+            if fatal is not None:
+                reason = fatal.message
+                break
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self._loop.call_soon_threadsafe(self._die, reason)
+
+    def _dispatch(self, events: list) -> None:
+        for ev in events:
+            if isinstance(ev, TokenOutput):
+                q = self._queues.get(ev.rid)
+                if q is not None:
+                    q.put_nowait(ev)
+            elif isinstance(ev, RequestError):
+                q = self._queues.get(ev.rid)
+                if q is not None:
+                    q.put_nowait(EngineRejected(ev.message))
+            elif isinstance(ev, StatsReply):
+                fut = self._stats_waiters.get(ev.token)
+                if fut is not None and not fut.done():
+                    fut.set_result(ev)
+            elif isinstance(ev, Fatal):
+                self._die(ev.message)
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        self.fail_all(reason)
+
+    def fail_all(self, reason: str) -> None:
+        """End every in-flight request with EngineDead (each waiting client gets a clear error)."""
+        for q in {id(q): q for q in self._queues.values()}.values():
+            q.put_nowait(EngineDead(reason))
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))

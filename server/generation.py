@@ -1,0 +1,109 @@
+"""One HTTP request's generation: its sub-requests (prompts x n) in the engine, detokenized incrementally
+into per-choice deltas (stop strings cut here, then the engine is told to finish the request)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from compiled_engine.engine import TokenOutput
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.tokenization import IncrementalDetokenizer
+from server.engine_client import EngineClient, RequestGroup, SubRequest
+from server.metrics import Metrics
+
+
+@dataclass
+class Delta:
+    """What one choice gained since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    start: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    _sent_tokens: int = 0
+
+    def delta(self, text: str) -> Delta:
+        lo, self._sent_tokens = self._sent_tokens, len(self.token_ids)
+        return Delta(self.index, text, self.token_ids[lo:], self.logprobs[lo:], self.top_logprobs[lo:],
+                     self.finish_reason)
+
+
+@dataclass
+class Generation:
+    """The choices of one request; `choices[i].index == i`. Prompt j's k-th sample is choice j * n + k."""
+
+    request_id: str
+    choices: list[Choice]
+    subs: list[SubRequest]
+    prompt_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_lens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+def plan(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
+    """Expand prompts x n into sub-requests (sample i of a seeded request uses seed + i)."""
+    choices, subs = [], []
+    for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        for i in range(p.n):
+            seed = None if p.seed is None else (p.seed + i) % 2**63
+            sub = SubRequest(f"{request_id}-{j * p.n + i}", ids, dataclasses.replace(p, n=1, seed=seed))
+            subs.append(sub)
+            choices.append(Choice(len(choices), sub.rid, ids, IncrementalDetokenizer(tokenizer, ids, p.stop)))
+    return Generation(request_id, choices, subs, [len(ids) for ids in prompts])
+
+
+async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncIterator[Delta]:
+    """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest."""
+    by_rid = {c.rid: c for c in gen.choices}
+    async with client.open(gen.subs) as group:
+        async for ev in group.events():
+            choice = by_rid[ev.rid]
+            text = _apply(group, choice, ev)
+            if text or choice.finish_reason is not None:
+                yield choice.delta(text)
+            if choice.finish_reason is not None:
+                metrics.observe_finished(choice.start, choice.first_token_at, len(choice.token_ids))
+
+
+def _apply(group: RequestGroup, choice: Choice, ev: TokenOutput) -> str:
+    text = ""
+    if ev.token is not None:
+        if choice.first_token_at is None:
+            choice.first_token_at = time.monotonic()
+        choice.token_ids.append(ev.token)
+        choice.logprobs.append(ev.logprob)
+        choice.top_logprobs.append(ev.top_logprobs or [])
+        text = choice.detok.add(ev.token)
+        if choice.detok.stopped and not ev.finished:
+            group.finish(choice.rid)
+            choice.finish_reason = "stop"
+            return text
+    if ev.finished:
+        text += choice.detok.flush()
+        choice.finish_reason = ev.finish_reason
+    return text

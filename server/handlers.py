@@ -1,0 +1,152 @@
+"""Shared request plumbing: body reading, error mapping, and running a generation plain or as SSE."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from server.engine_client import EngineDead, EngineRejected, Overloaded
+from server.generation import Choice, Delta, Generation, plan, run
+from server.openai_format import dumps, sse, usage
+from server.protocol import GenerationRequest, ProtocolError, resolve_max_tokens
+from server.sse import ClientGone, EventStream, unless_disconnected
+from server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def error_response(e: ProtocolError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request) -> object:
+    limit = state_of(request).config.max_body_bytes
+    too_big = ProtocolError(f"the request body is larger than {limit} bytes", status=413)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"the request body is not valid JSON: {str(e)[:200]}") from None
+
+
+def endpoint(name: str) -> Callable:
+    """Map failures to OpenAI-shaped errors and count requests by status."""
+
+    def wrap(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        @functools.wraps(handler)
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ProtocolError as e:
+                response = error_response(e)
+            except EngineRejected as e:
+                response = error_response(ProtocolError(str(e)))
+            except Overloaded as e:
+                response = error_response(ProtocolError(str(e), status=429, kind="rate_limit_error",
+                                                        code="overloaded"))
+            except EngineDead as e:
+                response = error_response(ProtocolError(f"the engine is unavailable: {e}", status=503,
+                                                        kind="server_error"))
+            except (ClientGone, ClientDisconnect):
+                response = Response(status_code=499)
+            except Exception:
+                log.exception("%s failed", name)
+                response = error_response(ProtocolError("internal server error", status=500, kind="server_error"))
+            state_of(request).metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+
+        return wrapped
+
+    return wrap
+
+
+def tokenize_prompt(st: ServerState, prompt: str | list[int]) -> list[int]:
+    return st.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+
+
+def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts: list[list[int]],
+                default_max_tokens: int | None) -> Generation:
+    params = [dataclasses.replace(req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits,
+                                                                            default_max_tokens)) for ids in prompts]
+    gen = plan(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params)
+    st.metrics.prompt_tokens.inc(gen.prompt_tokens)
+    return gen
+
+
+async def collect(request: Request, st: ServerState, gen: Generation) -> None:
+    async def drain() -> None:
+        async with contextlib.aclosing(run(st.client, gen, st.metrics)) as deltas:
+            async for _ in deltas:
+                pass
+
+    await unless_disconnected(request, drain)
+
+
+async def stream(st: ServerState, gen: Generation, head: list[str], chunk: Callable[[Delta], dict | None],
+                  tail: Callable[[], list[str]] | None = None) -> EventStream:
+    """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the response
+    starts, so a request the engine refuses (or overload) still gets a proper status code."""
+    deltas = run(st.client, gen, st.metrics)
+    try:
+        first = await anext(deltas)
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            for h in head:
+                yield h
+            obj = chunk(first)
+            if obj is not None:
+                yield sse(obj)
+            async for d in deltas:
+                obj = chunk(d)
+                if obj is not None:
+                    yield sse(obj)
+            for t in tail() if tail is not None else []:
+                yield t
+        except (EngineDead, EngineRejected) as e:
+            yield sse(ProtocolError(str(e), kind="server_error").body())
+        finally:
+            await deltas.aclose()
+        yield "data: [DONE]\n\n"
+
+    return EventStream(body())
+
+
+def model_name(st: ServerState, req: GenerationRequest) -> str:
+    return req.model or st.model_name
+
+
+def usage_tail(req: GenerationRequest, gen: Generation, base: dict) -> Callable[[], list[str]] | None:
+    if not req.include_usage:
+        return None
+    return lambda: [sse(base | {"choices": [], "usage": usage(gen)})]
+
+
+def whole(c: Choice) -> Delta:
+    return Delta(c.index, c.detok.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason)

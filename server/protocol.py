@@ -1,0 +1,333 @@
+"""Validation of the OpenAI-style request bodies into plain data. Every problem raises `ProtocolError`
+naming the field (the app turns it into a 400 in the OpenAI error shape)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from compiled_engine.scheduler.sampling_params import SamplingParams
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64
+MAX_STOPS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MISSING = object()
+
+Prompt = str | list[int]
+
+
+class ProtocolError(ValueError):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_context: int
+    vocab_size: int
+
+
+@dataclass
+class GenerationRequest:
+    """What the completions, chat and native endpoints share once validated."""
+
+    params: SamplingParams  # n and the sampling fields; max_tokens resolved per prompt later
+    max_tokens: int | None  # None: the endpoint's default
+    max_tokens_param: str
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[Prompt] | None = None
+    echo: bool = False
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict] | None = None
+    logprobs: bool = False
+
+
+# ---- field readers -------------------------------------------------------------------------------
+def _type_name(value: object) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"'{name}' must be an integer, got {_type_name(value)}", name)
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def get_float(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
+              lo_open: bool = False) -> float:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"'{name}' must be a number, got {_type_name(value)}", name)
+    value = float(value) if abs(value) < 1e300 else math.inf
+    if not math.isfinite(value):
+        raise ProtocolError(f"'{name}' must be a finite number", name)
+    if lo_open and lo is not None and value <= lo:
+        raise ProtocolError(f"'{name}' must be > {lo}, got {value}", name)
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{name}' must be a boolean, got {_type_name(value)}", name)
+    return value
+
+
+def get_str(body: dict, name: str, default: str | None) -> str | None:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if not isinstance(value, str):
+        raise ProtocolError(f"'{name}' must be a string, got {_type_name(value)}", name)
+    return value
+
+
+def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        shown = value if abs(value) < 1e18 else f"{str(value)[:12]}..."
+        bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if hi is None else f"<= {hi}")
+        raise ProtocolError(f"'{name}' must be {bounds}, got {shown}", name)
+
+
+def token_ids(value: object, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ProtocolError(f"'{name}' must be a list of integer token ids", name)
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise ProtocolError(f"'{name}' has token id {str(bad[0])[:24]} outside the vocabulary [0, {vocab_size})", name)
+    return value
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+def sampling_params(body: dict, limits: Limits, logprobs: int | None) -> SamplingParams:
+    """The sampling fields shared by every endpoint (max_tokens is resolved later, per prompt)."""
+    temperature = get_float(body, "temperature", 1.0, 0.0, 100.0)
+    if temperature < 1e-5:
+        temperature = 0.0  # a vanishing temperature is greedy (and dividing by it would overflow)
+    seed = get_int(body, "seed", None, -(2**63), 2**64 - 1)
+    return SamplingParams(
+        max_tokens=0,
+        temperature=temperature,
+        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=get_int(body, "top_k", -1, -1, 2**31 - 1),
+        min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
+        seed=None if seed is None else seed % 2**63,
+        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True),
+        logit_bias=_logit_bias(body, limits.vocab_size),
+        logprobs=logprobs,
+        stop_token_ids=tuple(_stop_token_ids(body, limits.vocab_size)),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        min_tokens=get_int(body, "min_tokens", 0, 0, limits.max_context),
+        stop=_stop(body),
+        n=get_int(body, "n", 1, 1, MAX_N),
+    )
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ProtocolError(f"'logit_bias' key {key[:24]!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise ProtocolError(f"'logit_bias' token id {key[:24]} is outside the vocabulary [0, {vocab_size})",
+                                "logit_bias")
+        out[tok] = get_float({"logit_bias": bias}, "logit_bias", 0.0, -100.0, 100.0)
+    return out or None
+
+
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    value = body.get("stop_token_ids")
+    return [] if value is None else token_ids(value, "stop_token_ids", vocab_size)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ProtocolError("'stop' must be a string or a list of strings", "stop")
+    if len(value) > MAX_STOPS:
+        raise ProtocolError(f"'stop' has {len(value)} strings; at most {MAX_STOPS} are allowed", "stop")
+    return tuple(s for s in value if s)
+
+
+def resolve_max_tokens(req: GenerationRequest, prompt_len: int, limits: Limits, default: int | None) -> int:
+    """The request's max_tokens for a prompt of `prompt_len` tokens; 400 when it cannot fit the context."""
+    room = limits.max_context - prompt_len
+    if room < 1:
+        raise ProtocolError(
+            f"the prompt has {prompt_len} tokens but the context limit is {limits.max_context}; "
+            "shorten the prompt", "messages" if isinstance(req, ChatRequest) else "prompt")
+    if req.max_tokens is None:
+        return room if default is None else min(default, room)
+    if req.max_tokens > room:
+        raise ProtocolError(
+            f"'{req.max_tokens_param}' is {req.max_tokens} but the prompt has {prompt_len} tokens and the context "
+            f"limit is {limits.max_context} (at most {room} new tokens)", req.max_tokens_param)
+    if req.params.min_tokens > req.max_tokens:
+        raise ProtocolError("'min_tokens' must be <= max_tokens", "min_tokens")
+    return req.max_tokens
+
+
+def _common(body: dict, limits: Limits, logprobs: int | None) -> dict:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ProtocolError("'stream_options' must be an object", "stream_options")
+    return dict(
+        params=sampling_params(body, limits, logprobs),
+        max_tokens=get_int(body, name, None, 0, 2**63),
+        max_tokens_param=name,
+        stream=get_bool(body, "stream", False),
+        include_usage=get_bool(options or {}, "include_usage", False),
+        model=get_str(body, "model", None),
+    )
+
+
+def _require_object(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {_type_name(body)}")
+    return body
+
+
+# ---- endpoints -----------------------------------------------------------------------------------
+def parse_completion(body: object, limits: Limits) -> CompletionRequest:
+    body = _require_object(body)
+    for unsupported in ("suffix",):
+        if body.get(unsupported) is not None:
+            raise ProtocolError(f"'{unsupported}' is not supported", unsupported)
+    best_of = get_int(body, "best_of", None, 1, MAX_N)
+    logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    req = CompletionRequest(**_common(body, limits, logprobs), prompts=_prompts(body, limits),
+                            echo=get_bool(body, "echo", False))
+    if best_of is not None and best_of != req.params.n:
+        raise ProtocolError("'best_of' other than n is not supported", "best_of")
+    return req
+
+
+def _prompts(body: dict, limits: Limits) -> list[Prompt]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise ProtocolError("'prompt' is required", "prompt")
+    value = body["prompt"]
+    if isinstance(value, str) or (isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("'prompt' must be a non-empty string, list of token ids, or list of those", "prompt")
+    if len(value) > MAX_PROMPTS:
+        raise ProtocolError(f"'prompt' has {len(value)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+    prompts: list[Prompt] = []
+    for p in value:
+        if isinstance(p, str):
+            if not p:
+                raise ProtocolError("'prompt' must not be empty", "prompt")
+            prompts.append(p)
+        elif isinstance(p, list) and p:
+            prompts.append(token_ids(p, "prompt", limits.vocab_size))
+        else:
+            raise ProtocolError("'prompt' must be a non-empty string, list of token ids, or list of those", "prompt")
+    return prompts
+
+
+def parse_chat(body: object, limits: Limits) -> ChatRequest:
+    body = _require_object(body)
+    want = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    for unsupported in ("tools", "functions"):
+        if body.get(unsupported):
+            raise ProtocolError(f"'{unsupported}' is not supported", unsupported)
+    return ChatRequest(**_common(body, limits, (top or 0) if want else None), messages=_messages(body),
+                       logprobs=want)
+
+
+def _messages(body: dict) -> list[dict]:
+    value = body.get("messages")
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("'messages' must be a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ProtocolError(f"'{where}' must be an object", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", f"{where}.role")
+        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content", role)})
+    return out
+
+
+def _content(value: object, where: str, role: str) -> str:
+    if value is None and role == "assistant":
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ProtocolError(f"'{where}' parts must be {{\"type\": \"text\", \"text\": ...}}", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ProtocolError(f"'{where}' must be a string or an array of text parts", where)
+
+
+def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationRequest]:
+    """`POST /generate`: {"text" | "input_ids", "sampling_params": {...}, "stream": bool}."""
+    body = _require_object(body)
+    if body.get("text") is not None:
+        prompt: Prompt = get_str(body, "text", "")
+        if not prompt:
+            raise ProtocolError("'text' must not be empty", "text")
+    elif body.get("input_ids") is not None:
+        prompt = token_ids(body["input_ids"], "input_ids", limits.vocab_size)
+        if not prompt:
+            raise ProtocolError("'input_ids' must not be empty", "input_ids")
+    else:
+        raise ProtocolError("one of 'text' or 'input_ids' is required", "text")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise ProtocolError("'sampling_params' must be an object", "sampling_params")
+    logprobs = get_int(sp, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
+    req = GenerationRequest(params=sampling_params(sp, limits, logprobs), max_tokens=get_int(sp, name, None, 0, 2**63),
+                            max_tokens_param=name, stream=get_bool(body, "stream", False))
+    return prompt, req

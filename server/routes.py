@@ -1,0 +1,191 @@
+"""The endpoints: OpenAI-compatible, native, health, metrics, debug."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from compiled_engine.demo_model import DEMO_LABEL
+from compiled_engine.tokenization import encode_chat
+from server.engine_client import EngineDead
+from server.generation import Delta
+from server.handlers import (
+    collect,
+    endpoint,
+    json_response,
+    model_name,
+    new_generation,
+    read_json,
+    state_of,
+    stream,
+    tokenize_prompt,
+    usage_tail,
+    whole,
+)
+from server.openai_format import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
+from server.protocol import (
+    ChatRequest,
+    ProtocolError,
+    get_bool,
+    get_str,
+    parse_chat,
+    parse_completion,
+    parse_native,
+    token_ids,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+async def health(request: Request) -> Response:
+    st = state_of(request)
+    if not st.client.alive:
+        return json_response({"status": "dead", "reason": st.client.dead_reason}, 503)
+    try:
+        await st.client.stats(st.config.health_timeout_s)
+    except (TimeoutError, EngineDead) as e:
+        return json_response({"status": "unavailable", "reason": str(e) or "the engine did not answer in time"}, 503)
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    st = state_of(request)
+    with contextlib.suppress(TimeoutError, EngineDead):
+        st.metrics.set_engine_stats((await st.client.stats(st.config.health_timeout_s)).stats, st.client.num_in_flight)
+    return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@endpoint("integrity")
+async def integrity(request: Request) -> Response:
+    st = state_of(request)
+    reply = await st.client.stats(st.config.health_timeout_s)
+    return json_response(reply.stats | {"integrity_error": reply.integrity_error,
+                                        "server_in_flight": st.client.num_in_flight})
+
+
+async def models(request: Request) -> Response:
+    st = state_of(request)
+    card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "compiled-engine",
+            "max_model_len": st.limits.max_context}
+    if st.is_demo:
+        card["description"] = DEMO_LABEL
+    return json_response({"object": "list", "data": [card]})
+
+
+@endpoint("completions")
+async def completions(request: Request) -> Response:
+    st = state_of(request)
+    req = parse_completion(await read_json(request), st.limits)
+    prompts = [tokenize_prompt(st, p) for p in req.prompts]
+    gen = new_generation(st, "cmpl", req, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
+    n = req.params.n
+    echo = [(p if isinstance(p, str) else st.tokenizer.decode(ids)) if req.echo else "" for p, ids in
+            zip(req.prompts, prompts, strict=True)]
+    want_logprobs = req.params.logprobs is not None
+    token_text = TokenText(st.tokenizer)
+    lp = [CompletionLogprobs(token_text) for _ in gen.choices]
+    base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model_name(st, req)}
+
+    def choice(d: Delta, text: str, first: bool) -> dict:
+        echo_ids = gen.choices[d.index].prompt_ids if first and req.echo else None
+        logprobs = lp[d.index].build(d, echo_ids) if want_logprobs else None
+        return {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+
+    if not req.stream:
+        await collect(request, st, gen)
+        choices = [choice(whole(c), echo[c.index // n] + c.detok.text, True) for c in gen.choices]
+        return json_response(base | {"choices": choices, "usage": usage(gen)})
+
+    started: set[int] = set()
+
+    def chunk(d: Delta) -> dict:
+        first = d.index not in started
+        started.add(d.index)
+        text = (echo[d.index // n] if first else "") + d.text
+        return base | {"choices": [choice(d, text, first)]}
+
+    return await stream(st, gen, [], chunk, usage_tail(req, gen, base))
+
+
+@endpoint("chat")
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    req: ChatRequest = parse_chat(await read_json(request), st.limits)
+    try:
+        prompt = encode_chat(st.tokenizer, req.messages)
+    except ValueError as e:
+        raise ProtocolError(str(e), "messages") from None
+    gen = new_generation(st, "chatcmpl", req, [prompt], None)
+    token_text = TokenText(st.tokenizer)
+    base = {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model_name(st, req)}
+
+    if not req.stream:
+        await collect(request, st, gen)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
+                    "logprobs": chat_logprobs(whole(c), token_text) if req.logprobs else None,
+                    "finish_reason": c.finish_reason} for c in gen.choices]
+        return json_response(base | {"choices": choices, "usage": usage(gen)})
+
+    base["object"] = "chat.completion.chunk"
+    head = [sse(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}) for c in gen.choices]
+
+    def chunk(d: Delta) -> dict:
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        return base | {"choices": [{"index": d.index, "delta": delta,
+                                    "logprobs": chat_logprobs(d, token_text) if req.logprobs else None,
+                                    "finish_reason": d.finish_reason}]}
+
+    return await stream(st, gen, head, chunk, usage_tail(req, gen, base))
+
+
+@endpoint("generate")
+async def generate(request: Request) -> Response:
+    """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and text."""
+    st = state_of(request)
+    prompt, req = parse_native(await read_json(request), st.limits)
+    gen = new_generation(st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS)
+
+    def out(d: Delta) -> dict:
+        return {"index": d.index, "text": d.text, "output_ids": d.token_ids, "finish_reason": d.finish_reason,
+                "output_logprobs": d.logprobs if req.params.logprobs is not None else None}
+
+    if not req.stream:
+        await collect(request, st, gen)
+        outs = [out(whole(c)) | {"prompt_tokens": gen.prompt_lens[0]} for c in gen.choices]
+        return json_response(outs[0] if len(outs) == 1 else outs)
+    return await stream(st, gen, [], out)
+
+
+@endpoint("tokenize")
+async def tokenize(request: Request) -> Response:
+    st = state_of(request)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    if body.get("messages") is not None:
+        try:
+            ids = encode_chat(st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages)
+        except ValueError as e:
+            raise ProtocolError(str(e), "messages") from None
+    else:
+        text = get_str(body, "prompt", None) if body.get("prompt") is not None else get_str(body, "text", None)
+        if text is None:
+            raise ProtocolError("one of 'prompt', 'text' or 'messages' is required", "prompt")
+        ids = st.tokenizer(text, add_special_tokens=get_bool(body, "add_special_tokens", True)).input_ids
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": st.limits.max_context})
+
+
+@endpoint("detokenize")
+async def detokenize(request: Request) -> Response:
+    st = state_of(request)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    ids = token_ids(body.get("tokens"), "tokens", st.limits.vocab_size)
+    return json_response({"text": st.tokenizer.decode(ids)})

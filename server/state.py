@@ -1,0 +1,37 @@
+"""The server's settings and what its handlers share."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.demo_model import DEMO_NAME
+from server.engine_client import EngineClient
+from server.metrics import Metrics
+from server.protocol import Limits
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api_key: str | None = None
+    max_queue: int = 1024  # sequences in flight (waiting + running) before 429
+    max_body_bytes: int = 4 * 2**20
+    debug: bool = False  # exposes GET /debug/integrity
+    health_timeout_s: float = 10.0
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    client: EngineClient
+    tokenizer: object
+    limits: Limits
+    metrics: Metrics
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def is_demo(self) -> bool:
+        return self.config.engine.model == DEMO_NAME

@@ -1,0 +1,101 @@
+"""Real servers on 127.0.0.1 (uvicorn in a background thread, engine ranks in spawned processes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.distributed.launcher import free_port
+from server.app import create_app
+from server.serve import Server
+from server.state import ServerConfig
+
+ENGINE = dict(model="demo", enforce_eager=True, num_pages=8192, max_running=32, seed=0)
+
+
+@dataclass
+class RunningServer:
+    url: str
+    server: Server
+    thread: threading.Thread
+
+    @property
+    def state(self):
+        return self.server.config.app.state.server
+
+    def http(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)
+
+    def stop(self) -> None:
+        procs = list(self.state.client.handle.procs)
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server thread did not stop"
+        assert not any(p.is_alive() for p in procs), "engine rank processes outlived the server"
+
+
+def start_server(**overrides) -> RunningServer:
+    engine = EngineConfig(**(ENGINE | overrides.pop("engine", {})))
+    port = free_port()
+    app = create_app(ServerConfig(engine=engine, **overrides))
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                   timeout_graceful_shutdown=5), announce=False)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 180
+    while not server.started:
+        assert thread.is_alive(), "the server failed to start (see the log)"
+        assert time.monotonic() < deadline, "the server did not start in time"
+        time.sleep(0.05)
+    return RunningServer(f"http://127.0.0.1:{port}", server, thread)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    """The default configuration (debug endpoint on, room for 64 concurrent streams)."""
+    running = start_server(debug=True, max_queue=256)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def http(server: RunningServer) -> Iterator[httpx.Client]:
+    with server.http() as client:
+        yield client
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 30.0) -> dict:
+    """Poll /debug/integrity until nothing is in flight; returns the last stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = http.get("/debug/integrity").json()
+        if stats["idle"] and stats["server_in_flight"] == 0 and stats["num_running"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
+        time.sleep(0.05)
+
+
+def assert_kv_all_free(stats: dict) -> None:
+    assert stats["integrity_error"] is None, stats["integrity_error"]
+    assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["total_pages"], stats
+
+
+def sse_events(lines) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing (each event is `data: ...` + blank line)."""
+    events, expect_blank = [], False
+    for line in lines:
+        if expect_blank:
+            assert line == "", f"an SSE event must end with a blank line, got {line!r}"
+            expect_blank = False
+            continue
+        assert line.startswith("data: "), f"unexpected SSE line {line!r}"
+        events.append(line[len("data: "):])
+        expect_blank = True
+    return events

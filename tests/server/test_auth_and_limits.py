@@ -1,0 +1,85 @@
+"""A server with an API key, one sequence in flight at most and a small body limit; then its engine dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.conftest import RunningServer, start_server
+
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[RunningServer]:
+    running = start_server(api_key=KEY, max_queue=1, max_body_bytes=2048)
+    yield running
+    running.stop()
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_api_key_required_except_health(limited: RunningServer) -> None:
+    with limited.http() as http:
+        assert http.get("/health").status_code == 200
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert _error(http.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
+        _error(http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        _error(http.get("/v1/models"), 401)
+        _error(http.get("/metrics"), 401)
+        assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+        assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
+def test_body_too_large_is_413(limited: RunningServer) -> None:
+    with limited.http(headers=AUTH) as http:
+        err = _error(http.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 413)
+        assert "2048 bytes" in err["message"]
+
+        def chunks():  # no content-length: the limit holds while reading
+            for _ in range(10):
+                yield b" " * 1000
+
+        _error(http.post("/v1/completions", content=chunks()), 413)
+
+
+def test_overload_is_429_and_clears(limited: RunningServer) -> None:
+    body = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with limited.http(headers=AUTH) as a, limited.http(headers=AUTH) as b:
+        with a.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep it referenced: dropping the iterator closes the connection
+            next(lines)
+            err = _error(b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
+            assert "overloaded" in err["message"] and "--max-queue" in err["message"]
+        deadline = time.monotonic() + 30
+        while (r2 := b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})).status_code == 429:
+            assert time.monotonic() < deadline, "the aborted stream never left the queue"
+            time.sleep(0.05)
+        assert r2.status_code == 200
+
+
+def test_engine_death_fails_requests_and_health(limited: RunningServer) -> None:
+    """Runs last in this module: kills the rank process under an in-flight stream."""
+    body = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with limited.http(headers=AUTH) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(limited.state.client.handle.procs[0].pid, signal.SIGKILL)
+            rest = "\n".join(lines)  # must end, not hang
+        assert '"error"' in rest and rest.rstrip().endswith("data: [DONE]")
+        assert http.get("/health").status_code == 503
+        err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 503)
+        assert "engine" in err["message"]

@@ -1,0 +1,30 @@
+"""Two engine ranks (gloo, overlap on) answer exactly as one rank does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.conftest import RunningServer, start_server
+
+
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[RunningServer]:
+    running = start_server(engine={"tp_size": 2, "num_pages": 2048, "max_running": 8})
+    yield running
+    running.stop()
+
+
+def test_tp2_greedy_equals_tp1_and_streams(tp2: RunningServer, http: httpx.Client) -> None:
+    body = {"sampling_params": {"max_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    with tp2.http() as client:
+        for prompt in ("Hello world", "def fib(n):"):
+            one = http.post("/generate", json=body | {"text": prompt}).json()["output_ids"]
+            two = client.post("/generate", json=body | {"text": prompt}).json()["output_ids"]
+            assert two == one
+        out = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 3, "ignore_eos": True,
+                                                   "seed": 1}).json()
+        assert out["usage"]["completion_tokens"] == 12
+        assert client.get("/health").json() == {"status": "ok"}
