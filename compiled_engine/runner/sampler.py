@@ -34,8 +34,11 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by a tinier temperature overflows to inf
+
+
 def is_greedy(p: SamplingParams) -> bool:
-    return p.temperature == 0.0 or p.top_k == 1
+    return p.temperature < GREEDY_BELOW_TEMPERATURE or p.top_k == 1
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -83,8 +86,9 @@ class Sampler:
                 accumulate=True,
             )
         for i, r in enumerate(rows):
-            if r.banned_ids:
-                logits[i, list(r.banned_ids)] = float("-inf")
+            banned = [t for t in r.banned_ids if 0 <= t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = logits.shape[1]

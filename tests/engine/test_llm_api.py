@@ -89,3 +89,24 @@ def test_a_rejected_prompt_leaves_nothing_queued(llm: LLM) -> None:
         llm.generate(["fine prompt", []], SamplingParams(max_tokens=3))
     assert not llm.engine.has_work()
     llm.engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([1, 8000], SamplingParams(), "outside the vocabulary"),
+        ([1, 2], SamplingParams(stop_token_ids=(9000,), min_tokens=1), "stop_token_ids"),
+        ([1, 2], SamplingParams(seed=2**64), "seed"),
+    ],
+)
+def test_ids_and_seeds_the_model_cannot_take_are_rejected(llm: LLM, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], params)
+    assert not llm.engine.has_work()
+    assert llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+def test_a_tiny_temperature_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    tiny = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True))[0]
+    assert tiny.token_ids == greedy.token_ids
