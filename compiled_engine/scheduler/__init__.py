@@ -1,0 +1,30 @@
+"""Pure-Python scheduler core (standard library only): the request ledger and the step planner."""
+
+from compiled_engine.scheduler.allocator import IdPool, PageAllocator
+from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.plan import Batch, ReqStep, SlotWrite, TokenEvent, TokenWrite
+from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
+from compiled_engine.scheduler.radix_cache import RadixCache
+from compiled_engine.scheduler.request import Request, Status
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
+
+__all__ = [
+    "Batch",
+    "IdPool",
+    "NaiveCache",
+    "PageAllocator",
+    "PrefixCache",
+    "RadixCache",
+    "ReqStep",
+    "Request",
+    "RequestRejected",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "SlotWrite",
+    "Status",
+    "TokenEvent",
+    "TokenWrite",
+]

@@ -1,0 +1,132 @@
+"""A deterministic pseudo-model that executes plans without torch, through simulated tables.
+
+The next token is a hash chain over the sequence; the chain value of every position is read back
+through the simulated page table and KV pool, so a wrong slot, a missing table write or a stale page
+changes the output (and, with ``verify``, fails an assertion naming the problem).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.plan import Batch, TokenEvent
+from compiled_engine.scheduler.scheduler import Scheduler
+
+_MOD = (1 << 61) - 1
+
+
+def mix(h: int, token: int, position: int) -> int:
+    return (h * 1_000_003 + token * 7919 + position + 1) % _MOD
+
+
+def reference_output(
+    prompt: tuple[int, ...] | list[int],
+    max_len: int,
+    stop_ids: frozenset[int] | set[int],
+    min_tokens: int,
+    vocab_size: int,
+) -> list[int]:
+    """Greedy output of the fake model for one request run alone (same finish rules)."""
+    h = 0
+    for p, t in enumerate(prompt):
+        h = mix(h, t, p)
+    out: list[int] = []
+    n = len(prompt)
+    while n + len(out) < max_len:
+        tok = h % vocab_size
+        out.append(tok)
+        if tok in stop_ids and len(out) > min_tokens:
+            break
+        h = mix(h, tok, n + len(out) - 1)
+    return out
+
+
+class FakeExecutor:
+    """Runs a ``Batch`` like the runner would: table writes, gather, KV store, sample (greedy)."""
+
+    def __init__(self, config: SchedulerConfig, vocab_size: int = 64, verify: bool = True) -> None:
+        self.vocab_size = vocab_size
+        self.verify = verify
+        width = config.max_context
+        self.token_table = [[-1] * width for _ in range(config.max_rows)]
+        self.page_table = [[-1] * width for _ in range(config.max_rows)]
+        self.kv: list[tuple[int, int, int] | None] = [None] * (config.num_pages * config.page_size)
+        self.dummy_slots = range(config.page_size)  # page 0: padding rows only ever read it
+        self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()  # step, slot/row -> rid
+
+    def execute(self, batch: Batch) -> list[int]:
+        slots_used: dict[int, str] = {}
+        rows_used: dict[int, str] = {}
+        for tw in batch.token_writes:
+            self.token_table[tw.row][tw.start : tw.start + len(tw.tokens)] = tw.tokens
+        for sw in batch.slot_writes:
+            self.page_table[sw.row][sw.start : sw.start + len(sw.slots)] = sw.slots
+        sampled = []
+        assert len({rs.row for rs in batch.reqs}) == len(batch.reqs), f"step {batch.step}: a row twice"
+        for rs in batch.reqs:
+            row = rs.row
+            assert rs.length >= 1 and len(rs.out_slots) == rs.length, f"{rs.rid}: bad step length {rs.length}"
+            tokens, table = self.token_table[row], self.page_table[row]
+            if self.verify:
+                self._check_not_in_flight(rs.rid, rs.out_slots, row)
+                for q in range(rs.start):
+                    self._read(table, tokens, q, rs.rid)
+                slots_used.update((s, rs.rid) for s in table[: rs.start + rs.length])
+                rows_used[row] = rs.rid
+            h = self._read(table, tokens, rs.start - 1, rs.rid)[2] if rs.start else 0
+            for i in range(rs.length):
+                p = rs.start + i
+                slot = rs.out_slots[i]
+                assert table[p] == slot, f"{rs.rid}: page table[{row}, {p}] = {table[p]}, plan writes {slot}"
+                assert slot not in self.dummy_slots, f"{rs.rid}: writes KV into the dummy page (slot {slot})"
+                tok = tokens[p]
+                assert tok >= 0, f"{rs.rid}: no token on the device at row {row} position {p}"
+                h = mix(h, tok, p)
+                self.kv[slot] = (p, tok, h)
+            if rs.sample:
+                tok = h % self.vocab_size
+                tokens[rs.start + rs.length] = tok
+                sampled.append(tok)
+        self._pending.append((batch.step, slots_used, rows_used))
+        return sampled
+
+    def retire(self, step: int) -> None:
+        """The scheduler committed ``step``."""
+        assert self._pending and self._pending[0][0] == step, f"retire of step {step} out of order"
+        self._pending.popleft()
+
+    def _read(self, table: list[int], tokens: list[int], q: int, rid: str) -> tuple[int, int, int]:
+        entry = self.kv[table[q]] if table[q] >= 0 else None
+        assert entry is not None, f"{rid}: position {q} reads slot {table[q]} that holds no KV"
+        if self.verify:
+            assert entry[0] == q and entry[1] == tokens[q], (
+                f"{rid}: position {q} (token {tokens[q]}) reads slot {table[q]} holding position "
+                f"{entry[0]} token {entry[1]} (stale or wrong page)"
+            )
+        return entry
+
+    def _check_not_in_flight(self, rid: str, out_slots: tuple[int, ...], row: int) -> None:
+        for step, slots, rows in self._pending:
+            owner = rows.get(row)
+            assert owner in (None, rid), f"{rid}: row {row} reused while step {step} of {owner} is in flight"
+            for s in out_slots:
+                owner = slots.get(s)
+                assert owner in (None, rid), f"{rid}: slot {s} reused while step {step} of {owner} is in flight"
+
+
+def run_to_completion(scheduler: Scheduler, executor: FakeExecutor, lag: int = 0) -> list[TokenEvent]:
+    """Drive until idle; ``lag=1`` plans step k+1 before committing step k (overlap)."""
+    events: list[TokenEvent] = []
+    pending: deque[tuple[Batch, list[int]]] = deque()
+    while scheduler.has_work():
+        batch = scheduler.schedule() if len(pending) <= lag else None
+        if batch is not None:
+            pending.append((batch, executor.execute(batch)))
+        if pending and (batch is None or len(pending) > lag):
+            done, tokens = pending.popleft()
+            events.extend(scheduler.commit(done, tokens))
+            executor.retire(done.step)
+        elif batch is None:
+            raise AssertionError("scheduler stalled: work left but nothing planned and nothing in flight")
+    return events

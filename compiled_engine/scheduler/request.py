@@ -1,0 +1,46 @@
+"""A request's entry in the ledger: a few lengths, its table row, its prefix lock, its finish rules."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from compiled_engine.scheduler.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued (new, or retracted: it recomputes prompt + generated tokens)
+    RUNNING = "running"  # holds a table row, pages and one prefix-cache lock
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    rid: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    max_len: int  # prompt + max_tokens, capped by the context limit and the KV pool
+    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids
+    output: list[int] = field(default_factory=list)  # committed generated tokens
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # Lengths: positions [0, cached_len) have their KV planned; [0, device_len) have a token on the
+    # device (committed or sampled by an in-flight step). 0 <= cached_len <= device_len <= max_len.
+    cached_len: int = 0
+    device_len: int = 0
+    fill_to: int = 0  # prefill (or recompute after retraction) target set at admission
+    row: int = -1
+    pages: list[int] = field(default_factory=list)  # page of each page_size positions
+    lock: object | None = None  # prefix-cache handle held while running
+    prefix_pages: int = 0  # pages[:prefix_pages] belong to the prefix cache; the rest are private
+    last_step: int = -1  # last planned step that includes this request
+    rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
+
+    @property
+    def known_len(self) -> int:
+        """Tokens known on the host."""
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.output)

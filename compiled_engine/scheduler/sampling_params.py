@@ -1,0 +1,48 @@
+"""Per-request sampling parameters and finish rules (plain data, validated at admission)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
+    n: int = 1
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        _check(self.max_tokens >= 0, "max_tokens must be >= 0", self.max_tokens)
+        _check(self.temperature >= 0, "temperature must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p)
+        _check(self.top_k >= -1, "top_k must be -1 (off), 0 (off) or > 0", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p)
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", self.presence_penalty)
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", self.frequency_penalty)
+        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty)
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
+        _check(self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens)
+        _check(self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", self.min_tokens)
+        _check(self.n >= 1, "n must be >= 1", self.n)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids)
+        if self.logit_bias is not None:
+            _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
+
+
+def _check(ok: bool, message: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{message}, got {value!r}")

@@ -1,0 +1,203 @@
+"""The whole scheduler driven by the fake executor: tiny pools, shared prefixes, abort, overlap.
+
+After every rule the ledger invariants hold; every emitted token is the fake model's greedy token for
+that request run alone; finished requests end exactly as the model run alone would.
+"""
+
+import functools
+from collections import deque
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from compiled_engine.scheduler import Batch, RequestRejected, SamplingParams, Scheduler, SchedulerConfig
+from compiled_engine.scheduler.fake_executor import FakeExecutor, reference_output
+
+VOCAB = 12
+EOS = (0, 1)
+
+
+def guarded(f):
+    """Mark the machine broken when a rule fails, so that teardown does not mask the failure."""
+
+    @functools.wraps(f)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return f(self, *args, **kwargs)
+        except BaseException:
+            self.broken = True
+            raise
+
+    return wrapper
+
+
+request_args = st.fixed_dictionaries(
+    {
+        "base": st.integers(0, 1),
+        "keep": st.integers(0, 8),
+        "suffix": st.lists(st.integers(0, VOCAB - 1), max_size=4),
+        "max_tokens": st.integers(0, 8),
+        "min_tokens": st.integers(0, 2),
+        "ignore_eos": st.booleans(),
+        "stop": st.lists(st.integers(0, VOCAB - 1), max_size=1),
+    }
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        page_size=st.sampled_from([1, 2, 3]),
+        num_pages=st.integers(3, 14),
+        max_running=st.integers(1, 4),
+        max_context=st.integers(3, 24),
+        chunk_budget=st.integers(1, 12),
+        mixed=st.booleans(),
+        prefix_cache=st.sampled_from(["radix", "naive"]),
+        lag=st.sampled_from([0, 1]),
+        bases=st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2),
+    )
+    def setup(self, page_size, num_pages, max_running, max_context, chunk_budget, mixed, prefix_cache, lag, bases):
+        self.cfg = SchedulerConfig(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_running=max_running,
+            max_context=max_context,
+            chunk_budget=chunk_budget,
+            mixed=mixed,
+            prefix_cache=prefix_cache,
+            eos_token_ids=EOS,
+        )
+        self.sched = Scheduler(self.cfg)
+        self.exe = FakeExecutor(self.cfg, vocab_size=VOCAB)
+        self.lag = lag
+        self.bases = bases
+        self.pending: deque[tuple[Batch, list[int]]] = deque()
+        self.expected: dict[str, list[int]] = {}  # rid -> reference output
+        self.outputs: dict[str, list[int]] = {}
+        self.reasons: dict[str, str] = {}  # finished through an event
+        self.cut: set[str] = set()  # aborted or finished through the hook: output is a prefix only
+        self.stop_ids: dict[str, frozenset[int]] = {}
+        self.min_tokens: dict[str, int] = {}
+        self.live: list[str] = []
+        self.count = 0
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    @rule(reqs=st.lists(request_args, min_size=2, max_size=4))
+    @guarded
+    def add_many(self, reqs):
+        for args in reqs:
+            self.add(**args)
+
+    @rule(args=request_args)
+    @guarded
+    def add_one(self, args):
+        self.add(**args)
+
+    def add(self, base, keep, suffix, max_tokens, min_tokens, ignore_eos, stop):
+        rid = f"r{self.count}"
+        self.count += 1
+        prompt = self.bases[base][:keep] + suffix
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min(min_tokens, max_tokens),
+            ignore_eos=ignore_eos,
+            stop_token_ids=tuple(stop),
+        )
+        cap = self.cfg.capacity_tokens
+        if not prompt or len(prompt) >= self.cfg.max_context or len(prompt) + 1 > cap:
+            with pytest.raises(RequestRejected):
+                self.sched.add_request(rid, prompt, sp)
+            return
+        self.sched.add_request(rid, prompt, sp)
+        stop_ids = frozenset(stop) if ignore_eos else frozenset(stop) | frozenset(EOS)
+        max_len = min(len(prompt) + max_tokens, self.cfg.max_context, cap + 1)
+        self.expected[rid] = reference_output(prompt, max_len, stop_ids, sp.min_tokens, VOCAB)
+        self.stop_ids[rid] = stop_ids
+        self.min_tokens[rid] = sp.min_tokens
+        self.outputs[rid] = []
+        self.live.append(rid)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50), hook=st.booleans())
+    @guarded
+    def abort(self, i, hook):
+        rid = self.live.pop(i % len(self.live))
+        if hook:
+            self.sched.finish(rid, "stop")
+        else:
+            self.sched.abort(rid)
+        self.cut.add(rid)
+        self.sched.abort(rid)  # a second abort is a no-op
+
+    @rule()
+    @guarded
+    def abort_unknown(self):
+        self.sched.abort("no-such-request")
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    @rule(n=st.integers(1, 4))
+    @guarded
+    def steps(self, n):
+        for _ in range(n):
+            self.step()
+
+    def step(self):
+        batch = self.sched.schedule() if len(self.pending) <= self.lag else None
+        if batch is not None:
+            self.pending.append((batch, self.exe.execute(batch)))
+        if self.pending and (batch is None or len(self.pending) > self.lag):
+            self.commit()
+        elif batch is None:
+            assert not self.sched.has_work(), "stalled: work left, nothing planned, nothing in flight"
+        self.sched.check_integrity()
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    @guarded
+    def commit(self):
+        batch, tokens = self.pending.popleft()
+        for ev in self.sched.commit(batch, tokens):
+            assert ev.rid not in self.reasons, f"{ev.rid}: event after its finish"
+            assert ev.rid not in self.cut, f"{ev.rid}: event after abort / finish hook"
+            if ev.token is not None:
+                out = self.outputs[ev.rid]
+                out.append(ev.token)
+                assert out == self.expected[ev.rid][: len(out)], f"{ev.rid}: {out} vs {self.expected[ev.rid]}"
+            if ev.finished:
+                self.reasons[ev.rid] = ev.finish_reason
+                self.live.remove(ev.rid)
+        self.exe.retire(batch.step)
+
+    @rule()
+    @guarded
+    def drain(self):
+        limit = 100 * (len(self.live) + 1)  # generous: every request fits alone in under 100 steps
+        for _ in range(limit):
+            if not self.sched.has_work():
+                break
+            self.step()
+        assert not self.sched.has_work(), f"no progress after {limit} steps"
+        for rid, ref in self.expected.items():
+            if rid in self.cut:
+                continue
+            assert rid in self.reasons, f"{rid} never finished"
+            assert self.outputs[rid] == ref, f"{rid}: {self.outputs[rid]} vs reference {ref}"
+            stopped = bool(ref) and ref[-1] in self.stop_ids[rid] and len(ref) > self.min_tokens[rid]
+            assert self.reasons[rid] == ("stop" if stopped else "length"), f"{rid}: {self.reasons[rid]}"
+
+    @invariant()
+    @guarded
+    def ledger(self):
+        if hasattr(self, "sched"):
+            self.sched.check_integrity()
+
+    def teardown(self):
+        if hasattr(self, "sched") and not getattr(self, "broken", False):
+            self.drain()
+            self.sched.check_integrity()
+
+
+TestScheduler = SchedulerMachine.TestCase
