@@ -25,4 +25,8 @@ class EngineConfig:
     overlap: bool = True
     seed: int = 0
     tp_size: int = 1
+    tp_debug: bool = False  # check every step's plan + tokens agree across TP ranks (or COMPILED_ENGINE_TP_DEBUG=1)
+    rank_timeout_s: float = 300.0  # a TP rank with no loop iteration for this long is hung: the engine fails
+    compile_cache_dir: str | None = None  # None: <cache_root()>/compile (see compiled_engine.compile_cache)
+    compile_mode: str = "default"  # CPU inductor options: default | freezing | max-autotune-freezing
     extra: dict = field(default_factory=dict)

@@ -57,8 +57,12 @@ class Engine:
         self.vocab_size = vocab_size
         self._live: dict[str, _Live] = {}
         self._inflight: collections.deque[tuple[Batch, Future | StepOutput]] = collections.deque()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.overlap else None
+        # The forward thread must use this rank's GPU (a thread starts on the current device, cuda:0).
+        on_cuda = runner.device.type == "cuda"
+        init = (lambda: torch.cuda.set_device(runner.device)) if on_cuda else None
+        self._worker = ThreadPoolExecutor(1, "forward", initializer=init) if config.overlap else None
         self.steps = 0
+        self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -100,6 +104,7 @@ class Engine:
     def step(self) -> list[TokenOutput]:
         """Plan and launch one step; commit the previous one (overlap) or this one. Returns the events."""
         batch = self.scheduler.schedule()
+        self.last_batch = batch
         if batch is not None:
             self._inflight.append((batch, self._launch(batch)))
             self.steps += 1

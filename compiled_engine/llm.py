@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -44,12 +45,19 @@ class RequestOutput:
 
 class LLM:
     """`LLM("demo").generate(["Hello"], SamplingParams(max_tokens=8))`; keyword arguments are
-    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, ...)."""
+    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, tp_size, ...).
+    With `tp_size > 1` the engine runs in that many rank processes (stopped by `engine.shutdown()` or at exit)."""
 
     def __init__(self, model: str = "demo", **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.tokenizer = load_tokenizer(resolve_model(model))
-        self.engine = build_engine(self.config)
+        if self.config.tp_size > 1:
+            from compiled_engine.distributed.remote_engine import RemoteEngine
+
+            self.engine = RemoteEngine(self.config)
+            weakref.finalize(self, self.engine.shutdown)
+        else:
+            self.engine = build_engine(self.config)
         self._next_id = 0
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,

@@ -101,9 +101,10 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
              config.page_size)
     if not config.enforce_eager:
+        runner.forward.set_compile_mode(config.compile_mode)
         key = cache_key(config, model_dir, model.dtype, device, runner.config)
         compile_with_cache(key, default_root(config.compile_cache_dir), lambda: warm_up(runner, progress))
-    return Engine(config, model, scheduler, runner, eos)
+    return Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
 
 
 def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None) -> None:

@@ -158,7 +158,7 @@ class EngineClient:
             try:
                 events = self.handle.conn.recv()
             except (EOFError, OSError):
-                reason = "the engine process exited"
+                reason = "engine rank 0 exited"
                 break
             fatal = next((ev for ev in events if isinstance(ev, Fatal)), None)
             try:
@@ -168,6 +168,7 @@ class EngineClient:
             if fatal is not None:
                 reason = fatal.message
                 break
+        reason = self.handle.explain(reason)  # which rank died or hung, from the launcher's monitor
         with contextlib.suppress(RuntimeError):  # the loop is already closed
             self._loop.call_soon_threadsafe(self._die, reason)
 
@@ -185,8 +186,6 @@ class EngineClient:
                 fut = self._stats_waiters.get(ev.token)
                 if fut is not None and not fut.done():
                     fut.set_result(ev)
-            elif isinstance(ev, Fatal):
-                self._die(ev.message)
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None:

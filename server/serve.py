@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import time
 from types import FrameType
 
 import uvicorn
 
 from server.app import create_app
-from server.state import ServerConfig
+from server.state import ServerConfig, ServerState
+
+log = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
@@ -20,6 +24,7 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.announce = announce
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.engine_dead_since: float | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -28,6 +33,24 @@ class Server(uvicorn.Server):
             host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
             print(f"compiled-engine is serving at http://{host}:{port}  (OpenAI base URL: http://{host}:{port}/v1)",
                   flush=True)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Also exit when the engine is gone (a rank died or hung): in-flight requests have failed with the
+        reason, /health answers 503 for `engine_dead_exit_s`, then the server exits so that a process
+        supervisor can restart it."""
+        state = self._state()
+        if state is not None and state.client.dead_reason is not None:
+            now = time.monotonic()
+            if self.engine_dead_since is None:
+                self.engine_dead_since = now
+                log.error("the engine failed: %s; exiting in %gs", state.client.dead_reason,
+                          state.config.engine_dead_exit_s)
+            if now - self.engine_dead_since >= state.config.engine_dead_exit_s:
+                return True
+        return await super().on_tick(counter)
+
+    def _state(self) -> ServerState | None:
+        return getattr(self.config.app.state, "server", None) if hasattr(self.config.app, "state") else None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
@@ -38,7 +61,7 @@ class Server(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.abort_in_flight)
 
     def abort_in_flight(self) -> None:
-        state = getattr(self.config.app.state, "server", None) if hasattr(self.config.app, "state") else None
+        state = self._state()
         if state is not None:
             state.client.fail_all("the server is shutting down")
 
@@ -48,5 +71,5 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_l
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
                                    lifespan="on"))
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and server.engine_dead_since is None else 1
 

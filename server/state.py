@@ -20,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     debug: bool = False  # exposes GET /debug/integrity
     health_timeout_s: float = 10.0
+    engine_dead_exit_s: float = 10.0  # after the engine fails: /health answers 503 this long, then the server exits
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Starting the engine rank processes (spawn), waiting until rank 0 is ready, and stopping them."""
+"""Starting the engine rank processes (spawn), waiting until rank 0 is ready, watching them (a dead or
+hung rank kills the rest: see monitor.py), and stopping them."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.distributed.monitor import RankMonitor
 from compiled_engine.distributed.rank_loop import Fatal, RankSpec, Ready, Shutdown, run_rank
+
+EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
 
 
 class EngineStartError(RuntimeError):
     pass
+
+
+class EngineFailure(RuntimeError):
+    """A rank died, hung or failed: the engine is gone."""
 
 
 def free_port() -> int:
@@ -32,11 +40,24 @@ class EngineHandle:
     conn: Connection
     procs: list[BaseProcess]
     ready: Ready
+    monitor: RankMonitor
 
     def is_alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        return self.monitor.failure is None and all(p.is_alive() for p in self.procs)
+
+    @property
+    def failure(self) -> str | None:
+        return self.monitor.failure
+
+    def explain(self, seen: str) -> str:
+        """The reason the engine is gone, for a reader that saw `seen` (a Fatal or the channel's end):
+        the monitor's diagnosis (which rank, how) first, once it has one."""
+        if not self.monitor.stopping:
+            self.monitor.failed.wait(EXPLAIN_WAIT_S)
+        return seen if self.monitor.failure is None else f"{self.monitor.failure} ({seen})"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.monitor.stop()
         _stop(self.conn, self.procs, timeout_s)
 
 
@@ -44,13 +65,14 @@ def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle
     """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError otherwise)."""
     ctx = mp.get_context("spawn")
     world = config.tp_size
-    port = free_port() if world > 1 else 0
+    init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""  # the launcher's ranks share one host
     server_end, rank_end = ctx.Pipe(duplex=True)
+    heartbeats = ctx.RawArray("d", world)
     procs: list[BaseProcess] = []
     for rank in range(world):
         conn = rank_end if rank == 0 else None
-        p = ctx.Process(target=run_rank, args=(RankSpec(rank, world, port, config), conn),
-                        name=f"engine-rank-{rank}")
+        spec = RankSpec(rank, world, init_method, config, heartbeats=heartbeats)
+        p = ctx.Process(target=run_rank, args=(spec, conn), name=f"engine-rank-{rank}")
         p.start()
         procs.append(p)
     rank_end.close()
@@ -59,7 +81,11 @@ def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle
     except BaseException:
         _stop(server_end, procs, timeout_s=2.0)
         raise
-    return EngineHandle(server_end, procs, ready)
+    heartbeats[:] = [time.monotonic()] * world
+    # One rank has no peer to wait on: only its exit is watched (a long CPU step is not a hang).
+    monitor = RankMonitor(procs, heartbeats if world > 1 else (), config.rank_timeout_s)
+    monitor.start()
+    return EngineHandle(server_end, procs, ready, monitor)
 
 
 def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) -> Ready:

@@ -1,29 +1,37 @@
 """The main loop of one engine rank process.
 
 Rank 0 drains its private channel (a `multiprocessing` Connection from the launcher), forwards every
-input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo group), so
-each rank's scheduler consumes the same inputs at the same step, then every rank applies the inputs and
-steps. Rank 0 sends each step's events back over the channel as one list.
+input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo control
+group), so each rank's scheduler consumes the same inputs at the same step, then every rank applies the
+inputs and steps. Rank 0 sends each step's events back over the channel as one list. Each iteration
+stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode, checks that every
+rank planned and sampled the same (see digest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import os
 import signal
+import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import torch
+
 from compiled_engine.config import EngineConfig
+from compiled_engine.distributed.digest import compare_across_ranks, debug_enabled, ledger_digest
 from compiled_engine.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # rank 0's longest wait on the channel when idle (also the TP heartbeat period)
-_control_group = None  # the gloo group that carries rank 0's inputs to every rank (TP only)
+IDLE_POLL_S = 0.5  # rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
+# A collective waiting this long fails (start-up skew between ranks must fit; the launcher's monitor
+# detects hangs sooner, from heartbeats: EngineConfig.rank_timeout_s).
+MIN_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 # ---- server -> rank 0 ----------------------------------------------------------------------------
@@ -88,23 +96,32 @@ class Fatal:
 class RankSpec:
     rank: int
     world_size: int
-    port: int
+    init_method: str  # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
     config: EngineConfig
+    local_rank: int | None = None  # None: `rank` (one host)
+    local_world_size: int | None = None  # None: `world_size`
+    heartbeats: Sequence[float] | None = None  # shared with the launcher's monitor: each rank's latest iteration
 
 
 def run_rank(spec: RankSpec, conn: Connection | None) -> None:
-    """Process entry point. `conn` is the launcher's channel on rank 0, None elsewhere."""
+    """Process entry point of a launcher-spawned rank. `conn` is the launcher's channel on rank 0."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops the ranks in order
+    serve_rank(spec, conn)
+
+
+def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
+    """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on `conn`
+    (rank 0) and end the process with exit code 1."""
     try:
-        _init_distributed(spec)
+        config, control = _init_distributed(spec)
         from compiled_engine.startup import build_engine
 
-        engine = build_engine(spec.config)
+        engine = build_engine(config)
         if conn is not None:
             sched = engine.scheduler.config
             conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids)])
-        _loop(spec, engine, conn)
+        _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
         engine.shutdown()
     except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits
         log.error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
@@ -113,39 +130,36 @@ def run_rank(spec: RankSpec, conn: Connection | None) -> None:
                 conn.send([Fatal(f"engine rank {spec.rank} failed: {type(e).__name__}: {e}")])
         raise SystemExit(1) from None
     finally:
-        _destroy_distributed(spec)
+        if spec.world_size > 1:
+            from compiled_engine.distributed.process_group import destroy_distributed
+
+            destroy_distributed()
 
 
-def _init_distributed(spec: RankSpec) -> None:
+def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
+    """The rank's config (its own CUDA device) and the control group (None with one rank)."""
+    from compiled_engine.startup import resolve_device
+
+    config = spec.config
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", spec.rank if spec.local_rank is None else spec.local_rank)
+        config = dataclasses.replace(config, device=str(device))
     if spec.world_size == 1:
-        return
-    import torch
-    import torch.distributed as dist
+        return config, None
+    from compiled_engine.distributed.process_group import init_distributed
 
-    from compiled_engine.distributed.parallel_state import init_tensor_parallel
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))  # ranks share the host's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
-                            world_size=spec.world_size, timeout=timedelta(hours=24))
-    init_tensor_parallel()
-    # The input fan-out gets its own group: with overlap the forward's collectives run in a worker thread,
-    # and two threads interleaving ops on one group would pair them differently on different ranks.
-    global _control_group
-    _control_group = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
+    timeout_s = max(config.rank_timeout_s, MIN_COLLECTIVE_TIMEOUT_S)
+    control = init_distributed(spec.rank, spec.world_size, spec.init_method, device, timeout_s,
+                               spec.local_world_size or spec.world_size)
+    return config, control
 
 
-def _destroy_distributed(spec: RankSpec) -> None:
-    if spec.world_size == 1:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _loop(spec: RankSpec, engine, conn: Connection | None) -> None:
+def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
     while True:
-        inputs, local = _receive(spec, conn, busy=engine.has_work())
+        if spec.heartbeats is not None:
+            spec.heartbeats[spec.rank] = time.monotonic()
+        inputs, local = _receive(spec, conn, engine.has_work(), control)
         events: list = []
         stop = False
         for msg in inputs:
@@ -155,31 +169,40 @@ def _loop(spec: RankSpec, engine, conn: Connection | None) -> None:
                 _apply(engine, msg, events)
         if stop:
             return
-        if engine.has_work():
+        stepped = engine.has_work()
+        if stepped:
             events.extend(engine.step())
+        if debug:
+            batch = engine.last_batch if stepped else None
+            compare_across_ranks(engine.steps, ledger_digest(engine.steps, batch, events), control)
         for req in local:
             events.append(_stats(engine, req))
         if conn is not None and events:
             conn.send(events)
 
 
-def _receive(spec: RankSpec, conn: Connection | None, busy: bool) -> tuple[list, list[StatsRequest]]:
+def _receive(spec: RankSpec, conn: Connection | None, busy: bool, control) -> tuple[list, list[StatsRequest]]:
     """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same order."""
     inputs: list = []
     local: list[StatsRequest] = []
     if conn is not None:
         timeout = 0.0 if busy else IDLE_POLL_S
         while conn.poll(timeout):
-            msg = conn.recv()
-            (local if isinstance(msg, StatsRequest) else inputs).append(msg)
+            for msg in _as_list(conn.recv()):
+                (local if isinstance(msg, StatsRequest) else inputs).append(msg)
             timeout = 0.0
-    if spec.world_size > 1:
+    if control is not None:
         import torch.distributed as dist
 
         box = [inputs]
-        dist.broadcast_object_list(box, src=0, group=_control_group)
+        dist.broadcast_object_list(box, src=0, group=control)
         inputs = box[0]
     return inputs, local
+
+
+def _as_list(received: object) -> list:
+    """A client may send several inputs as one list: they then reach the same step together."""
+    return received if isinstance(received, list) else [received]
 
 
 def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:

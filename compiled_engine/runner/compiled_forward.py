@@ -4,7 +4,10 @@ custom op, so the graphs split there. A batch larger than the largest bucket run
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch._inductor.config as inductor_config
 
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner.step_inputs import StepInputs
@@ -14,16 +17,56 @@ torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limi
 torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
 
 
+# `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in the
+# default mode, then captures CUDA graphs). Measured with `python -m compiled_engine.bench_decode`:
+#   default    generated C++ for the pointwise ops; linears call torch's GEMM on the weights.
+#   freezing   weights become graph constants: linears run oneDNN on pre-packed weights (bf16 GEMV ~1.4x
+#              torch's), constant folding. Bypasses the FX graph cache (every start compiles), each graph
+#              holds its own packed copy of the linear weights, and tiny fp32 GEMVs get slower.
+#   max-autotune-freezing   freezing + inductor's C++ GEMM templates, benchmarked at compile time.
+COMPILE_MODES: dict[str, dict[str, bool]] = {
+    "default": {},
+    "freezing": {"freezing": True},
+    "max-autotune-freezing": {"freezing": True, "max_autotune": True},
+}
+
+
 class CompiledForward:
-    def __init__(self, model: torch.nn.Module, buckets: list[int], enabled: bool, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, buckets: list[int], enabled: bool, device: torch.device,
+        compile_mode: str = "default",
+    ) -> None:
         self.model = model
         self.enabled = enabled
         self.buckets = sorted(buckets) if enabled else []
         self.device = device
-        if enabled:
-            self._decode = torch.compile(self._decode_fn, dynamic=False)
-            self._extend = torch.compile(self._extend_fn, dynamic=True)
         self.cuda_graphs: dict[int, _CapturedDecode] = {}
+        self.set_compile_mode(compile_mode)
+
+    def set_compile_mode(self, mode: str) -> None:
+        """Choose the inductor options (see COMPILE_MODES); call before the first compiled step."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+        self.compile_mode = mode
+        self._freezing = False
+        self._traced: set[object] = set()
+        if not self.enabled:
+            return
+        options = dict(COMPILE_MODES[mode]) if self.device.type == "cpu" else {}
+        # Dynamo reads `freezing` from the global config when it traces (to install the weights as graph
+        # attributes rather than inputs), so the flag is also set around each graph's first call, not only
+        # passed here. The KV caches stay graph inputs: store_kv mutates them, and freezing keeps those.
+        self._freezing = bool(options.get("freezing", False))
+        self._decode = torch.compile(self._decode_fn, dynamic=False, options=options or None)
+        self._extend = torch.compile(self._extend_fn, dynamic=True, options=options or None)
+
+    def _compile_context(self, key: object):
+        """Freezing on for the first call of each graph (the one that traces and compiles it): patching the
+        config costs tens of microseconds, too much for every step."""
+        if not self._freezing or key in self._traced:
+            return contextlib.nullcontext()
+        self._traced.add(key)
+        return inductor_config.patch(freezing=True)
 
     def _logits(self, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
         hidden = self.model(input_ids, positions, meta)
@@ -45,12 +88,14 @@ class CompiledForward:
             graph = self.cuda_graphs.get(batch)
             if graph is not None:
                 return graph.replay(inputs)
-            return self._decode(*args)
+            with self._compile_context(batch):
+                return self._decode(*args)
         if inputs.meta.is_decode:  # beyond the largest bucket: run it through the dynamic graph
             inputs = _as_extend(inputs)
             args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
         _mark_dynamic(inputs)
-        return self._extend(*args)
+        with self._compile_context("extend"):
+            return self._extend(*args)
 
     def capture_cuda_graphs(self, make_inputs) -> None:
         """Capture every decode bucket, largest first, into one memory pool (CUDA only)."""

@@ -1,4 +1,5 @@
-"""Two engine ranks (gloo, overlap on) answer exactly as one rank does."""
+"""Two engine ranks (gloo, overlap on) answer exactly as one rank does (the cross-rank ledger digest is
+checked at every step). Rank failures: tests/distributed/test_rank_failure.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.server.conftest import RunningServer, start_server
 
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[RunningServer]:
-    running = start_server(engine={"tp_size": 2, "num_pages": 2048, "max_running": 8})
+    running = start_server(engine={"tp_size": 2, "num_pages": 2048, "max_running": 8, "tp_debug": True})
     yield running
     running.stop()
 

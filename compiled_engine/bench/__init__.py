@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, decode latency, online serving, prefix sharing (`compiled-engine bench`)."""

@@ -1,0 +1,49 @@
+"""The transformers baseline: its best `generate` variant measured on this machine (plain eager
+generate; its static-cache + compile path was slower). Requests are sorted by output length and run in
+groups, left-padded, greedy, every row generating the group's longest output (`min_new_tokens` =
+`max_new_tokens`). Only the requested output tokens are counted, so the token counts match our engine's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from compiled_engine.bench.datasets import BenchRequest, Session, all_requests
+from compiled_engine.bench.metrics import RequestTiming
+
+PAD_ID = 0
+
+
+def load_hf_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+
+
+def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> None:
+    width = max(len(r.prompt_ids) for r in group)
+    ids = torch.full((len(group), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(group), width), dtype=torch.long)
+    for i, r in enumerate(group):
+        ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids):] = 1
+    new = max(r.output_len for r in group)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=PAD_ID)
+
+
+def run_hf(model: torch.nn.Module, sessions: list[Session], group_size: int = 16) -> tuple[list[RequestTiming], float]:
+    """Timings (latency only: `generate` does not stream) and the total duration."""
+    reqs = sorted(all_requests(sessions), key=lambda r: (r.output_len, len(r.prompt_ids)))
+    timings = []
+    with torch.inference_mode():
+        _generate(model, [BenchRequest([5, 6, 7, 8], 2)])  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(reqs), group_size):
+            group = reqs[i:i + group_size]
+            _generate(model, group)
+            done = time.perf_counter() - start
+            timings.extend(RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True) for r in group)
+    return timings, time.perf_counter() - start

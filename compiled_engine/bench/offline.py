@@ -1,0 +1,82 @@
+"""`bench offline`: one workload through our engine, and through the baselines it is compared with, in
+one process run, one after the other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compiled_engine.bench.datasets import Session
+from compiled_engine.bench.engine_run import build_llm, close_llm, run_rounds
+from compiled_engine.bench.metrics import Summary, summarize
+
+
+def _variant(name: str, base: dict) -> tuple[str, dict]:
+    """--compare name -> (run label, engine settings that differ from the base run's)."""
+    if name == "naive":
+        return "naive prefix cache", {"prefix_cache": "naive"}
+    if name == "overlap":
+        on = not base.get("overlap", True)
+        return f"overlap {'on' if on else 'off'}", {"overlap": on}
+    if name == "eager":
+        return "eager", {"enforce_eager": True}
+    raise ValueError(f"unknown comparison {name!r}; use hf, naive, overlap or eager")
+
+
+@dataclass
+class OfflineRun:
+    label: str
+    summary: Summary
+    cache_hit_rate: float | None = None
+
+
+@dataclass
+class OfflineResult:
+    model: str
+    dataset: str
+    workload: dict
+    engine: dict  # the base run's engine settings
+    runs: list[OfflineRun] = field(default_factory=list)
+
+    def ratios(self) -> dict[str, dict[str, float]]:
+        """Base run over each other run: output throughput ratio and median-TTFT ratio (theirs / ours)."""
+        base = self.runs[0].summary
+        out = {}
+        for run in self.runs[1:]:
+            s = run.summary
+            out[run.label] = {
+                "throughput": base.output_throughput / s.output_throughput if s.output_throughput else float("nan"),
+                "ttft_p50": s.ttft_s.p50 / base.ttft_s.p50 if base.ttft_s.p50 else float("nan"),
+            }
+        return out
+
+
+def engine_run(model_dir: str, sessions: list[Session], label: str, settings: dict) -> OfflineRun:
+    llm = build_llm(model_dir, **settings)
+    try:
+        t = run_rounds(llm, sessions)
+    finally:
+        close_llm(llm)
+    return OfflineRun(label, summarize(t.timings, t.duration_s), t.cache_hit_rate)
+
+
+def hf_run(model_dir: str, sessions: list[Session]) -> OfflineRun:
+    from compiled_engine.bench.hf_baseline import load_hf_model, run_hf
+
+    timings, duration = run_hf(load_hf_model(model_dir), sessions)
+    return OfflineRun("transformers generate", summarize(timings, duration))
+
+
+def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare: list[str],
+                log=print) -> list[OfflineRun]:
+    base_label = "compiled-engine" + (" (eager)" if settings.get("enforce_eager") else "")
+    runs = [engine_run(model_dir, sessions, base_label, settings)]
+    log(f"{runs[0].label}: {runs[0].summary.output_throughput:.1f} output tok/s")
+    for name in compare:
+        if name == "hf":
+            run = hf_run(model_dir, sessions)
+        else:
+            label, changes = _variant(name, settings)
+            run = engine_run(model_dir, sessions, label, {**settings, **changes})
+        log(f"{run.label}: {run.summary.output_throughput:.1f} output tok/s")
+        runs.append(run)
+    return runs

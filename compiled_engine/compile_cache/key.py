@@ -1,0 +1,105 @@
+"""The compile-cache key: every input that changes the code torch.compile generates, and nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import compiled_engine
+from compiled_engine.config import EngineConfig
+from compiled_engine.distributed import parallel_state as ps
+from compiled_engine.runner.model_runner import RunnerConfig
+
+# Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the files
+# it never reaches, so that editing a benchmark or the sampler keeps the cache.
+_PACKAGE_ROOT = Path(compiled_engine.__file__).resolve().parent
+TRACED_SOURCES: tuple[Path, ...] = (
+    *(_PACKAGE_ROOT / name for name in ("models", "layers", "runner")),
+    _PACKAGE_ROOT / "distributed" / "parallel_state.py",
+    _PACKAGE_ROOT.parent / "kernels",
+)
+UNTRACED = frozenset({"bench.py", "reference.py", "loader.py", "weight_utils.py", "sampler.py", "buckets.py"})
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    model_config: str  # sha256 of config.json
+    dtype: str
+    device: str  # cpu | cuda:<capability>, with the CPU ISA or GPU name
+    tp_size: int
+    tp_rank: int
+    buckets: tuple[int, ...]
+    max_running: int
+    max_context: int
+    page_size: int
+    num_pages: int  # the KV tensors are graph inputs of static shape: dynamo specializes on their size
+    compile_mode: str  # inductor options (freezing bypasses the FX graph cache: such starts always compile)
+    torch: str
+    triton: str
+    python: str
+    engine_source: str  # sha256 of the traced source files
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:24]
+
+    def fields(self) -> dict:
+        return asdict(self)
+
+
+def cache_key(config: EngineConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+              runner: RunnerConfig) -> CacheKey:
+    """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype); the
+    rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
+    return CacheKey(
+        model_config=model_config_hash(model_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        device=device_kind(device),
+        tp_size=config.tp_size,
+        tp_rank=ps.get_tp_rank(),
+        buckets=tuple(sorted(runner.buckets)),
+        max_running=runner.max_rows,
+        max_context=runner.max_context,
+        page_size=runner.page_size,
+        num_pages=runner.num_pages,
+        compile_mode=config.compile_mode,
+        torch=torch.__version__,
+        triton=_triton_version(),
+        python=platform.python_version(),
+        engine_source=source_hash(TRACED_SOURCES),
+    )
+
+
+def model_config_hash(model_dir: str | Path) -> str:
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+
+
+def source_hash(roots: tuple[Path, ...]) -> str:
+    h = hashlib.sha256()
+    for root in roots:
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            if path.name in UNTRACED:
+                continue
+            h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def device_kind(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"
+    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__

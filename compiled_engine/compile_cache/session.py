@@ -1,0 +1,100 @@
+"""Compiling an engine against its cache entry: verify the entry, point torch's caches at it, compile,
+classify the start (hit / partial / miss) from torch's cache counters, and seal a complete entry."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+from compiled_engine.compile_cache.entry import CacheEntry
+from compiled_engine.compile_cache.key import CacheKey
+from compiled_engine.demo_model import cache_root
+
+log = logging.getLogger(__name__)
+
+
+def default_root(override: str | None = None) -> Path:
+    """`override` (`--cache-dir`, `EngineConfig.compile_cache_dir`), else `cache_root()/compile`."""
+    return Path(override).expanduser() if override else cache_root() / "compile"
+
+
+@dataclass
+class CacheCounts:
+    """Inductor FX graph cache lookups (what decides hit/miss: a miss generates and builds code) and AOT
+    autograd cache lookups (informative only: on CPU one graph of the warm-up misses there on every start)."""
+
+    hits: int = 0
+    misses: int = 0  # misses and bypasses
+    aot_hits: int = 0
+    aot_misses: int = 0
+
+    @staticmethod
+    def now() -> CacheCounts:
+        fx, aot = counters["inductor"], counters["aot_autograd"]
+        return CacheCounts(fx["fxgraph_cache_hit"], fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"],
+                           aot["autograd_cache_hit"], aot["autograd_cache_miss"] + aot["autograd_cache_bypass"])
+
+    def __sub__(self, other: CacheCounts) -> CacheCounts:
+        return CacheCounts(self.hits - other.hits, self.misses - other.misses, self.aot_hits - other.aot_hits,
+                           self.aot_misses - other.aot_misses)
+
+
+@dataclass
+class CompileReport:
+    status: str  # hit: a complete entry served every graph | partial: some graphs compiled | miss
+    entry: CacheEntry
+    compile_s: float
+    counts: CacheCounts
+    rebuilt: str | None = None  # why an existing entry was discarded first
+
+    def summary(self) -> str:
+        why = f" (discarded: {self.rebuilt})" if self.rebuilt else ""
+        return (f"compile cache {self.status}{why}: {self.entry.path}; compiled in {self.compile_s:.1f}s "
+                f"(FX graph cache {self.counts.hits} hits / {self.counts.misses} misses, AOT autograd cache "
+                f"{self.counts.aot_hits} / {self.counts.aot_misses})")
+
+
+def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]) -> CompileReport:
+    """Run `compile_fn` (the warm-up) with torch's caches in the key's entry, under the entry's lock."""
+    entry = CacheEntry(root, key.digest)
+    with entry.locked():
+        problem = entry.problem()
+        rebuilt = None
+        if problem is not None and entry.path.exists():
+            log.warning("compile cache %s: %s; rebuilding it", entry.digest, problem)
+            entry.wipe()
+            rebuilt = problem
+        use_entry(entry)
+        before = CacheCounts.now()
+        t0 = time.perf_counter()
+        compile_fn()
+        compile_s = time.perf_counter() - t0
+        counts = CacheCounts.now() - before
+        if problem is None and counts.misses == 0:
+            status = "hit"
+        else:
+            status = "partial" if counts.hits else "miss"
+            entry.write_manifest(key, compile_s)
+    report = CompileReport(status, entry, compile_s, counts, rebuilt)
+    log.info("%s", report.summary())
+    return report
+
+
+def use_entry(entry: CacheEntry) -> None:
+    """Point inductor's FX graph cache, AOT autograd cache and Triton's cache at `entry` (taking
+    precedence over a TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR set for the whole process)."""
+    from torch._inductor.utils import clear_caches
+
+    entry.path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(entry.inductor_dir)
+    os.environ["TRITON_CACHE_DIR"] = str(entry.triton_dir)
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    clear_caches()  # in-memory caches of compiled modules would otherwise skip writing to the new folder

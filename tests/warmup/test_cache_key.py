@@ -1,0 +1,82 @@
+"""The compile-cache key changes with whatever changes generated code, and with nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_engine.compile_cache import key as key_mod
+from compiled_engine.compile_cache.key import cache_key
+from compiled_engine.config import EngineConfig
+from compiled_engine.demo_model import DEMO_CONFIG
+from compiled_engine.runner.model_runner import RunnerConfig
+
+CPU = torch.device("cpu")
+RUNNER = RunnerConfig(max_rows=4, max_context=256, page_size=1, num_pages=64, buckets=[1, 2])
+
+
+def write_config(path: Path, **overrides) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(DEMO_CONFIG | overrides))
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_config(tmp_path / "model")
+
+
+def digest(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.float32,
+           runner: RunnerConfig = RUNNER) -> str:
+    return cache_key(config, model_dir, dtype, CPU, runner).digest
+
+
+def test_model_config_and_dtype_change_the_key(model_dir: Path, tmp_path: Path) -> None:
+    config = EngineConfig()
+    base = digest(config, model_dir)
+    assert digest(config, model_dir) == base
+    assert digest(config, write_config(tmp_path / "deeper", num_hidden_layers=5)) != base
+    assert digest(config, model_dir, torch.bfloat16) != base
+
+
+@pytest.mark.parametrize("change", [
+    {"buckets": [1, 2, 4]}, {"max_rows": 8}, {"max_context": 512}, {"page_size": 16}, {"num_pages": 65},
+])
+def test_graph_shaping_settings_change_the_key(model_dir: Path, change: dict) -> None:
+    base = digest(EngineConfig(), model_dir)
+    assert digest(EngineConfig(), model_dir, runner=dataclasses.replace(RUNNER, **change)) != base
+
+
+def test_tp_size_and_compile_mode_change_the_key(model_dir: Path) -> None:
+    base = digest(EngineConfig(), model_dir)
+    assert digest(EngineConfig(tp_size=2), model_dir) != base
+    assert digest(EngineConfig(compile_mode="freezing"), model_dir) != base
+
+
+def test_serving_settings_do_not_change_the_key(model_dir: Path) -> None:
+    base = digest(EngineConfig(), model_dir)
+    serving = EngineConfig(extra={"port": 9999, "host": "0.0.0.0", "api_key": "k", "log_level": "debug"}, seed=7,
+                           overlap=False, chunk_budget=512, mixed=False, prefix_cache="naive", mem_fraction=0.5,
+                           compile_cache_dir="/elsewhere")
+    assert digest(serving, model_dir) == base
+    assert digest(EngineConfig(), model_dir, runner=dataclasses.replace(RUNNER, seed=3)) == base
+
+
+def test_an_engine_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    names = {root.name for root in key_mod.TRACED_SOURCES}
+    assert {"models", "layers", "runner", "kernels"} <= names
+    copy = tmp_path / "src" / "runner"
+    shutil.copytree(next(r for r in key_mod.TRACED_SOURCES if r.name == "runner"), copy)
+    monkeypatch.setattr(key_mod, "TRACED_SOURCES", (copy,))
+    base = digest(EngineConfig(), model_dir)
+    sampler = copy / "sampler.py"  # runs outside the graphs
+    sampler.write_text(sampler.read_text() + "\n# an edit\n")
+    assert digest(EngineConfig(), model_dir) == base
+    forward = copy / "compiled_forward.py"
+    forward.write_text(forward.read_text() + "\n# an edit\n")
+    assert digest(EngineConfig(), model_dir) != base
