@@ -19,7 +19,7 @@ serve: $(STAMP)
 	$(VENV)/bin/compiled-engine serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

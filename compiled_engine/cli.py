@@ -26,14 +26,17 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from compiled_engine.reference_generate import generate_text
+    from compiled_engine.llm import LLM
+    from compiled_engine.scheduler.sampling_params import SamplingParams
 
-    path = resolve_model(args.model)
     if args.model == DEMO_NAME:
         print(f"[{DEMO_LABEL}]", file=sys.stderr)
-    for prompt in args.prompt:
-        text = generate_text(path, prompt, max_tokens=args.max_tokens, chat=not args.raw)
-        print(f"prompt: {prompt!r}\noutput: {text!r}")
+    llm = LLM(**vars(engine_config(args)))
+    prompts = [p if args.raw else [{"role": "user", "content": p}] for p in args.prompt]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
+        print(f"prompt: {prompt!r}\noutput: {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+    llm.engine.shutdown()
     return 0
 
 
@@ -138,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo_model)
 
     p = sub.add_parser("generate", help="offline generation: prompts in, text out")
-    _add_model_arg(p)
+    add_engine_args(p)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as text")
