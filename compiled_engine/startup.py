@@ -64,9 +64,11 @@ def size_kv_pool(config: EngineConfig, model: torch.nn.Module, max_context: int,
     else:
         free = _available_host_memory()
         fraction = config.mem_fraction or 0.25
-    tokens = int(free * fraction) // kv_bytes_per_token(model)
-    tokens = min(tokens, config.max_running * max_context)
-    return max(2, tokens // config.page_size + 1)
+    by_memory = int(free * fraction) // kv_bytes_per_token(model) // config.page_size
+    # Rounded down to a power of two: the pool size shapes the compiled graphs (and so the compile-cache
+    # key), and free memory differs a little on every start.
+    by_memory = 1 << max(1, by_memory.bit_length() - 1)
+    return max(2, min(by_memory, -(-config.max_running * max_context // config.page_size) + 1))
 
 
 def _available_host_memory() -> int:

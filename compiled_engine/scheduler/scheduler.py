@@ -24,6 +24,9 @@ from compiled_engine.scheduler.sampling_params import SamplingParams
 MAX_IN_FLIGHT = 2
 
 
+SHARE_WAIT_TOKENS = 32  # a waiting request defers admission to reuse this many tokens of a running prefill
+
+
 class RequestRejected(ValueError):
     """A request that can never run (bad parameters, empty prompt, too long for context or KV pool)."""
 
@@ -230,6 +233,8 @@ class Scheduler:
                 return  # retracted with a token still in flight: its tokens are not all known yet
             tokens = req.tokens()
             handle, hit = self.cache.match(tokens[:-1])
+            if self._shares_pending_prefix(tokens, len(hit) * ps):
+                return  # wait a step: a running prefill is about to cache what this request would recompute
             self.cache.lock(handle)
             req.lock = handle
             req.pages = list(hit)
@@ -250,6 +255,29 @@ class Scheduler:
             self._running.append(req)
             token_writes.append(TokenWrite(row, 0, tokens))
             budget -= reqs[-1].length
+
+    def _shares_pending_prefix(self, tokens: tuple[int, ...], hit_len: int) -> bool:
+        """True when a running request's prompt, not yet in the radix cache, shares at least
+        `SHARE_WAIT_TOKENS` (and a page) more tokens with `tokens` than the cache already gives.
+
+        Requests arriving together with a new common prefix would otherwise each prefill it in full; the
+        later ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached
+        tail is shorter than a page once it is fully inserted, so the wait always ends."""
+        if not isinstance(self.cache, RadixCache):
+            return False
+        need = max(SHARE_WAIT_TOKENS, self.page_size)
+        limit = len(tokens) - 1
+        if limit - hit_len < need:
+            return False
+        for r in self._running:
+            if r.prefix_pages * self.page_size + need > r.fill_to:
+                continue  # its prompt is (as good as) cached already
+            other = r.tokens()
+            n = min(limit, r.fill_to)
+            if n - hit_len < need or other[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]:
+                continue
+            return True
+        return False
 
     def _plan_chunk(
         self,

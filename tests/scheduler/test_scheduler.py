@@ -338,3 +338,21 @@ def test_commit_out_of_order_and_three_in_flight_refused():
         sched.commit(*k1)
     commit(sched, exe, k0)
     commit(sched, exe, k1)
+
+
+def test_request_sharing_a_new_prefix_with_a_running_prefill_waits_and_then_hits_the_cache():
+    sched, exe = make(page_size=4, max_context=128)
+    system = [(7 * i) % 13 + 1 for i in range(48)]
+    sched.add_request("a", system + [1, 2], SamplingParams(max_tokens=3))
+    sched.add_request("b", system + [3, 4, 5], SamplingParams(max_tokens=3))
+    first = step(sched, exe)
+    assert [r.rid for r in first[0].reqs] == ["a"], "b should wait for a's prefix instead of recomputing it"
+    events = commit(sched, exe, first)
+    second = step(sched, exe)
+    b_step = next(r for r in second[0].reqs if r.rid == "b")
+    assert b_step.start == 48, "b computes only what the cache does not hold"
+    events += commit(sched, exe, second)
+    events += run_to_completion(sched, exe)
+    out = outputs(events)
+    assert out["a"] == ref(system + [1, 2], 3) and out["b"] == ref(system + [3, 4, 5], 3)
+    assert sched.stats().cache_hit_rate > 0.4
