@@ -168,7 +168,11 @@ def _latency_section(doc: dict) -> list[str]:
 
 
 def _serve_section(doc: dict, title: str, images: str) -> list[str]:
-    lines = [f"### {title}", "", "```", _cmd(doc), "```", ""]
+    graphs = " --enforce-eager" if SERVE_GRAPHS == "eager" else ""
+    servers = ", ".join(f"`{cache}` on port {port}" for cache, port in PORTS.items())
+    lines = [f"### {title}", "",
+             f"Servers ({servers}): `compiled-engine serve --model <bench checkpoint> --num-pages {SERVE_PAGES} "
+             f"--prefix-cache radix|naive{graphs}`; client:", "", "```", _cmd(doc), "```", ""]
     rows = []
     for r in doc["result"]["runs"]:
         s = r["summary"]
@@ -186,10 +190,15 @@ def _serve_section(doc: dict, title: str, images: str) -> list[str]:
 
 def _targets(docs: dict[str, dict | None]) -> list[str]:
     rows = []
+    missing = ["not measured yet", "-"]
     if docs["offline_random"]:
         tput, _ = _ratio(docs["offline_random"], "transformers generate")
         rows.append(["offline standard workload >= 3x transformers' best", f"{tput:.2f}x", _yes(tput >= 3)])
-    if docs["offline_prefix"]:
+    else:
+        rows.append(["offline standard workload >= 3x transformers' best", *missing])
+    if not docs["offline_prefix"]:
+        rows.append(["prefix workload (offline): radix >= 3x naive throughput, >= 5x lower median TTFT", *missing])
+    else:
         tput, ttft = _ratio(docs["offline_prefix"], "naive prefix cache")
         rows.append(["prefix workload (offline): radix >= 3x naive throughput", f"{tput:.2f}x", _yes(tput >= 3)])
         rows.append(["prefix workload (offline): radix >= 5x lower median TTFT", f"{ttft:.2f}x", _yes(ttft >= 5)])
@@ -213,7 +222,9 @@ def _targets(docs: dict[str, dict | None]) -> list[str]:
                          f"{p99:.1f} ms ({p99 / step:.2f}x)", _yes(p99 <= 2 * step)])
         if not below:
             rows.append(["online p99 TPOT <= 2x batch-1 decode step", "no rate measured below saturation", "-"])
-    return _table(["target", "measured", "met"], rows) if rows else ["(no results yet)"]
+    else:
+        rows.append(["online p99 TPOT <= 2x batch-1 decode step (needs the serve and latency results)", *missing])
+    return _table(["target", "measured", "met"], rows)
 
 
 def _yes(ok: bool) -> str:
