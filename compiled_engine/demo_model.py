@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 DEMO_NAME = "demo"
@@ -72,13 +73,18 @@ def cache_root() -> Path:
 
 def demo_model_dir(root: Path | None = None) -> Path:
     """Path of the demo checkpoint, creating it on first use."""
-    target = (root or cache_root()) / f"demo-model-{DEMO_VERSION}"
+    return cached_checkpoint((root or cache_root()) / f"demo-model-{DEMO_VERSION}", write_demo_model)
+
+
+def cached_checkpoint(target: Path, write: Callable[[Path], None]) -> Path:
+    """`target`, written by `write` into a temporary folder and renamed into place on first use (so a
+    concurrent or interrupted creation never leaves a half-written checkpoint)."""
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=target.parent))
     try:
-        write_demo_model(tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # a concurrent process won the race; its copy is identical
@@ -102,10 +108,11 @@ def resolve_model(model: str) -> str:
     return str(path)
 
 
-def _demo_weights() -> dict:
+def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
+    """Every tensor of a Llama checkpoint with config `c`, each from its own seeded generator (so the
+    bytes do not depend on creation order); norms are ones."""
     import torch
 
-    c = DEMO_CONFIG
     hidden, inter, vocab, head_dim = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -123,14 +130,15 @@ def _demo_weights() -> dict:
             p + "mlp.down_proj.weight": (hidden, inter),
         }
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    out_dtype = getattr(torch, dtype)
     tensors = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape)
+            tensors[name] = torch.ones(shape, dtype=out_dtype)
             continue
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
-        tensors[name] = torch.randn(shape, generator=gen) * std
+        tensors[name] = (torch.randn(shape, generator=gen) * std).to(out_dtype)
     return tensors
 
 
@@ -140,20 +148,20 @@ def write_demo_model(out: Path) -> None:
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    _dump(out / "config.json", DEMO_CONFIG)
-    _dump(
+    dump_json(out / "config.json", DEMO_CONFIG)
+    dump_json(
         out / "generation_config.json",
         {"bos_token_id": 1, "eos_token_id": [2], "do_sample": False},
     )
-    save_file(_demo_weights(), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_llama_weights(DEMO_CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"})
     staging = out / ".tokenizer-src"
     staging.mkdir()
     shutil.copyfile(_SPM_FILE, staging / "tokenizer.model")
-    _dump(staging / "tokenizer_config.json", TOKENIZER_CONFIG)
+    dump_json(staging / "tokenizer_config.json", TOKENIZER_CONFIG)
     AutoTokenizer.from_pretrained(str(staging)).save_pretrained(str(out))
     shutil.rmtree(staging)
     (out / "README.md").write_text(f"# {DEMO_LABEL}\n\nCreated by compiled_engine/demo_model.py.\n")
 
 
-def _dump(path: Path, obj: dict) -> None:
+def dump_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
