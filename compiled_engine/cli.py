@@ -47,6 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graphs")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
+    p.add_argument("--enable-overlap", action="store_true",
+                   help="overlap scheduling also on the CPU (default: on with CUDA only)")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from free memory)")
     p.add_argument("--max-running", type=int, default=256)
@@ -67,6 +69,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
 
 
+def _overlap(args: argparse.Namespace) -> bool | None:
+    return False if args.disable_overlap else (True if args.enable_overlap else None)
+
+
 def engine_config(args: argparse.Namespace):
     from compiled_engine.config import EngineConfig
 
@@ -74,7 +80,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size, num_pages=args.num_pages,
         max_running=args.max_running, max_context=args.max_context, chunk_budget=args.chunk_budget,
         prefix_cache=args.prefix_cache, enforce_eager=args.enforce_eager, buckets=args.buckets,
-        max_bucket=args.max_bucket, overlap=not args.disable_overlap, tp_size=args.tp,
+        max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp,
     )
 
 

@@ -22,7 +22,9 @@ class EngineConfig:
     enforce_eager: bool = False
     buckets: list[int] | None = None  # decode batch sizes with compiled graphs
     max_bucket: int | None = None  # None: cpu 32, cuda max_running
-    overlap: bool = True
+    # None: on with CUDA; off on the CPU, where the planning thread competes with the compute threads for
+    # the cores (measured 0.7-0.9x the throughput of no overlap on 2 cores; docs/benchmarks.md).
+    overlap: bool | None = None
     seed: int = 0
     tp_size: int = 1
     tp_debug: bool = False  # check every step's plan + tokens agree across TP ranks (or COMPILED_ENGINE_TP_DEBUG=1)

@@ -1,6 +1,6 @@
 """The engine loop: scheduler plan -> model runner -> commit, with overlap scheduling.
 
-With overlap (the default) step k+1 is planned and launched before step k's tokens reach the host: the
+With overlap (the default on CUDA) step k+1 is planned and launched before step k's tokens reach the host: the
 forward runs in a worker thread (which queues device work in order), and the token sampled at step k is
 read from the device token table by step k+1. The scheduler defers frees until no in-flight step can
 touch the pages, and drops tokens sampled after a request finished.

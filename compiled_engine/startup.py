@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -106,6 +107,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         runner.forward.set_compile_mode(config.compile_mode)
         key = cache_key(config, model_dir, model.dtype, device, runner.config)
         compile_with_cache(key, default_root(config.compile_cache_dir), lambda: warm_up(runner, progress))
+    if config.overlap is None:
+        config = dataclasses.replace(config, overlap=device.type == "cuda")
     return Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
 
 

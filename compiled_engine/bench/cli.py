@@ -89,7 +89,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
     model_dir = resolve_bench_model(args.model)
     sessions = build_dataset(args, prompt_vocab(model_dir, _tokenizer(model_dir)))
-    settings = {"enforce_eager": args.enforce_eager, "overlap": not args.disable_overlap,
+    settings = {"enforce_eager": args.enforce_eager, "overlap": False if args.disable_overlap else None,
                 "prefix_cache": args.prefix_cache}
     if args.num_pages is not None:
         settings["num_pages"] = args.num_pages

@@ -15,7 +15,12 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
     if name == "naive":
         return "naive prefix cache", {"prefix_cache": "naive"}
     if name == "overlap":
-        on = not base.get("overlap", True)
+        current = base.get("overlap")
+        if current is None:  # the default: on with CUDA, off on the CPU
+            import torch
+
+            current = torch.cuda.is_available()
+        on = not current
         return f"overlap {'on' if on else 'off'}", {"overlap": on}
     if name == "eager":
         return "eager", {"enforce_eager": True}

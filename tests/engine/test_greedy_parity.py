@@ -12,7 +12,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPTS = ragged_prompts(37)
 
 PATHS = {
-    "eager-overlap": dict(),
+    "eager-overlap": dict(overlap=True),
     "eager-no-overlap": dict(overlap=False),
     "chunked-tiny-budget": dict(chunk_budget=7),
     "prefill-decode-not-mixed": dict(mixed=False, chunk_budget=64),

@@ -13,7 +13,8 @@ from tests.server.conftest import RunningServer, start_server
 
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[RunningServer]:
-    running = start_server(engine={"tp_size": 2, "num_pages": 2048, "max_running": 8, "tp_debug": True})
+    running = start_server(engine={"tp_size": 2, "num_pages": 2048, "max_running": 8, "tp_debug": True,
+                                         "overlap": True})
     yield running
     running.stop()
 
