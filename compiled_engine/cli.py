@@ -9,6 +9,7 @@ import sys
 
 from compiled_engine.bench.cli import add_bench_parser
 from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME, resolve_model
+from compiled_engine.runner.buckets import parse_buckets
 from compiled_engine.warmup import add_warmup_parser
 
 
@@ -55,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--chunk-budget", type=int, default=8192)
     p.add_argument("--prefix-cache", choices=["radix", "naive"], default="radix")
-    p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    p.add_argument("--buckets", type=parse_buckets, default=None,
                    help="decode batch sizes to compile, comma separated")
     p.add_argument("--max-bucket", type=int, default=None)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -114,15 +113,6 @@ class Engine:
             done, result = self._inflight.popleft()
             output = result.result() if isinstance(result, Future) else result
             events.extend(self._commit(done, output))
-        return events
-
-    def run_until_idle(self, timeout_s: float | None = None) -> list[TokenOutput]:
-        events: list[TokenOutput] = []
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.has_work():
-            events.extend(self.step())
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError("engine did not become idle in time")
         return events
 
     def shutdown(self) -> None:
