@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from compiled_engine.demo_model import (
+    DEMO_CONFIG,
     cache_root,
     cached_checkpoint,
     demo_model_dir,
@@ -24,25 +25,14 @@ from compiled_engine.demo_model import (
 BENCH_NAME = "bench"
 BENCH_DIR_NAME = "bench-llama-768"
 
-BENCH_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+BENCH_CONFIG = DEMO_CONFIG | {
     "hidden_size": 768,
     "intermediate_size": 2048,
     "num_hidden_layers": 12,
     "num_attention_heads": 12,
     "num_key_value_heads": 4,
-    "head_dim": 64,
     "vocab_size": 32000,
     "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
     "torch_dtype": "bfloat16",
 }
 
