@@ -19,7 +19,7 @@ from compiled_engine.distributed.rank_loop import (
 )
 from compiled_engine.engine import TokenOutput
 from compiled_engine.scheduler.sampling_params import SamplingParams
-from compiled_engine.scheduler.scheduler import SchedulerStats
+from compiled_engine.scheduler.scheduler import SchedulerStats, check_prompt
 
 POLL_S = 0.5  # how often a blocked step() checks that the ranks are alive
 
@@ -39,10 +39,8 @@ class RemoteEngine:
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
         params.validate()
-        ready, n = self.handle.ready, len(prompt_ids)
-        if n == 0 or n >= ready.max_context or n + 1 > ready.capacity_tokens or min(prompt_ids) < 0:
-            raise ValueError(f"request {rid!r}: a prompt of {n} tokens cannot run (context limit "
-                             f"{ready.max_context}, KV pool {ready.capacity_tokens} tokens)")
+        ready = self.handle.ready
+        check_prompt(rid, prompt_ids, ready.max_context, ready.capacity_tokens)
         self._outbox.append(Add(rid, list(prompt_ids), params))
         self._live[rid] = None
 

@@ -31,6 +31,26 @@ class RequestRejected(ValueError):
     """A request that can never run (bad parameters, empty prompt, too long for context or KV pool)."""
 
 
+def check_prompt(rid: str, prompt: tuple[int, ...] | list[int], max_context: int, capacity_tokens: int) -> None:
+    """Raise RequestRejected for a prompt that can never run: empty, negative ids, no room for one
+    generated token in the context or in the whole KV pool."""
+    n = len(prompt)
+    if n == 0:
+        raise RequestRejected(f"request {rid!r}: the prompt is empty (at least one token is needed)")
+    if min(prompt) < 0:
+        raise RequestRejected(f"request {rid!r}: negative token id {min(prompt)} in the prompt")
+    if n >= max_context:
+        raise RequestRejected(
+            f"request {rid!r}: the prompt has {n} tokens but the context limit is {max_context} "
+            f"(the prompt must be shorter to leave room for a generated token)"
+        )
+    if n + 1 > capacity_tokens:
+        raise RequestRejected(
+            f"request {rid!r}: the prompt has {n} tokens and needs {n + 1} KV slots with one generated "
+            f"token, but the whole KV pool holds {capacity_tokens}"
+        )
+
+
 @dataclass(slots=True)
 class _Deferred:
     """Resources of a released request, returned once step ``barrier`` commits."""
@@ -86,22 +106,9 @@ class Scheduler:
         prompt = tuple(prompt_token_ids)
         n = len(prompt)
         cfg = self.config
-        if n == 0:
-            raise RequestRejected(f"request {rid!r}: the prompt is empty (at least one token is needed)")
+        check_prompt(rid, prompt, cfg.max_context, cfg.capacity_tokens)
         if rid in self._reqs:
             raise RequestRejected(f"request {rid!r}: a live request already has this id")
-        if min(prompt) < 0:
-            raise RequestRejected(f"request {rid!r}: negative token id {min(prompt)} in the prompt")
-        if n >= cfg.max_context:
-            raise RequestRejected(
-                f"request {rid!r}: the prompt has {n} tokens but the context limit is {cfg.max_context} "
-                f"(the prompt must be shorter to leave room for a generated token)"
-            )
-        if n + 1 > cfg.capacity_tokens:
-            raise RequestRejected(
-                f"request {rid!r}: the prompt has {n} tokens and needs {n + 1} KV slots with one generated "
-                f"token, but the whole KV pool holds {cfg.capacity_tokens}"
-            )
         stop_ids = frozenset(sp.stop_token_ids) if sp.ignore_eos else self._eos | frozenset(sp.stop_token_ids)
         max_len = min(n + sp.max_tokens, cfg.max_context, cfg.capacity_tokens + 1)
         req = Request(rid, prompt, sp, max_len, stop_ids, device_len=n)
