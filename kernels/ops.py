@@ -1,108 +1,120 @@
-"""The attention and KV-store custom ops (`torch.ops.kernels.*`): Triton on CUDA, torch on the CPU.
+"""The attention, KV-store and CPU linear ops (`torch.ops.kernels.*`): Triton on CUDA; on the CPU the
+native kernels of `cpu_native` where they apply, torch otherwise.
 
-Each op is opaque to torch.compile (one node, a `register_fake` for shapes). The Triton module is imported
-on first CUDA use only, so that tests can set TRITON_INTERPRET before anything decorates a kernel.
+Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined with
+`torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose
+Python wrapper costs ~30 us per call of a mutating op: more than the CPU decode attention itself.
+The Triton module is imported on first CUDA use only, so that tests can set TRITON_INTERPRET before
+anything decorates a kernel.
 """
 
 import torch
+import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_native
+
+_lib = torch.library.Library("kernels", "DEF")
+_lib.define("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()")
+_lib.define(
+    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
+    "int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor"
+)
+_lib.define(
+    "extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
+    "Tensor seq_lens, float scale, int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor"
+)
+_lib.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+
+store_kv = torch.ops.kernels.store_kv.default
+"""store_kv(k_cache, v_cache, k, v, slots): write k, v [T, Hkv, D] into the caches [S, Hkv, D] at `slots`
+[T] int64; slots < 0 are skipped."""
+
+decode_attention = torch.ops.kernels.decode_attention.default
+"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
+soft_cap=0.0): one new query per row, q [B, H, D] -> [B, H, D]; rows with seq_len 0 give zeros."""
+
+extend_attention = torch.ops.kernels.extend_attention.default
+"""extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
+sliding_window=0, soft_cap=0.0): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries
+cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included)."""
+
+cpu_linear = torch.ops.kernels.cpu_linear.default
+"""cpu_linear(x, weight, bias=None): `F.linear` for CPU bf16 weights; a few rows (decode) stream the
+weights through the native GEMV, more rows use torch's GEMM."""
 
 
-@torch.library.custom_op("kernels::store_kv", mutates_args=("k_cache", "v_cache"))
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Write k, v [T, Hkv, D] into the caches [S, Hkv, D] at `slots` [T] int64; slots < 0 are skipped."""
-    if k_cache.is_cuda:
-        from kernels import triton_attention
-
-        triton_attention.store_kv_triton(k_cache, v_cache, k, v, slots)
-    else:
+def _store_kv_cpu(k_cache, v_cache, k, v, slots) -> None:
+    if not cpu_native.store_kv(k_cache, v_cache, k, v, slots):
         cpu_attention.store_kv_cpu(k_cache, v_cache, k, v, slots)
 
 
-@store_kv.register_fake
-def _(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def _decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
+                          soft_cap=0.0):
+    out = cpu_native.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap)
+    if out is not None:
+        return out
+    return cpu_attention.decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
+                                              soft_cap)
+
+
+def _extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
+                          sliding_window=0, soft_cap=0.0):
+    return cpu_attention.extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
+                                              sliding_window, soft_cap)
+
+
+def _cpu_linear(x, weight, bias=None):
+    out = cpu_native.linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
+
+
+def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
+    from kernels import triton_attention
+
+    triton_attention.store_kv_triton(k_cache, v_cache, k, v, slots)
+
+
+def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
+                           soft_cap=0.0):
+    from kernels import triton_attention
+
+    return triton_attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, page_size,
+                                                    sliding_window, soft_cap)
+
+
+def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
+                           sliding_window=0, soft_cap=0.0):
+    from kernels import triton_attention
+
+    return triton_attention.extend_attention_triton(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
+                                                    page_size, sliding_window, soft_cap)
+
+
+for _name, _cpu, _cuda in (
+    ("store_kv", _store_kv_cpu, _store_kv_cuda),
+    ("decode_attention", _decode_attention_cpu, _decode_attention_cuda),
+    ("extend_attention", _extend_attention_cpu, _extend_attention_cuda),
+):
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _cuda, "CUDA")
+_lib.impl("cpu_linear", _cpu_linear, "CPU")
+
+
+@torch.library.register_fake("kernels::store_kv")
+def _(k_cache, v_cache, k, v, slots) -> None:
     return None
 
 
-@torch.library.custom_op("kernels::decode_attention", mutates_args=())
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    page_size: int,
-    sliding_window: int = 0,
-    soft_cap: float = 0.0,
-) -> torch.Tensor:
-    """One new query per row: q [B, H, D] -> [B, H, D]; rows with seq_len 0 give zeros."""
-    if q.is_cuda:
-        from kernels import triton_attention
-
-        return triton_attention.decode_attention_triton(
-            q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window, soft_cap
-        )
-    return cpu_attention.decode_attention_cpu(
-        q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap
-    )
-
-
-@decode_attention.register_fake
-def _(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    page_size: int,
-    sliding_window: int = 0,
-    soft_cap: float = 0.0,
-) -> torch.Tensor:
+@torch.library.register_fake("kernels::decode_attention")
+def _(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0, soft_cap=0.0):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("kernels::extend_attention", mutates_args=())
-def extend_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    page_size: int,
-    sliding_window: int = 0,
-    soft_cap: float = 0.0,
-) -> torch.Tensor:
-    """Ragged new tokens q [T, H, D] -> [T, H, D]: request b's queries cu_q_lens[b]:cu_q_lens[b+1] are its
-    last positions and attend causally to the whole row (prefix included)."""
-    if q.is_cuda:
-        from kernels import triton_attention
-
-        return triton_attention.extend_attention_triton(
-            q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size, sliding_window, soft_cap
-        )
-    return cpu_attention.extend_attention_cpu(
-        q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap
-    )
-
-
-@extend_attention.register_fake
-def _(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    page_size: int,
-    sliding_window: int = 0,
-    soft_cap: float = 0.0,
-) -> torch.Tensor:
+@torch.library.register_fake("kernels::extend_attention")
+def _(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size, sliding_window=0, soft_cap=0.0):
     return torch.empty_like(q)
+
+
+@torch.library.register_fake("kernels::cpu_linear")
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

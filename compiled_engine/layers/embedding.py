@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled_engine.distributed import parallel_state as ps
+from compiled_engine.layers.linear import linear
 from compiled_engine.layers.weight_utils import WeightSource, check_shape, narrow
 
 
@@ -43,5 +44,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tie_to.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ps.all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = ps.all_gather(linear(hidden, self.weight), dim=-1)
         return logits[:, : self.vocab_size] if self.tp_size > 1 else logits

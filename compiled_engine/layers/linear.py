@@ -10,12 +10,21 @@ from torch import nn
 
 from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.layers.weight_utils import WeightSource, check_shape, narrow
+from kernels import cpu_native, ops
 
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {d}")
     return n // d
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, except CPU bf16 weights go through `kernels::cpu_linear`, whose native GEMV streams the
+    weights of a decode step about twice as fast as torch's bf16 GEMV."""
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_native.has_fast_bf16_gemv():
+        return ops.cpu_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class _Linear(nn.Module):
@@ -44,7 +53,7 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(narrow(src, 0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -108,5 +117,5 @@ class RowParallelLinear(_Linear):
         param.data.copy_(narrow(src, 1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(F.linear(x, self.weight))
+        y = ps.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

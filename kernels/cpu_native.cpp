@@ -1,0 +1,299 @@
+// Native CPU kernels, built on first use by kernels/cpu_native.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes. Plain C ABI, no torch headers: the build takes about a second.
+//
+// Element type codes (`dt`): 0 float32, 1 bfloat16, 2 float16. Math is in float32.
+// Layouts: caches [S, Hkv, D]; q / out [B, H, D]; k / v [T, Hkv, D]; all contiguous.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, like torch
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) return 0x7FC0;
+    u += 0x7FFF + ((u >> 16) & 1);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// e^x for x <= 0 (softmax after subtracting the max), Cephes' polynomial: ~1 ulp, and unlike std::exp
+// GCC vectorizes it.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+struct F32 {
+    using T = float;
+    static float load(T x) { return x; }
+    static T store(float x) { return x; }
+};
+struct BF16 {
+    using T = uint16_t;
+    static float load(T x) { return bf16_to_f32(x); }
+    static T store(float x) { return f32_to_bf16(x); }
+};
+struct F16 {
+    using T = _Float16;
+    static float load(T x) { return static_cast<float>(x); }
+    static T store(float x) { return static_cast<T>(x); }
+};
+
+inline int64_t clamp_slot(int64_t slot, int64_t S) { return (slot < 0 || slot >= S) ? 0 : slot; }
+
+inline float capped(float s, float soft_cap) { return soft_cap > 0.0f ? soft_cap * std::tanh(s / soft_cap) : s; }
+
+// Each of the G rows of p [G, n] becomes softmax(row).
+inline void softmax_rows(float* p, int64_t G, int64_t n) {
+    for (int64_t g = 0; g < G; ++g) {
+        float* pg = p + g * n;
+        float m = pg[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 1; t < n; ++t) m = pg[t] > m ? pg[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+            pg[t] = exp_nonpositive(pg[t] - m);
+            sum += pg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) pg[t] *= inv;
+    }
+}
+
+template <typename E>
+inline void load_row(const typename E::T* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = E::load(src[i]);
+}
+
+// Generic path of one (row, KV head) task: scores for the G query heads sharing KV head kh, softmax, and
+// the weighted sum of V. `qf` holds the G query rows in float32; `p` is G * n floats of scratch.
+template <typename E>
+void attend_generic(const float* qf, const typename E::T* k_cache, const typename E::T* v_cache,
+                    const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh, int64_t G, int64_t D,
+                    float scale, float soft_cap, float* p, float* acc) {
+    std::vector<float> row(D);
+    for (int64_t t = 0; t < n; ++t) {
+        load_row<E>(k_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D, row.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf + g * D;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+            p[g * n + t] = capped(s * scale, soft_cap);
+        }
+    }
+    softmax_rows(p, G, n);
+    for (int64_t t = 0; t < n; ++t) {
+        load_row<E>(v_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D, row.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+            const float w = p[g * n + t];
+            float* ag = acc + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+}
+inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
+
+// The same task with D = 16 * V held in registers: one row's dot product is V FMAs and one reduction.
+template <typename E, int V>
+void attend_avx512(const float* qf, const typename E::T* k_cache, const typename E::T* v_cache,
+                   const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh, int64_t G, float scale,
+                   float soft_cap, float* p, float* acc) {
+    constexpr int64_t D = 16 * V;
+    for (int64_t g = 0; g < G; ++g) {
+        __m512 qv[V];
+        for (int v = 0; v < V; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D + 16 * v), _mm512_set1_ps(scale));
+        for (int64_t t = 0; t < n; ++t) {
+            const typename E::T* kr = k_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
+            __m512 s = _mm512_mul_ps(qv[0], load16(kr));
+            for (int v = 1; v < V; ++v) s = _mm512_fmadd_ps(qv[v], load16(kr + 16 * v), s);
+            p[g * n + t] = capped(_mm512_reduce_add_ps(s), soft_cap);
+        }
+    }
+    softmax_rows(p, G, n);
+    for (int64_t g = 0; g < G; ++g) {
+        __m512 a[V];
+        for (int v = 0; v < V; ++v) a[v] = _mm512_setzero_ps();
+        const float* pg = p + g * n;
+        for (int64_t t = 0; t < n; ++t) {
+            const typename E::T* vr = v_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
+            const __m512 w = _mm512_set1_ps(pg[t]);
+            for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(w, load16(vr + 16 * v), a[v]);
+        }
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, a[v]);
+    }
+}
+#endif
+
+// One query per row b; the G = H / Hkv query heads of KV head kh share each K/V row read. Tasks are
+// (row, KV head) pairs spread over the OpenMP threads.
+template <typename E>
+void decode_attention(const typename E::T* q, const typename E::T* k_cache, const typename E::T* v_cache,
+                      const int32_t* table, int64_t table_stride, const int32_t* seq_lens, typename E::T* out,
+                      int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window,
+                      float soft_cap) {
+    const int64_t G = H / Hkv;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t kh = 0; kh < Hkv; ++kh) {
+            const int64_t len = seq_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t n = len - start;
+            typename E::T* o = out + (b * H + kh * G) * D;
+            std::vector<float> qf(G * D), acc(G * D, 0.0f), p(G * (n > 0 ? n : 0));
+            if (n > 0) {
+                load_row<E>(q + (b * H + kh * G) * D, qf.data(), G * D);
+                const int32_t* slots = table + b * table_stride + start;
+                bool done = false;
+#if defined(__AVX512F__)
+                done = true;
+                switch (D) {
+                    case 32: attend_avx512<E, 2>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    case 64: attend_avx512<E, 4>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    case 128: attend_avx512<E, 8>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    case 256: attend_avx512<E, 16>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    default: done = false;
+                }
+#endif
+                if (!done)
+                    attend_generic<E>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, D, scale, soft_cap, p.data(), acc.data());
+            }
+            for (int64_t i = 0; i < G * D; ++i) o[i] = E::store(acc[i]);  // zeros for an empty row
+        }
+    }
+}
+
+// Scatter rows; slots < 0 are skipped. Returns how many slots are >= S, and then writes nothing.
+int64_t store_kv(char* k_cache, char* v_cache, const char* k, const char* v, const int64_t* slots, int64_t T,
+                 int64_t row_bytes, int64_t S) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; ++t) bad += slots[t] >= S;
+    if (bad) return bad;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        std::memcpy(k_cache + slot * row_bytes, k + t * row_bytes, row_bytes);
+        std::memcpy(v_cache + slot * row_bytes, v + t * row_bytes, row_bytes);
+    }
+    return 0;
+}
+
+#if defined(__AVX512BF16__)
+inline __m512bh load_bf16x32(const uint16_t* p, int64_t left) {
+    if (left >= 32) return (__m512bh)_mm512_loadu_si512(p);
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);
+}
+#endif
+
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) in bf16 with float32 accumulation, for a few rows m:
+// every weight row is read from memory once, so this streams at memory bandwidth.
+void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+                 int64_t K) {
+    constexpr int64_t R = 4;  // weight rows per task
+    const int64_t blocks = (N + R - 1) / R;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t n0 = blk * R;
+        const int64_t rows = N - n0 < R ? N - n0 : R;
+        for (int64_t m = 0; m < M; ++m) {
+            const uint16_t* xm = x + m * K;
+            float sums[R] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if defined(__AVX512BF16__)
+            __m512 acc[R] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m512bh xv = load_bf16x32(xm + k, K - k);
+                for (int64_t r = 0; r < rows; ++r)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(w + (n0 + r) * K + k, K - k), xv);
+            }
+            for (int64_t r = 0; r < rows; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+            for (int64_t r = 0; r < rows; ++r) {
+                const uint16_t* wr = w + (n0 + r) * K;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t k = 0; k < K; ++k) s += bf16_to_f32(xm[k]) * bf16_to_f32(wr[k]);
+                sums[r] = s;
+            }
+#endif
+            for (int64_t r = 0; r < rows; ++r) {
+                const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.0f;
+                y[m * N + n0 + r] = f32_to_bf16(sums[r] + b);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ce_has_avx512_bf16() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                        int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t S, float scale, int64_t window, float soft_cap) {
+#define CE_DECODE(E)                                                                                            \
+    decode_attention<E>(static_cast<const E::T*>(q), static_cast<const E::T*>(k_cache),                         \
+                        static_cast<const E::T*>(v_cache), table, table_stride, seq_lens, static_cast<E::T*>(out), \
+                        B, H, Hkv, D, S, scale, window, soft_cap)
+    switch (dt) {
+        case 0: CE_DECODE(F32); return 0;
+        case 1: CE_DECODE(BF16); return 0;
+        case 2: CE_DECODE(F16); return 0;
+        default: return -1;
+    }
+#undef CE_DECODE
+}
+
+int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, const int64_t* slots, int64_t T,
+                    int64_t row_bytes, int64_t S) {
+    return store_kv(static_cast<char*>(k_cache), static_cast<char*>(v_cache), static_cast<const char*>(k),
+                    static_cast<const char*>(v), slots, T, row_bytes, S);
+}
+
+void ce_linear_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K) {
+    linear_bf16(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N, K);
+}
+
+}  // extern "C"

@@ -1,0 +1,146 @@
+"""The native CPU kernels of `cpu_native.cpp`: built with the system C++ compiler on first use (about a
+second, cached under inductor's cache folder by a hash of the source, flags, compiler and CPU) and called
+through ctypes, which releases the GIL. Everything here returns None when the library is unavailable
+(no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to the torch implementations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+GEMV_MAX_ROWS = 16  # linear_bf16 reads each weight row once per call; beyond this the GEMM path wins
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    target = Path(cache_dir()) / "compiled_engine_native" / f"cpu_native-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+            os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (logged once) when it cannot be built here."""
+    if os.environ.get("COMPILED_ENGINE_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        log.warning("no C++ compiler found: CPU attention and bf16 GEMV use the torch fallbacks")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("building the native CPU kernels failed, using the torch fallbacks: %s", detail[-2000:])
+        return None
+    lib.ce_decode_attention.argtypes = [ctypes.c_int, *[_ptr] * 4, _i64, _ptr, _ptr, *[_i64] * 5, _f32, _i64, _f32]
+    lib.ce_decode_attention.restype = ctypes.c_int
+    lib.ce_store_kv.argtypes = [*[_ptr] * 5, _i64, _i64, _i64]
+    lib.ce_store_kv.restype = _i64
+    lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
+    lib.ce_linear_bf16.restype = None
+    return lib
+
+
+def has_fast_bf16_gemv() -> bool:
+    """True when the library was built with AVX512-BF16 dot products (otherwise torch's GEMV is faster)."""
+    lib = library()
+    return lib is not None and bool(lib.ce_has_avx512_bf16())
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int, soft_cap: float,
+) -> torch.Tensor | None:
+    """Paged decode attention, or None when the native path does not apply."""
+    lib = library()
+    code = _DTYPE_CODES.get(q.dtype)
+    if lib is None or code is None or not (k_cache.dtype == v_cache.dtype == q.dtype):
+        return None
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    q = q.contiguous()
+    table = page_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    batch, heads, dim = q.shape
+    lib.ce_decode_attention(
+        code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
+        lens.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[1], dim, k_cache.shape[0], scale,
+        sliding_window, soft_cap,
+    )
+    return out
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """Scatter k, v rows into the caches; False when the native path does not apply (nothing written)."""
+    lib = library()
+    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        return False
+    k, v, slots = k.contiguous(), v.contiguous(), slots.to(torch.int64).contiguous()
+    row_bytes = k_cache[0].numel() * k_cache.element_size()
+    bad = lib.ce_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+                          slots.numel(), row_bytes, k_cache.shape[0])
+    if bad:
+        raise IndexError(f"store_kv: {bad} slot(s) out of range for a cache of {k_cache.shape[0]} slots")
+    return True
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight[N, K].T (+ bias) for at most GEMV_MAX_ROWS rows of bf16; else None."""
+    lib = library()
+    rows = x.numel() // max(1, x.shape[-1])
+    if lib is None or rows > GEMV_MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return None
+    if not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+        return None
+    x = x.contiguous()
+    n, k = weight.shape
+    out = x.new_empty(*x.shape[:-1], n)
+    lib.ce_linear_bf16(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                       out.data_ptr(), rows, n, k)
+    return out
