@@ -197,17 +197,19 @@ void decode_attention(const typename E::T* q, const typename E::T* k_cache, cons
     }
 }
 
-// Scatter rows; slots < 0 are skipped. Returns how many slots are >= S, and then writes nothing.
-int64_t store_kv(char* k_cache, char* v_cache, const char* k, const char* v, const int64_t* slots, int64_t T,
-                 int64_t row_bytes, int64_t S) {
+// Scatter T token rows of `row` elements (k / v token strides in elements) into the caches; slots < 0
+// are skipped. Returns how many slots are >= S, and then writes nothing.
+int64_t store_kv(char* k_cache, char* v_cache, const char* k, const char* v, int64_t k_stride, int64_t v_stride,
+                 const int64_t* slots, int64_t T, int64_t row, int64_t elem, int64_t S) {
     int64_t bad = 0;
     for (int64_t t = 0; t < T; ++t) bad += slots[t] >= S;
     if (bad) return bad;
+    const int64_t bytes = row * elem;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        std::memcpy(k_cache + slot * row_bytes, k + t * row_bytes, row_bytes);
-        std::memcpy(v_cache + slot * row_bytes, v + t * row_bytes, row_bytes);
+        std::memcpy(k_cache + slot * bytes, k + t * k_stride * elem, bytes);
+        std::memcpy(v_cache + slot * bytes, v + t * v_stride * elem, bytes);
     }
     return 0;
 }
@@ -285,10 +287,10 @@ int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* 
 #undef CE_DECODE
 }
 
-int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, const int64_t* slots, int64_t T,
-                    int64_t row_bytes, int64_t S) {
+int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, int64_t k_stride, int64_t v_stride,
+                    const int64_t* slots, int64_t T, int64_t row, int64_t elem, int64_t S) {
     return store_kv(static_cast<char*>(k_cache), static_cast<char*>(v_cache), static_cast<const char*>(k),
-                    static_cast<const char*>(v), slots, T, row_bytes, S);
+                    static_cast<const char*>(v), k_stride, v_stride, slots, T, row, elem, S);
 }
 
 void ce_linear_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K) {

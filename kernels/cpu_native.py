@@ -75,7 +75,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.ce_decode_attention.argtypes = [ctypes.c_int, *[_ptr] * 4, _i64, _ptr, _ptr, *[_i64] * 5, _f32, _i64, _f32]
     lib.ce_decode_attention.restype = ctypes.c_int
-    lib.ce_store_kv.argtypes = [*[_ptr] * 5, _i64, _i64, _i64]
+    lib.ce_store_kv.argtypes = [*[_ptr] * 4, _i64, _i64, _ptr, *[_i64] * 4]
     lib.ce_store_kv.restype = _i64
     lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
     lib.ce_linear_bf16.restype = None
@@ -115,19 +115,29 @@ def decode_attention(
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> bool:
-    """Scatter k, v rows into the caches; False when the native path does not apply (nothing written)."""
+    """Scatter k, v rows into the caches; False when the native path does not apply (nothing written).
+    k and v may be token-strided views (slices of a fused QKV output): each token's [Hkv, D] block must be
+    contiguous."""
     lib = library()
     if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
         return False
-    k, v, slots = k.contiguous(), v.contiguous(), slots.to(torch.int64).contiguous()
-    row_bytes = k_cache[0].numel() * k_cache.element_size()
-    bad = lib.ce_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
-                          slots.numel(), row_bytes, k_cache.shape[0])
+    k, v, slots = _token_rows(k), _token_rows(v), slots.to(torch.int64).contiguous()
+    row = k_cache.stride(0)
+    bad = lib.ce_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                          v.stride(0), slots.data_ptr(), slots.numel(), row, k_cache.element_size(),
+                          k_cache.shape[0])
     if bad:
         raise IndexError(f"store_kv: {bad} slot(s) out of range for a cache of {k_cache.shape[0]} slots")
     return True
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] with each token's block contiguous (any token stride), copying only if needed."""
+    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -79,3 +79,13 @@ def test_failed_build_gives_no_library(monkeypatch: pytest.MonkeyPatch, tmp_path
         monkeypatch.undo()
         cpu_native.library.cache_clear()
     assert cpu_native.library() is not None
+
+
+def test_store_kv_from_token_strided_views() -> None:
+    """K and V sliced out of a fused QKV output are written without a copy, to the right slots."""
+    qkv = torch.randn(3, 4 + 2 + 2, 16)  # per token: 4 q heads, 2 k heads, 2 v heads
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    assert cpu_native.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 2]))
+    assert torch.equal(k_cache[5], k[0]) and torch.equal(k_cache[2], k[2]) and torch.equal(v_cache[2], v[2])
+    assert k_cache[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
