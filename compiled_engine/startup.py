@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.compile_cache import cache_key, compile_with_cache, default_root
+from compiled_engine.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
 from compiled_engine.config import EngineConfig
 from compiled_engine.demo_model import resolve_model
 from compiled_engine.engine import Engine
@@ -106,16 +106,20 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     if not config.enforce_eager:
         runner.forward.set_compile_mode(config.compile_mode)
         key = cache_key(config, model_dir, model.dtype, device, runner.config)
-        compile_with_cache(key, default_root(config.compile_cache_dir), lambda: warm_up(runner, progress))
+        root = default_root(config.compile_cache_dir)
+        folder = CacheEntry(root, key.digest).precompiled_dir
+        compile_with_cache(key, root, lambda: warm_up(runner, progress, folder))
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     return Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
 
 
-def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None) -> None:
+def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None,
+            precompiled_dir: Path | None = None) -> None:
     """Compile every decode bucket and the dynamic extend graph now, so serving never compiles.
     The warm-up batches write nowhere (slot -1) and read only the dummy page.
-    `progress(graph, total)` is called as each graph starts."""
+    `progress(graph, total)` is called as each graph starts. With `precompiled_dir`, each graph is loaded
+    from there, or compiled ahead of time and saved there (see `runner.precompiled`)."""
     t0 = time.perf_counter()
     params = SamplingParams()
     fwd = runner.forward
@@ -133,13 +137,17 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
         tick(f"decode {n}")
         return build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n)
 
-    with torch.inference_mode():
-        for lengths in ([3, 5], [2, 1, 4]):
-            tick(f"extend {lengths}")
-            fwd(build_step_inputs(batch(lengths, False), runner.tables, runner.config.page_size, None))
-        if runner.device.type == "cuda":
-            fwd.capture_cuda_graphs(decode_inputs)
-        else:
-            for n in sorted(fwd.buckets, reverse=True):
-                fwd(decode_inputs(n))
+    fwd.precompiled_dir = precompiled_dir
+    try:
+        with torch.inference_mode():
+            for lengths in ([3, 5], [2, 1, 4]):
+                tick(f"extend {lengths}")
+                fwd(build_step_inputs(batch(lengths, False), runner.tables, runner.config.page_size, None))
+            if runner.device.type == "cuda":
+                fwd.capture_cuda_graphs(decode_inputs)
+            else:
+                for n in sorted(fwd.buckets, reverse=True):
+                    fwd(decode_inputs(n))
+    finally:
+        fwd.precompiled_dir = None  # graphs are saved under the cache entry's lock only
     log.info("compiled %d decode buckets + the extend graph in %.1fs", len(fwd.buckets), time.perf_counter() - t0)

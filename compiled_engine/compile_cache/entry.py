@@ -1,6 +1,6 @@
-"""One cache entry on disk: a folder per key holding inductor's caches and a manifest that a complete
-warm-up writes last. The manifest lists every file with its size and hash, so a truncated or garbled
-file (or a broken manifest) is caught before torch reads it."""
+"""One cache entry on disk: a folder per key holding inductor's caches, the precompiled graphs and a
+manifest that a complete warm-up writes last. The manifest lists every file with its size and hash, so a
+truncated or garbled file (or a broken manifest) is caught before torch reads it."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class CacheEntry:
     @property
     def triton_dir(self) -> Path:
         return self.path / "triton"
+
+    @property
+    def precompiled_dir(self) -> Path:
+        """Graphs saved by `torch.compile(...).aot_compile` (see `compiled_engine.runner.precompiled`)."""
+        return self.path / "precompiled"
 
     @property
     def lock_path(self) -> Path:

@@ -24,6 +24,8 @@ TRACED_SOURCES: tuple[Path, ...] = (
     _PACKAGE_ROOT.parent / "kernels",
 )
 UNTRACED = frozenset({"bench.py", "reference.py", "loader.py", "weight_utils.py", "sampler.py", "buckets.py"})
+# Source files by suffix: Python, and native code built into the kernels (e.g. kernels/*.cpp).
+SOURCE_SUFFIXES = frozenset({".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"})
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,8 @@ def model_config_hash(model_dir: str | Path) -> str:
 def source_hash(roots: tuple[Path, ...]) -> str:
     h = hashlib.sha256()
     for root in roots:
-        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
-            if path.name in UNTRACED:
+        for path in [root] if root.is_file() else sorted(root.rglob("*")):
+            if path.name in UNTRACED or path.suffix not in SOURCE_SUFFIXES or not path.is_file():
                 continue
             h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]

@@ -7,15 +7,17 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
+from compiled_engine.compile_cache import vec_isa
 from compiled_engine.compile_cache.entry import CacheEntry
 from compiled_engine.compile_cache.key import CacheKey
 from compiled_engine.demo_model import cache_root
+from compiled_engine.runner import precompiled
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +29,26 @@ def default_root(override: str | None = None) -> Path:
 
 @dataclass
 class CacheCounts:
-    """Inductor FX graph cache lookups (what decides hit/miss: a miss generates and builds code) and AOT
-    autograd cache lookups (informative only: on CPU one graph of the warm-up misses there on every start)."""
+    """What decides hit/miss: graphs loaded precompiled or from the inductor FX graph cache (hits), graphs
+    compiled ahead of time or FX graph cache misses and bypasses (misses: code was generated and built).
+    AOT autograd cache lookups are informative only."""
 
     hits: int = 0
-    misses: int = 0  # misses and bypasses
+    misses: int = 0
     aot_hits: int = 0
     aot_misses: int = 0
+    precompiled: int = 0  # of the hits, graphs loaded precompiled (no dynamo tracing)
 
     @staticmethod
     def now() -> CacheCounts:
-        fx, aot = counters["inductor"], counters["aot_autograd"]
-        return CacheCounts(fx["fxgraph_cache_hit"], fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"],
-                           aot["autograd_cache_hit"], aot["autograd_cache_miss"] + aot["autograd_cache_bypass"])
+        fx, aot, pre = counters["inductor"], counters["aot_autograd"], precompiled.counts
+        return CacheCounts(fx["fxgraph_cache_hit"] + pre["loaded"],
+                           fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"] + pre["compiled"],
+                           aot["autograd_cache_hit"], aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
+                           pre["loaded"])
 
     def __sub__(self, other: CacheCounts) -> CacheCounts:
-        return CacheCounts(self.hits - other.hits, self.misses - other.misses, self.aot_hits - other.aot_hits,
-                           self.aot_misses - other.aot_misses)
+        return CacheCounts(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass
@@ -56,9 +61,10 @@ class CompileReport:
 
     def summary(self) -> str:
         why = f" (discarded: {self.rebuilt})" if self.rebuilt else ""
+        c = self.counts
         return (f"compile cache {self.status}{why}: {self.entry.path}; compiled in {self.compile_s:.1f}s "
-                f"(FX graph cache {self.counts.hits} hits / {self.counts.misses} misses, AOT autograd cache "
-                f"{self.counts.aot_hits} / {self.counts.aot_misses})")
+                f"({c.hits} graph hits ({c.precompiled} precompiled) / {c.misses} misses, AOT autograd cache "
+                f"{c.aot_hits} / {c.aot_misses})")
 
 
 def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]) -> CompileReport:
@@ -72,6 +78,8 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
             entry.wipe()
             rebuilt = problem
         use_entry(entry)
+        if problem is None and key.device.startswith("cpu"):
+            vec_isa.reuse(entry)
         before = CacheCounts.now()
         t0 = time.perf_counter()
         compile_fn()
@@ -81,6 +89,7 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
             status = "hit"
         else:
             status = "partial" if counts.hits else "miss"
+            vec_isa.record(entry)
             entry.write_manifest(key, compile_s)
     report = CompileReport(status, entry, compile_s, counts, rebuilt)
     log.info("%s", report.summary())

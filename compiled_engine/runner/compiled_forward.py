@@ -1,20 +1,29 @@
 """The model forward as compiled graphs: one static-shape graph per decode bucket (captured as a CUDA
 graph on a GPU) and one dynamic-token-count graph for prefill / mixed steps. Attention is an opaque
-custom op, so the graphs split there. A batch larger than the largest bucket runs the dynamic graph."""
+custom op, so the graphs split there. A batch larger than the largest bucket runs the dynamic graph.
+During the warm-up each graph is loaded precompiled from the compile cache, or compiled ahead of time and
+saved there (`runner.precompiled`); without a cache folder, or if that fails, torch.compile compiles lazily."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
 
 from compiled_engine.layers.attention import AttentionMetadata
+from compiled_engine.runner import precompiled
 from compiled_engine.runner.step_inputs import StepInputs
 
 # One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
 torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+# With dynamic=True dynamo traces float module attributes (RMSNorm eps, attention scale) as symbolic floats,
+# then restarts the trace to specialize them: that first attempt missed the AOT autograd cache on every
+# start, and aot_compile has no restart at all (it raises TensorifyScalarRestartAnalysis).
+torch._dynamo.config.specialize_float = True
 
 
 # `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in the
@@ -32,6 +41,9 @@ COMPILE_MODES: dict[str, dict[str, bool]] = {
 
 
 class CompiledForward:
+    """Picks the graph of each step. `precompiled_dir` (set by the warm-up, under the compile-cache lock)
+    makes each graph's first call load it from there, or compile it ahead of time and save it there."""
+
     def __init__(
         self, model: torch.nn.Module, buckets: list[int], enabled: bool, device: torch.device,
         compile_mode: str = "default",
@@ -41,6 +53,7 @@ class CompiledForward:
         self.buckets = sorted(buckets) if enabled else []
         self.device = device
         self.cuda_graphs: dict[int, _CapturedDecode] = {}
+        self.precompiled_dir: Path | None = None
         self.set_compile_mode(compile_mode)
 
     def set_compile_mode(self, mode: str) -> None:
@@ -49,59 +62,90 @@ class CompiledForward:
             raise ValueError(f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
         self.compile_mode = mode
         self._freezing = False
-        self._traced: set[object] = set()
+        self.graphs: dict[object, Callable[..., torch.Tensor]] = {}  # bucket or "extend" -> its graph
         if not self.enabled:
             return
-        options = dict(COMPILE_MODES[mode]) if self.device.type == "cpu" else {}
+        self._options = dict(COMPILE_MODES[mode]) if self.device.type == "cpu" else {}
         # Dynamo reads `freezing` from the global config when it traces (to install the weights as graph
         # attributes rather than inputs), so the flag is also set around each graph's first call, not only
         # passed here. The KV caches stay graph inputs: store_kv mutates them, and freezing keeps those.
-        self._freezing = bool(options.get("freezing", False))
-        self._decode = torch.compile(self._decode_fn, dynamic=False, options=options or None)
-        self._extend = torch.compile(self._extend_fn, dynamic=True, options=options or None)
+        self._freezing = bool(self._options.get("freezing", False))
+        self._decode = self._compiler(_decode_graph, dynamic=False)
+        extend = self._compiler(_extend_graph, dynamic=True)
+        self._extend = lambda *args: extend(*_mark_dynamic(args))
 
-    def _compile_context(self, key: object):
-        """Freezing on for the first call of each graph (the one that traces and compiles it): patching the
-        config costs tens of microseconds, too much for every step."""
-        if not self._freezing or key in self._traced:
-            return contextlib.nullcontext()
-        self._traced.add(key)
-        return inductor_config.patch(freezing=True)
-
-    def _logits(self, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden.index_select(0, logits_index))
-
-    # Two entry points with their own code objects, so that dynamo keeps their graphs apart.
-    def _decode_fn(self, *args) -> torch.Tensor:
-        return self._logits(*args)
-
-    def _extend_fn(self, *args) -> torch.Tensor:
-        return self._logits(*args)
+    def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
+        return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
-        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
         if not self.enabled:
-            return self._logits(*args)
+            return _logits(self.model, *_args(inputs))
         batch = inputs.rows.shape[0]
         if inputs.meta.is_decode and batch in self.buckets:
             graph = self.cuda_graphs.get(batch)
             if graph is not None:
                 return graph.replay(inputs)
-            with self._compile_context(batch):
-                return self._decode(*args)
+            return self._run(batch, _args(inputs))
         if inputs.meta.is_decode:  # beyond the largest bucket: run it through the dynamic graph
             inputs = _as_extend(inputs)
-            args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
-        _mark_dynamic(inputs)
-        with self._compile_context("extend"):
-            return self._extend(*args)
+        return self._run("extend", _args(inputs))
+
+    def _run(self, key: object, args: tuple) -> torch.Tensor:
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph(self.model, *args)
+        # Freezing is on for the first call of each graph only (the one that traces and compiles it):
+        # patching the config costs tens of microseconds, too much for every step.
+        with inductor_config.patch(freezing=True) if self._freezing else contextlib.nullcontext():
+            graph = self._first_graph(key, (self.model, *args))
+            out = graph(self.model, *args)
+        self.graphs[key] = graph
+        return out
+
+    def _first_graph(self, key: object, args: tuple) -> Callable[..., torch.Tensor]:
+        """The precompiled graph when there is a folder for it (freezing makes the weights graph constants:
+        never saved), else the lazily compiled one."""
+        lazy = self._extend if key == "extend" else self._decode
+        if self.precompiled_dir is None or self._freezing:
+            return lazy
+        name = "extend" if key == "extend" else f"decode-{key}"
+        return precompiled.load_or_compile(lambda: self._aot_compile(key, args), lazy, args,
+                                           self.precompiled_dir / f"{name}.bin") or lazy
+
+    def _aot_compile(self, key: object, args: tuple):
+        if key != "extend":
+            return self._compiler(_decode_graph, dynamic=False, fullgraph=True).aot_compile((args, {}))
+        # Marked dimensions get symbols of their own (unmarked ones would be duck-sized: equal sizes in the
+        # example, one symbol). The saved guards lose the markings and reject marked inputs, so later calls
+        # pass unmarked tensors (which the guards of a graph compiled in this process accept too).
+        return self._compiler(_extend_graph, dynamic=True, fullgraph=True).aot_compile((_mark_dynamic(args), {}))
 
     def capture_cuda_graphs(self, make_inputs) -> None:
         """Capture every decode bucket, largest first, into one memory pool (CUDA only)."""
         pool = torch.cuda.graph_pool_handle()
         for batch in sorted(self.buckets, reverse=True):
-            self.cuda_graphs[batch] = _CapturedDecode(self._decode, make_inputs(batch), pool)
+            self.cuda_graphs[batch] = _CapturedDecode(lambda *args, b=batch: self._run(b, args), make_inputs(batch),
+                                                      pool)
+
+
+def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+    hidden = model(input_ids, positions, meta)
+    return model.compute_logits(hidden.index_select(0, logits_index))
+
+
+# Two entry points with their own code objects, so that dynamo keeps their graphs apart. The model is an
+# argument (not a closure or `self`), so that a precompiled graph saves no module and runs with any model
+# of the same shapes.
+def _decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
+    return _logits(model, *args)
+
+
+def _extend_graph(model: torch.nn.Module, *args) -> torch.Tensor:
+    return _logits(model, *args)
+
+
+def _args(inputs: StepInputs) -> tuple:
+    return inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index
 
 
 class _CapturedDecode:
@@ -109,7 +153,7 @@ class _CapturedDecode:
 
     def __init__(self, fn, inputs: StepInputs, pool) -> None:
         self.inputs = inputs
-        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+        args = _args(inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -160,8 +204,9 @@ def _as_extend(inputs: StepInputs) -> StepInputs:
     )
 
 
-def _mark_dynamic(inputs: StepInputs) -> None:
-    m = inputs.meta
-    for t in (inputs.input_ids, inputs.positions, inputs.logits_index, m.out_slots, m.page_table, m.seq_lens,
-              m.cu_q_lens):
+def _mark_dynamic(args: tuple) -> tuple:
+    """`args` of the extend graph, with the token / request / sampled-row dimension of each tensor marked."""
+    _, input_ids, positions, meta, logits_index = args
+    for t in (input_ids, positions, logits_index, meta.out_slots, meta.page_table, meta.seq_lens, meta.cu_q_lens):
         torch._dynamo.mark_dynamic(t, 0)
+    return args

@@ -6,6 +6,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.runner import precompiled
 from tests.engine.conftest import NEW_TOKENS, ragged_prompts
 
 pytestmark = pytest.mark.slow
@@ -17,8 +18,9 @@ def compiled_llm(demo_dir: str) -> LLM:
 
 
 def test_compiled_greedy_matches_transformers_without_recompiling(compiled_llm: LLM, hf_greedy) -> None:
+    # Four decode buckets and the dynamic extend graph, compiled (or loaded precompiled) by the warm-up.
+    assert sorted(compiled_llm.engine.runner.forward.graphs, key=str) == [1, 2, 4, 8, "extend"]
     graphs_after_warmup = counters["stats"]["unique_graphs"]
-    assert graphs_after_warmup >= 5  # four decode buckets and the dynamic extend graph
     prompts = ragged_prompts(37, seed=1)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     # 37 requests (mixed steps, every decode bucket, batches beyond the largest bucket), then batch 1 and 3.
@@ -27,3 +29,4 @@ def test_compiled_greedy_matches_transformers_without_recompiling(compiled_llm: 
     for out, prompt in zip(outputs, prompts + prompts[:4]):
         assert out.token_ids == hf_greedy(prompt)
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "a graph was compiled while serving"
+    assert precompiled.counts["guard_failed"] == 0

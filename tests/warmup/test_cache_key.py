@@ -80,3 +80,15 @@ def test_an_engine_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, 
     forward = copy / "compiled_forward.py"
     forward.write_text(forward.read_text() + "\n# an edit\n")
     assert digest(EngineConfig(), model_dir) != base
+
+
+def test_a_native_kernel_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    kernels = tmp_path / "src" / "kernels"
+    kernels.mkdir(parents=True)
+    (kernels / "ops.py").write_text("OPS = 1\n")
+    monkeypatch.setattr(key_mod, "TRACED_SOURCES", (kernels,))
+    base = digest(EngineConfig(), model_dir)
+    (kernels / "README.txt").write_text("not source\n")
+    assert digest(EngineConfig(), model_dir) == base
+    (kernels / "cpu_native.cpp").write_text("int attend() { return 0; }\n")
+    assert digest(EngineConfig(), model_dir) != base

@@ -1,5 +1,6 @@
 """End to end: `compiled-engine warmup` fills the cache; a fresh process then starts with every graph
-loaded from it (torch's cache counters, not timings); a damaged entry is rebuilt, not crashed on.
+loaded precompiled from it, and serves, without tracing with dynamo (counters, not timings); a damaged
+entry is rebuilt, not crashed on.
 
 A one-layer random Llama keeps the compiles short. The engine-source part of the key is pinned in
 these processes: the checkout may be edited while the test runs (a real edit must miss, see
@@ -33,11 +34,19 @@ START = PIN_SOURCES + """
 import json, logging, sys
 from torch._dynamo.utils import counters
 from compiled_engine.config import EngineConfig
+from compiled_engine.runner import precompiled
+from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-build_engine(EngineConfig(model=sys.argv[1], load_format="dummy", buckets=[1, 2], max_running=4, num_pages=64,
-                          compile_cache_dir=sys.argv[2]))
-print(json.dumps({"inductor": counters["inductor"], "aot_autograd": counters["aot_autograd"]}))
+engine = build_engine(EngineConfig(model=sys.argv[1], load_format="dummy", buckets=[1, 2], max_running=4,
+                                   num_pages=64, compile_cache_dir=sys.argv[2]))
+warm_up = {"stats": dict(counters["stats"]), "precompiled": dict(precompiled.counts)}
+for i, prompt in enumerate([[1, 2, 3], [4, 5], [6]]):  # prefill, then decode batches of 3 (beyond), 2 and 1
+    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2 + 2 * i, ignore_eos=True))
+while engine.has_work():
+    engine.step()
+print(json.dumps({"inductor": counters["inductor"], "aot_autograd": counters["aot_autograd"], "warm_up": warm_up,
+                  "stats": counters["stats"], "precompiled": precompiled.counts}))
 """
 
 
@@ -64,15 +73,18 @@ def warmed(tmp_path_factory) -> tuple[Path, Path, Path]:
     return model, cache, tmp
 
 
-def test_warm_start_loads_every_graph_from_the_cache(warmed: tuple[Path, Path, Path]) -> None:
+def test_warm_start_loads_every_graph_precompiled_and_never_traces(warmed: tuple[Path, Path, Path]) -> None:
     model, cache, tmp = warmed
     [entry] = list_entries(cache)
     assert entry.problem() is None
+    assert sorted(p.name for p in entry.precompiled_dir.iterdir()) == ["decode-1.bin", "decode-2.bin", "extend.bin"]
     assert not (tmp / "ci-wide-inductor" / "fxgraph").exists()
     counts, log = start(model, cache, tmp)
-    assert counts["inductor"].get("fxgraph_cache_hit", 0) >= 2
+    assert counts["warm_up"]["precompiled"] == {"loaded": 3}
+    assert counts["precompiled"] == {"loaded": 3}  # and no guard sent a serving step to the fallback
+    assert counts["stats"].get("unique_graphs", 0) == 0 and counts["stats"].get("calls_captured", 0) == 0
     assert counts["inductor"].get("fxgraph_cache_miss", 0) == 0
-    assert counts["aot_autograd"].get("autograd_cache_hit", 0) >= 2
+    assert counts["aot_autograd"].get("autograd_cache_miss", 0) == 0
     assert "compile cache hit" in log
 
 
@@ -92,5 +104,5 @@ def test_a_damaged_entry_is_rebuilt_not_crashed_on(warmed: tuple[Path, Path, Pat
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
     counts, log = start(model, copy, tmp)
     assert "rebuilding" in log and "compile cache miss" in log
-    assert counts["inductor"].get("fxgraph_cache_miss", 0) >= 2
+    assert counts["warm_up"]["precompiled"] == {"compiled": 3}
     assert entry.problem() is None

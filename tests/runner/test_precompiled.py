@@ -1,0 +1,81 @@
+"""Precompiled graphs fall back to torch.compile's lazy graph whenever loading, compiling or a guard fails.
+Fake precompiled functions stand in for torch's (the end-to-end path is in tests/warmup/test_warm_start.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_engine.runner import precompiled
+
+
+class FakeAot:
+    """What `aot_compile` returns: guards, a call, a save."""
+
+    def __init__(self, accepts: bool = True) -> None:
+        self.accepts = accepts
+
+    def disable_guard_check(self) -> None:
+        pass
+
+    def guard_check(self, *args) -> bool:
+        return self.accepts
+
+    def __call__(self, *args) -> str:
+        return "precompiled"
+
+    def save_compiled_function(self, path: str) -> None:
+        Path(path).write_bytes(b"saved")
+
+
+def lazy(*args) -> str:
+    return "lazy"
+
+
+@pytest.fixture(autouse=True)
+def counts(monkeypatch) -> Counter:
+    monkeypatch.setattr(precompiled, "counts", Counter())
+    return precompiled.counts
+
+
+def test_a_missing_file_is_compiled_and_saved(tmp_path: Path, counts: Counter) -> None:
+    path = tmp_path / "pre" / "decode-1.bin"
+    graph = precompiled.load_or_compile(FakeAot, lazy, (), path)
+    assert graph() == "precompiled" and path.read_bytes() == b"saved"
+    assert counts == {"compiled": 1}
+
+
+def test_an_unloadable_file_is_compiled_again(tmp_path: Path, counts: Counter) -> None:
+    path = tmp_path / "extend.bin"
+    path.write_bytes(b"not a pickle")
+    graph = precompiled.load_or_compile(FakeAot, lazy, (), path)
+    assert graph() == "precompiled" and counts == {"compiled": 1}
+
+
+def test_a_stale_file_is_compiled_again(tmp_path: Path, counts: Counter, monkeypatch) -> None:
+    path = tmp_path / "extend.bin"
+    path.write_bytes(b"old")
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: FakeAot(accepts=False))
+    graph = precompiled.load_or_compile(FakeAot, lazy, (), path)
+    assert graph() == "precompiled" and counts == {"loaded": 1, "compiled": 1}
+
+
+def test_a_failed_aot_compile_falls_back(tmp_path: Path, counts: Counter) -> None:
+    def fail() -> None:
+        raise RuntimeError("graph break")
+
+    assert precompiled.load_or_compile(fail, lazy, (), tmp_path / "decode-1.bin") is None
+    assert counts == {"fell_back": 1}
+    assert "graph break" in (tmp_path / "decode-1.failed").read_text()
+    # A later start goes straight to the fallback.
+    assert precompiled.load_or_compile(FakeAot, lazy, (), tmp_path / "decode-1.bin") is None
+    assert counts == {"fell_back": 2}
+
+
+def test_inputs_the_guards_reject_run_the_lazy_graph(counts: Counter) -> None:
+    graph = precompiled.Precompiled(FakeAot(accepts=False), lazy, "decode-2")
+    assert graph() == "lazy" and graph() == "lazy"
+    assert counts == {"guard_failed": 2, "guard_failed:decode-2": 2}
