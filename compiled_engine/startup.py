@@ -116,14 +116,17 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
 
 def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None,
             precompiled_dir: Path | None = None) -> None:
-    """Compile every decode bucket and the dynamic extend graph now, so serving never compiles.
+    """Compile every decode bucket, the dynamic extend graph and (when batches can outgrow the largest
+    bucket) the dynamic-batch decode graph now, so serving never compiles.
     The warm-up batches write nowhere (slot -1) and read only the dummy page.
     `progress(graph, total)` is called as each graph starts. With `precompiled_dir`, each graph is loaded
     from there, or compiled ahead of time and saved there (see `runner.precompiled`)."""
     t0 = time.perf_counter()
     params = SamplingParams()
     fwd = runner.forward
-    total = 2 + len(fwd.buckets)
+    # The dynamic-batch decode graph, for decode batches larger than the largest bucket.
+    beyond = max(fwd.buckets) + 1 if fwd.buckets and max(fwd.buckets) < runner.config.max_rows else None
+    total = 2 + len(fwd.buckets) + (beyond is not None)
 
     def tick(graph: str) -> None:
         if progress is not None:
@@ -148,6 +151,9 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
             else:
                 for n in sorted(fwd.buckets, reverse=True):
                     fwd(decode_inputs(n))
+            if beyond is not None:
+                fwd(decode_inputs(beyond))
     finally:
         fwd.precompiled_dir = None  # graphs are saved under the cache entry's lock only
-    log.info("compiled %d decode buckets + the extend graph in %.1fs", len(fwd.buckets), time.perf_counter() - t0)
+    log.info("compiled %d decode buckets + %d dynamic graphs in %.1fs", len(fwd.buckets), 1 + (beyond is not None),
+             time.perf_counter() - t0)

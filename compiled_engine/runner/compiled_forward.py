@@ -1,6 +1,7 @@
 """The model forward as compiled graphs: one static-shape graph per decode bucket (captured as a CUDA
-graph on a GPU) and one dynamic-token-count graph for prefill / mixed steps. Attention is an opaque
-custom op, so the graphs split there. A batch larger than the largest bucket runs the dynamic graph.
+graph on a GPU), one dynamic-token-count graph for prefill / mixed steps, and one dynamic-batch decode graph
+for decode batches larger than the largest bucket. Attention is an opaque custom op, so the graphs split
+there.
 During the warm-up each graph is loaded precompiled from the compile cache, or compiled ahead of time and
 saved there (`runner.precompiled`); without a cache folder, or if that fails, torch.compile compiles lazily."""
 
@@ -62,7 +63,7 @@ class CompiledForward:
             raise ValueError(f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
         self.compile_mode = mode
         self._freezing = False
-        self.graphs: dict[object, Callable[..., torch.Tensor]] = {}  # bucket or "extend" -> its graph
+        self.graphs: dict[object, Callable[..., torch.Tensor]] = {}  # bucket, "extend" or "decode" -> its graph
         if not self.enabled:
             return
         self._options = dict(COMPILE_MODES[mode]) if self.device.type == "cpu" else {}
@@ -71,8 +72,11 @@ class CompiledForward:
         # passed here. The KV caches stay graph inputs: store_kv mutates them, and freezing keeps those.
         self._freezing = bool(self._options.get("freezing", False))
         self._decode = self._compiler(_decode_graph, dynamic=False)
-        extend = self._compiler(_extend_graph, dynamic=True)
-        self._extend = lambda *args: extend(*_mark_dynamic(args))
+        self._dynamic = {key: self._marked(self._compiler(fn, dynamic=True)) for key, fn in DYNAMIC_GRAPHS.items()}
+
+    @staticmethod
+    def _marked(graph: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return lambda *args: graph(*_mark_dynamic(args))
 
     def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
         return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
@@ -86,9 +90,8 @@ class CompiledForward:
             if graph is not None:
                 return graph.replay(inputs)
             return self._run(batch, _args(inputs))
-        if inputs.meta.is_decode:  # beyond the largest bucket: run it through the dynamic graph
-            inputs = _as_extend(inputs)
-        return self._run("extend", _args(inputs))
+        # Beyond the largest bucket a decode batch runs the dynamic-batch decode graph (same kernels).
+        return self._run("decode" if inputs.meta.is_decode else "extend", _args(inputs))
 
     def _run(self, key: object, args: tuple) -> torch.Tensor:
         graph = self.graphs.get(key)
@@ -105,20 +108,21 @@ class CompiledForward:
     def _first_graph(self, key: object, args: tuple) -> Callable[..., torch.Tensor]:
         """The precompiled graph when there is a folder for it (freezing makes the weights graph constants:
         never saved), else the lazily compiled one."""
-        lazy = self._extend if key == "extend" else self._decode
+        lazy = self._dynamic.get(key, self._decode)
         if self.precompiled_dir is None or self._freezing:
             return lazy
-        name = "extend" if key == "extend" else f"decode-{key}"
+        name = {"extend": "extend", "decode": "decode-dynamic"}.get(key, f"decode-{key}")
         return precompiled.load_or_compile(lambda: self._aot_compile(key, args), lazy, args,
                                            self.precompiled_dir / f"{name}.bin") or lazy
 
     def _aot_compile(self, key: object, args: tuple):
-        if key != "extend":
+        if key not in DYNAMIC_GRAPHS:
             return self._compiler(_decode_graph, dynamic=False, fullgraph=True).aot_compile((args, {}))
         # Marked dimensions get symbols of their own (unmarked ones would be duck-sized: equal sizes in the
         # example, one symbol). The saved guards lose the markings and reject marked inputs, so later calls
         # pass unmarked tensors (which the guards of a graph compiled in this process accept too).
-        return self._compiler(_extend_graph, dynamic=True, fullgraph=True).aot_compile((_mark_dynamic(args), {}))
+        graph = self._compiler(DYNAMIC_GRAPHS[key], dynamic=True, fullgraph=True)
+        return graph.aot_compile((_mark_dynamic(args), {}))
 
     def capture_cuda_graphs(self, make_inputs) -> None:
         """Capture every decode bucket, largest first, into one memory pool (CUDA only)."""
@@ -142,6 +146,15 @@ def _decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
 
 def _extend_graph(model: torch.nn.Module, *args) -> torch.Tensor:
     return _logits(model, *args)
+
+
+def _dynamic_decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
+    return _logits(model, *args)
+
+
+# Graphs with a dynamic token / row count, by key: prefill and mixed steps, and decode batches larger than
+# the largest bucket.
+DYNAMIC_GRAPHS = {"extend": _extend_graph, "decode": _dynamic_decode_graph}
 
 
 def _args(inputs: StepInputs) -> tuple:
@@ -177,35 +190,8 @@ class _CapturedDecode:
         return self.output
 
 
-def _as_extend(inputs: StepInputs) -> StepInputs:
-    """A decode batch viewed as an extend batch of one-token requests (plus the padding request)."""
-    m = inputs.meta
-    n = inputs.rows.shape[0]
-    device = inputs.input_ids.device
-    one = torch.ones(1, dtype=torch.long, device=device)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    meta = AttentionMetadata(
-        out_slots=torch.cat([m.out_slots, -one]),
-        page_table=torch.cat([m.page_table, torch.zeros_like(m.page_table[:1])]),
-        seq_lens=torch.cat([m.seq_lens, one.to(m.seq_lens.dtype)]),
-        cu_q_lens=torch.arange(n + 2, dtype=m.cu_q_lens.dtype, device=device),
-        page_size=m.page_size,
-        is_decode=False,
-    )
-    return StepInputs(
-        input_ids=torch.cat([inputs.input_ids, zero]),
-        positions=torch.cat([inputs.positions, zero]),
-        meta=meta,
-        logits_index=inputs.logits_index,
-        num_sampled=inputs.num_sampled,
-        rows=torch.cat([inputs.rows, zero]),
-        sample_rows=inputs.sample_rows,
-        sample_next_pos=inputs.sample_next_pos,
-    )
-
-
 def _mark_dynamic(args: tuple) -> tuple:
-    """`args` of the extend graph, with the token / request / sampled-row dimension of each tensor marked."""
+    """`args` of a dynamic graph, with the token / request / sampled-row dimension of each tensor marked."""
     _, input_ids, positions, meta, logits_index = args
     for t in (input_ids, positions, logits_index, meta.out_slots, meta.page_table, meta.seq_lens, meta.cu_q_lens):
         torch._dynamo.mark_dynamic(t, 0)

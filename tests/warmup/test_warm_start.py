@@ -77,11 +77,12 @@ def test_warm_start_loads_every_graph_precompiled_and_never_traces(warmed: tuple
     model, cache, tmp = warmed
     [entry] = list_entries(cache)
     assert entry.problem() is None
-    assert sorted(p.name for p in entry.precompiled_dir.iterdir()) == ["decode-1.bin", "decode-2.bin", "extend.bin"]
+    graphs = sorted(p.name for p in entry.precompiled_dir.iterdir())
+    assert graphs == ["decode-1.bin", "decode-2.bin", "decode-dynamic.bin", "extend.bin"]
     assert not (tmp / "ci-wide-inductor" / "fxgraph").exists()
     counts, log = start(model, cache, tmp)
-    assert counts["warm_up"]["precompiled"] == {"loaded": 3}
-    assert counts["precompiled"] == {"loaded": 3}  # and no guard sent a serving step to the fallback
+    assert counts["warm_up"]["precompiled"] == {"loaded": 4}
+    assert counts["precompiled"] == {"loaded": 4}  # and no guard sent a serving step to the fallback
     assert counts["stats"].get("unique_graphs", 0) == 0 and counts["stats"].get("calls_captured", 0) == 0
     assert counts["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert counts["aot_autograd"].get("autograd_cache_miss", 0) == 0
@@ -104,5 +105,5 @@ def test_a_damaged_entry_is_rebuilt_not_crashed_on(warmed: tuple[Path, Path, Pat
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
     counts, log = start(model, copy, tmp)
     assert "rebuilding" in log and "compile cache miss" in log
-    assert counts["warm_up"]["precompiled"] == {"compiled": 3}
+    assert counts["warm_up"]["precompiled"] == {"compiled": 4}
     assert entry.problem() is None
