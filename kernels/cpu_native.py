@@ -82,8 +82,10 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+@torch.compiler.assume_constant_result
 def has_fast_bf16_gemv() -> bool:
-    """True when the library was built with AVX512-BF16 dot products (otherwise torch's GEMV is faster)."""
+    """True when the library was built with AVX512-BF16 dot products (otherwise torch's GEMV is faster).
+    A constant to torch.compile: evaluated while tracing, never traced into (building is not traceable)."""
     lib = library()
     return lib is not None and bool(lib.ce_has_avx512_bf16())
 

@@ -89,3 +89,14 @@ def test_store_kv_from_token_strided_views() -> None:
     assert cpu_native.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 2]))
     assert torch.equal(k_cache[5], k[0]) and torch.equal(k_cache[2], k[2]) and torch.equal(v_cache[2], v[2])
     assert k_cache[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
+
+
+def test_bf16_linear_layer_compiles_as_one_graph() -> None:
+    """The native-GEMV decision is made while tracing, so a bf16 model still compiles without graph breaks."""
+    from compiled_engine.layers.linear import linear
+
+    cpu_native.library.cache_clear()  # the first call inside the trace must not be traced into
+    w = torch.randn(32, 64).bfloat16()
+    fn = torch.compile(lambda x: linear(x, w) * 2, fullgraph=True)
+    x = torch.randn(2, 64).bfloat16()
+    torch.testing.assert_close(fn(x), F.linear(x, w) * 2, atol=2e-2, rtol=2e-2)
