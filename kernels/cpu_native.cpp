@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <omp.h>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -128,72 +129,87 @@ inline __m512 load16(const uint16_t* x) {
 }
 inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
 
-// The same task with D = 16 * V held in registers: one row's dot product is V FMAs and one reduction.
+// The same task for KV heads kh0 .. kh0 + nkh - 1 at once, D = 16 * V: each position's K and V rows of
+// those heads are adjacent in memory, so a whole-row task (nkh = Hkv) streams the cache sequentially.
+// qf, p and acc hold nkh * G query heads.
 template <typename E, int V>
 void attend_avx512(const float* qf, const typename E::T* k_cache, const typename E::T* v_cache,
-                   const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh, int64_t G, float scale,
-                   float soft_cap, float* p, float* acc) {
+                   const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh0, int64_t nkh, int64_t G,
+                   float scale, float soft_cap, float* p, float* acc) {
     constexpr int64_t D = 16 * V;
-    for (int64_t g = 0; g < G; ++g) {
-        __m512 qv[V];
-        for (int v = 0; v < V; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D + 16 * v), _mm512_set1_ps(scale));
-        for (int64_t t = 0; t < n; ++t) {
-            const typename E::T* kr = k_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
-            __m512 s = _mm512_mul_ps(qv[0], load16(kr));
-            for (int v = 1; v < V; ++v) s = _mm512_fmadd_ps(qv[v], load16(kr + 16 * v), s);
-            p[g * n + t] = capped(_mm512_reduce_add_ps(s), soft_cap);
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t t = 0; t < n; ++t) {
+        const typename E::T* kr = k_cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
+        for (int64_t j = 0; j < nkh; ++j) {
+            __m512 kv[V];
+            for (int v = 0; v < V; ++v) kv[v] = load16(kr + j * D + 16 * v);
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = j * G + g;
+                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + h * D), kv[0]);
+                for (int v = 1; v < V; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + 16 * v), kv[v], s);
+                p[h * n + t] = capped(_mm512_reduce_add_ps(_mm512_mul_ps(s, sv)), soft_cap);
+            }
         }
     }
-    softmax_rows(p, G, n);
-    for (int64_t g = 0; g < G; ++g) {
-        __m512 a[V];
-        for (int v = 0; v < V; ++v) a[v] = _mm512_setzero_ps();
-        const float* pg = p + g * n;
-        for (int64_t t = 0; t < n; ++t) {
-            const typename E::T* vr = v_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
-            const __m512 w = _mm512_set1_ps(pg[t]);
-            for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(w, load16(vr + 16 * v), a[v]);
+    softmax_rows(p, nkh * G, n);
+    for (int64_t t = 0; t < n; ++t) {
+        const typename E::T* vr = v_cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
+        for (int64_t j = 0; j < nkh; ++j) {
+            __m512 vv[V];
+            for (int v = 0; v < V; ++v) vv[v] = load16(vr + j * D + 16 * v);
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = j * G + g;
+                const __m512 w = _mm512_set1_ps(p[h * n + t]);
+                for (int v = 0; v < V; ++v) {
+                    float* a = acc + h * D + 16 * v;
+                    _mm512_storeu_ps(a, _mm512_fmadd_ps(w, vv[v], _mm512_loadu_ps(a)));
+                }
+            }
         }
-        for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, a[v]);
     }
 }
 #endif
 
-// One query per row b; the G = H / Hkv query heads of KV head kh share each K/V row read. Tasks are
-// (row, KV head) pairs spread over the OpenMP threads.
+// One query per row b; the G = H / Hkv query heads of a KV head share each K/V row read. A task is a
+// whole row (all heads: sequential reads) when there are enough rows for every thread, else one
+// (row, KV head) pair.
 template <typename E>
 void decode_attention(const typename E::T* q, const typename E::T* k_cache, const typename E::T* v_cache,
                       const int32_t* table, int64_t table_stride, const int32_t* seq_lens, typename E::T* out,
                       int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window,
                       float soft_cap) {
     const int64_t G = H / Hkv;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-        for (int64_t kh = 0; kh < Hkv; ++kh) {
-            const int64_t len = seq_lens[b];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            const int64_t n = len - start;
-            typename E::T* o = out + (b * H + kh * G) * D;
-            std::vector<float> qf(G * D), acc(G * D, 0.0f), p(G * (n > 0 ? n : 0));
-            if (n > 0) {
-                load_row<E>(q + (b * H + kh * G) * D, qf.data(), G * D);
-                const int32_t* slots = table + b * table_stride + start;
-                bool done = false;
+    const int64_t nkh = B >= 2 * omp_get_max_threads() ? Hkv : 1;  // KV heads per task
+    const int64_t tasks_per_row = Hkv / nkh;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < B * tasks_per_row; ++task) {
+        const int64_t b = task / tasks_per_row, kh0 = (task % tasks_per_row) * nkh;
+        const int64_t len = seq_lens[b];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t n = len - start;
+        const int64_t heads = nkh * G;
+        typename E::T* o = out + (b * H + kh0 * G) * D;
+        std::vector<float> qf(heads * D), acc(heads * D, 0.0f), p(heads * (n > 0 ? n : 0));
+        if (n > 0) {
+            load_row<E>(q + (b * H + kh0 * G) * D, qf.data(), heads * D);
+            const int32_t* slots = table + b * table_stride + start;
+            bool done = false;
 #if defined(__AVX512F__)
-                done = true;
-                switch (D) {
-                    case 32: attend_avx512<E, 2>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    case 64: attend_avx512<E, 4>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    case 128: attend_avx512<E, 8>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    case 256: attend_avx512<E, 16>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    default: done = false;
-                }
-#endif
-                if (!done)
-                    attend_generic<E>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh, G, D, scale, soft_cap, p.data(), acc.data());
+            done = true;
+            switch (D) {
+                case 32: attend_avx512<E, 2>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                case 64: attend_avx512<E, 4>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                case 128: attend_avx512<E, 8>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                case 256: attend_avx512<E, 16>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                default: done = false;
             }
-            for (int64_t i = 0; i < G * D; ++i) o[i] = E::store(acc[i]);  // zeros for an empty row
+#endif
+            if (!done)
+                for (int64_t j = 0; j < nkh; ++j)
+                    attend_generic<E>(qf.data() + j * G * D, k_cache, v_cache, slots, n, S, Hkv, kh0 + j, G, D, scale,
+                                      soft_cap, p.data() + j * G * n, acc.data() + j * G * D);
         }
+        for (int64_t i = 0; i < heads * D; ++i) o[i] = E::store(acc[i]);  // zeros for an empty row
     }
 }
 

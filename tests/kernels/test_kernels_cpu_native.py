@@ -100,3 +100,21 @@ def test_bf16_linear_layer_compiles_as_one_graph() -> None:
     fn = torch.compile(lambda x: linear(x, w) * 2, fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
     torch.testing.assert_close(fn(x), F.linear(x, w) * 2, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_whole_row_and_per_head_tasks_agree(dtype: torch.dtype) -> None:
+    """Rows >= 2x the threads run one task per row (all KV heads), fewer rows one task per (row, KV head)."""
+    batch = make_batch([3, 50, 0, 7, 129, 64], [1] * 6, 8, 4, 64, 1, dtype, seed=7)
+    args = (*batch.decode_args(0.125)[:5], 0.125, 0, 0.0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 6 rows >= 2 threads' worth: whole rows
+        whole_rows = cpu_native.decode_attention(*args)
+        torch.set_num_threads(4)  # 6 rows < 8: per KV head
+        per_head = cpu_native.decode_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(whole_rows, per_head, atol=TOL[dtype], rtol=TOL[dtype])
+    expected = reference.decode_attention_reference(*batch.decode_args(0.125))
+    torch.testing.assert_close(whole_rows.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
