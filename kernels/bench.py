@@ -1,5 +1,6 @@
-"""Benchmark the attention ops: `python -m kernels.bench` (CPU op vs the reference), `--cuda` (Triton
-decode bandwidth and extend throughput on a GPU)."""
+"""Benchmark the kernel ops: `python -m kernels.bench` (CPU ops vs the torch fallback and the reference),
+`--linear` (CPU bf16 linear: torch vs pre-packed oneDNN), `--cuda` (Triton decode bandwidth and extend
+throughput on a GPU)."""
 
 import argparse
 import statistics
@@ -7,8 +8,9 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from kernels import ops, reference
+from kernels import cpu_attention, ops, reference
 
 
 def _paged(
@@ -51,10 +53,11 @@ def bench_cpu(repeats: int) -> None:
             q = torch.randn(batch, num_heads, head_dim, dtype=dtype)
             args = (q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), head_dim**-0.5, page_size)
             op = _time_ms(lambda args=args: ops.decode_attention(*args), repeats)
+            fallback = _time_ms(lambda args=args: cpu_attention.decode_attention_cpu(*args[:6]), repeats)
             ref = _time_ms(lambda args=args: reference.decode_attention_reference(*args), 1)
             print(
                 f"decode {str(dtype)[6:]:8} B={batch} ctx={context} D={head_dim}: "
-                f"op {op:8.2f}  reference {ref:9.1f}  ({ref / op:.0f}x)"
+                f"op {op:8.2f}  torch fallback {fallback:8.2f}  reference {ref:9.1f}  ({ref / op:.0f}x)"
             )
     for dtype in (torch.bfloat16, torch.float32):
         for prefix in (0, 512):
@@ -71,6 +74,18 @@ def bench_cpu(repeats: int) -> None:
                 f"extend {str(dtype)[6:]:8} {requests}x{new} prefix={prefix} D={head_dim}: "
                 f"op {op:8.2f}  reference {ref:9.1f}  ({ref / op:.0f}x)"
             )
+
+
+def bench_linear(repeats: int) -> None:
+    """The bench model's linears (hidden 768, 12 layers; 151 MB of bf16 weights: more than the caches)."""
+    shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12
+    weights = [torch.randn(n, k).bfloat16() for n, k in shapes]
+    print(f"CPU bf16 linear, {torch.get_num_threads()} threads, 12 layers of the bench model, median ms")
+    for rows in (1, 8, 64, 512):
+        xs = {k: torch.randn(rows, k).bfloat16() for k in (768, 2048)}
+        plain = _time_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], repeats)
+        packed = _time_ms(lambda xs=xs: [ops.linear(xs[w.shape[1]], w) for w in weights], repeats)
+        print(f"rows {rows:4}: torch F.linear {plain:8.2f}  packed oneDNN {packed:8.2f}  ({plain / packed:.2f}x)")
 
 
 def bench_cuda() -> None:
@@ -104,6 +119,7 @@ def bench_cuda() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cuda", action="store_true", help="benchmark the Triton kernels on the GPU")
+    parser.add_argument("--linear", action="store_true", help="benchmark the CPU bf16 linear")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
@@ -111,6 +127,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.cuda:
         bench_cuda()
+    elif args.linear:
+        bench_linear(args.repeats)
     else:
         bench_cpu(args.repeats)
 

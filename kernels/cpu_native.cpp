@@ -1,4 +1,4 @@
-// Native CPU kernels, built on first use by kernels/cpu_native.py (g++ -O3 -march=native -fopenmp) and
+// Native CPU kernels (paged decode attention, KV store), built on first use by kernels/cpu_native.py (g++ -O3 -march=native -fopenmp) and
 // called through ctypes. Plain C ABI, no torch headers: the build takes about a second.
 //
 // Element type codes (`dt`): 0 float32, 1 bfloat16, 2 float16. Math is in float32.
@@ -230,62 +230,9 @@ int64_t store_kv(char* k_cache, char* v_cache, const char* k, const char* v, int
     return 0;
 }
 
-#if defined(__AVX512BF16__)
-inline __m512bh load_bf16x32(const uint16_t* p, int64_t left) {
-    if (left >= 32) return (__m512bh)_mm512_loadu_si512(p);
-    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);
-}
-#endif
-
-// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) in bf16 with float32 accumulation, for a few rows m:
-// every weight row is read from memory once, so this streams at memory bandwidth.
-void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
-                 int64_t K) {
-    constexpr int64_t R = 4;  // weight rows per task
-    const int64_t blocks = (N + R - 1) / R;
-#pragma omp parallel for schedule(static)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int64_t n0 = blk * R;
-        const int64_t rows = N - n0 < R ? N - n0 : R;
-        for (int64_t m = 0; m < M; ++m) {
-            const uint16_t* xm = x + m * K;
-            float sums[R] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if defined(__AVX512BF16__)
-            __m512 acc[R] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int64_t k = 0; k < K; k += 32) {
-                const __m512bh xv = load_bf16x32(xm + k, K - k);
-                for (int64_t r = 0; r < rows; ++r)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(w + (n0 + r) * K + k, K - k), xv);
-            }
-            for (int64_t r = 0; r < rows; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
-#else
-            for (int64_t r = 0; r < rows; ++r) {
-                const uint16_t* wr = w + (n0 + r) * K;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t k = 0; k < K; ++k) s += bf16_to_f32(xm[k]) * bf16_to_f32(wr[k]);
-                sums[r] = s;
-            }
-#endif
-            for (int64_t r = 0; r < rows; ++r) {
-                const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.0f;
-                y[m * N + n0 + r] = f32_to_bf16(sums[r] + b);
-            }
-        }
-    }
-}
-
 }  // namespace
 
 extern "C" {
-
-int ce_has_avx512_bf16() {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
                         int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
@@ -307,11 +254,6 @@ int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, 
                     const int64_t* slots, int64_t T, int64_t row, int64_t elem, int64_t S) {
     return store_kv(static_cast<char*>(k_cache), static_cast<char*>(v_cache), static_cast<const char*>(k),
                     static_cast<const char*>(v), k_stride, v_stride, slots, T, row, elem, S);
-}
-
-void ce_linear_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K) {
-    linear_bf16(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
-                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N, K);
 }
 
 }  // extern "C"

@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-GEMV_MAX_ROWS = 16  # linear_bf16 reads each weight row once per call; beyond this the GEMM path wins
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -65,7 +64,7 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        log.warning("no C++ compiler found: CPU attention and bf16 GEMV use the torch fallbacks")
+        log.warning("no C++ compiler found: CPU decode attention and the KV store use the torch fallbacks")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
@@ -77,17 +76,7 @@ def library() -> ctypes.CDLL | None:
     lib.ce_decode_attention.restype = ctypes.c_int
     lib.ce_store_kv.argtypes = [*[_ptr] * 4, _i64, _i64, _ptr, *[_i64] * 4]
     lib.ce_store_kv.restype = _i64
-    lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
-    lib.ce_linear_bf16.restype = None
     return lib
-
-
-@torch.compiler.assume_constant_result
-def has_fast_bf16_gemv() -> bool:
-    """True when the library was built with AVX512-BF16 dot products (otherwise torch's GEMV is faster).
-    A constant to torch.compile: evaluated while tracing, never traced into (building is not traceable)."""
-    lib = library()
-    return lib is not None and bool(lib.ce_has_avx512_bf16())
 
 
 def decode_attention(
@@ -140,19 +129,3 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
-
-
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ weight[N, K].T (+ bias) for at most GEMV_MAX_ROWS rows of bf16; else None."""
-    lib = library()
-    rows = x.numel() // max(1, x.shape[-1])
-    if lib is None or rows > GEMV_MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return None
-    if not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
-        return None
-    x = x.contiguous()
-    n, k = weight.shape
-    out = x.new_empty(*x.shape[:-1], n)
-    lib.ce_linear_bf16(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                       out.data_ptr(), rows, n, k)
-    return out

@@ -9,9 +9,8 @@ anything decorates a kernel.
 """
 
 import torch
-import torch.nn.functional as F
 
-from kernels import cpu_attention, cpu_native
+from kernels import cpu_attention, cpu_linear, cpu_native
 
 _lib = torch.library.Library("kernels", "DEF")
 _lib.define("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()")
@@ -38,9 +37,9 @@ extend_attention = torch.ops.kernels.extend_attention.default
 sliding_window=0, soft_cap=0.0): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries
 cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included)."""
 
-cpu_linear = torch.ops.kernels.cpu_linear.default
-"""cpu_linear(x, weight, bias=None): `F.linear` for CPU bf16 weights; a few rows (decode) stream the
-weights through the native GEMV, more rows use torch's GEMM."""
+linear = torch.ops.kernels.cpu_linear.default
+"""cpu_linear(x, weight, bias=None): `F.linear` for CPU bf16 weights, on weights pre-packed for oneDNN
+(`kernels.cpu_linear`)."""
 
 
 def _store_kv_cpu(k_cache, v_cache, k, v, slots) -> None:
@@ -61,11 +60,6 @@ def _extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, 
                           sliding_window=0, soft_cap=0.0):
     return cpu_attention.extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
                                               sliding_window, soft_cap)
-
-
-def _cpu_linear(x, weight, bias=None):
-    out = cpu_native.linear_bf16(x, weight, bias)
-    return F.linear(x, weight, bias) if out is None else out
 
 
 def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
@@ -97,7 +91,7 @@ for _name, _cpu, _cuda in (
 ):
     _lib.impl(_name, _cpu, "CPU")
     _lib.impl(_name, _cuda, "CUDA")
-_lib.impl("cpu_linear", _cpu_linear, "CPU")
+_lib.impl("cpu_linear", cpu_linear.packed_linear, "CPU")
 
 
 @torch.library.register_fake("kernels::store_kv")

@@ -10,7 +10,7 @@ from torch import nn
 
 from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.layers.weight_utils import WeightSource, check_shape, narrow
-from kernels import cpu_native, ops
+from kernels import cpu_linear, ops
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -20,10 +20,10 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, except CPU bf16 weights go through `kernels::cpu_linear`, whose native GEMV streams the
-    weights of a decode step about twice as fast as torch's bf16 GEMV."""
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_native.has_fast_bf16_gemv():
-        return ops.cpu_linear(x, weight, bias)
+    """`F.linear`, except CPU bf16 weights go through `kernels::cpu_linear` (oneDNN on pre-packed weights,
+    about 1.25x torch's bf16 linear from 1 to 64 rows)."""
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_linear.packing_available():
+        return ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -3,7 +3,6 @@ fallback when no native library can be built."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from kernel_batches import make_batch
 
 from kernels import cpu_attention, cpu_native, ops, reference
@@ -36,37 +35,12 @@ def test_store_kv_rejects_out_of_range_slots_and_writes_nothing() -> None:
     assert not k_cache.any() and not v_cache.any()
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 2048, 768), (1, 33, 40), (3, 100, 72), (16, 64, 2048), (5, 7, 1)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_bf16_matches_fp32_within_bf16_rounding(rows: int, n: int, k: int, bias: bool) -> None:
-    gen = torch.Generator().manual_seed(rows * n + k)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    out = cpu_native.linear_bf16(x, w, b)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
-    torch_error = (F.linear(x, w, b).float() - expected).abs().max()
-    assert (out.float() - expected).abs().max() <= max(2 * torch_error, 1e-2 * expected.abs().max())
-
-
-def test_linear_op_keeps_leading_dims_and_uses_torch_beyond_gemv_rows() -> None:
-    x = torch.randn(2, 3, 64).bfloat16()
-    w = torch.randn(48, 64).bfloat16()
-    assert ops.cpu_linear(x, w).shape == (2, 3, 48)
-    many = torch.randn(cpu_native.GEMV_MAX_ROWS + 1, 64).bfloat16()
-    assert cpu_native.linear_bf16(many, w, None) is None
-    assert torch.equal(ops.cpu_linear(many, w), F.linear(many, w))
-
-
 def test_ops_fall_back_to_torch_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_batch([5, 40, 0], [1, 1, 1], 4, 2, 64, 4, seed=3)
     with_native = ops.decode_attention(*batch.decode_args(0.125))
     monkeypatch.setattr(cpu_native, "library", lambda: None)
     without = ops.decode_attention(*batch.decode_args(0.125))
     torch.testing.assert_close(without, with_native, atol=2e-5, rtol=2e-5)
-    x, w = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
-    assert torch.equal(ops.cpu_linear(x, w), F.linear(x, w))
 
 
 def test_failed_build_gives_no_library(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -89,17 +63,6 @@ def test_store_kv_from_token_strided_views() -> None:
     assert cpu_native.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 2]))
     assert torch.equal(k_cache[5], k[0]) and torch.equal(k_cache[2], k[2]) and torch.equal(v_cache[2], v[2])
     assert k_cache[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
-
-
-def test_bf16_linear_layer_compiles_as_one_graph() -> None:
-    """The native-GEMV decision is made while tracing, so a bf16 model still compiles without graph breaks."""
-    from compiled_engine.layers.linear import linear
-
-    cpu_native.library.cache_clear()  # the first call inside the trace must not be traced into
-    w = torch.randn(32, 64).bfloat16()
-    fn = torch.compile(lambda x: linear(x, w) * 2, fullgraph=True)
-    x = torch.randn(2, 64).bfloat16()
-    torch.testing.assert_close(fn(x), F.linear(x, w) * 2, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
