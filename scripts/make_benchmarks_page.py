@@ -39,8 +39,8 @@ PREFIX_ARGS = ["--dataset", "prefix", "--system-len", "1024", "--num-shared", "1
 SERVE_RANDOM_ARGS = ["--num-prompts", "12", "--input-len", "128:256", "--output-len", "32:64"]
 
 STEPS = {
-    "offline": [["bench", "offline", "--compare", "hf", "--compare", "overlap"]],
-    "prefix": [["bench", "offline", *PREFIX_ARGS, "--compare", "naive"]],
+    "offline": [["bench", "offline", "--compare", "hf", "--compare", "overlap", "--repeats", "2"]],
+    "prefix": [["bench", "offline", *PREFIX_ARGS, "--compare", "naive", "--repeats", "2"]],
     "latency": [["bench", "latency", "--batch", "1,8,32", "--output-len", "64", "--compare", "eager"]],
     "serve": [
         ["bench", "serve", "--url", f"http://127.0.0.1:{PORTS['radix']}", "--label", "radix", *SERVE_RANDOM_ARGS,

@@ -94,7 +94,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     if args.num_pages is not None:
         settings["num_pages"] = args.num_pages
     result = OfflineResult(args.model, args.dataset, _workload(args, sessions), settings)
-    result.runs = run_offline(model_dir, sessions, settings, args.compare or [], log=_log)
+    result.runs = run_offline(model_dir, sessions, settings, args.compare or [], log=_log, repeats=args.repeats)
     rows = [[r.label, r.summary.completed, r.summary.duration_s, r.summary.request_throughput,
              r.summary.output_throughput, r.summary.total_throughput, r.summary.ttft_s.p50,
              r.cache_hit_rate] for r in result.runs]
@@ -215,6 +215,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_dataset_args(p, num_prompts=64)
     p.add_argument("--compare", action="append", choices=COMPARE_CHOICES,
                    help="also run: hf (transformers generate), naive (prefix cache), overlap (toggled), eager")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run our engine and every comparison this many times, alternating; each keeps its best")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--prefix-cache", choices=("radix", "naive"), default="radix")

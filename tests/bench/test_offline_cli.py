@@ -10,7 +10,7 @@ from compiled_engine.cli import main
 def test_offline_random_with_baselines_writes_json_and_plot(tmp_path, capsys) -> None:
     out = tmp_path / "offline.json"
     rc = main(["bench", "offline", "--model", "demo", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
-               "--enforce-eager", "--num-pages", "512", "--compare", "hf", "--json", str(out),
+               "--enforce-eager", "--num-pages", "512", "--compare", "hf", "--repeats", "2", "--json", str(out),
                "--plot", str(tmp_path / "plots")])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -25,7 +25,12 @@ def test_offline_random_with_baselines_writes_json_and_plot(tmp_path, capsys) ->
         assert s["output_throughput"] > 0
     assert runs[0]["summary"]["ttft_s"]["p50"] > 0
     assert (tmp_path / "plots" / "offline_random.png").stat().st_size > 0
-    assert "vs transformers generate" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "vs transformers generate" in printed.out
+    # --repeats 2: both variants ran twice, alternating; the table keeps each one's best run.
+    logged = [line.split(":")[0] for line in (printed.out + printed.err).splitlines() if "output tok/s" in line
+              and ":" in line and not line.startswith("|")]
+    assert logged == ["compiled-engine (eager)", "transformers generate"] * 2
 
 
 def test_offline_prefix_radix_reuses_prefixes_and_naive_does_not(tmp_path) -> None:
