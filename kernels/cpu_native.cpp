@@ -148,9 +148,13 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
                    float scale, float soft_cap, float* p, float* acc) {
     constexpr int64_t D = 16 * V;
     const __m512 sv = _mm512_set1_ps(scale);
+    // Position t's row of these heads in `cache`, prefetching the row kAhead positions on.
+    auto row = [&](const typename E::T* cache, int64_t t) {
+        if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh0) * D, nkh * D);
+        return cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
+    };
     for (int64_t t = 0; t < n; ++t) {
-        if (t + kAhead < n) prefetch(k_cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh0) * D, nkh * D);
-        const typename E::T* kr = k_cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
+        const typename E::T* kr = row(k_cache, t);
         for (int64_t j = 0; j < nkh; ++j) {
             __m512 kv[V];
             for (int v = 0; v < V; ++v) kv[v] = load16(kr + j * D + 16 * v);
@@ -164,8 +168,7 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
     }
     softmax_rows(p, nkh * G, n);
     for (int64_t t = 0; t < n; ++t) {
-        if (t + kAhead < n) prefetch(v_cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh0) * D, nkh * D);
-        const typename E::T* vr = v_cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
+        const typename E::T* vr = row(v_cache, t);
         for (int64_t j = 0; j < nkh; ++j) {
             __m512 vv[V];
             for (int v = 0; v < V; ++v) vv[v] = load16(vr + j * D + 16 * v);
