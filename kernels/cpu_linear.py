@@ -14,8 +14,13 @@ _ATTR = "_compiled_engine_packed"
 
 @torch.compiler.assume_constant_result
 def packing_available() -> bool:
-    """oneDNN is in this torch build (a constant to torch.compile)."""
-    return torch.backends.mkldnn.is_available()
+    """Whether bf16 linears should take this path: oneDNN is in this torch build, and no graph is being
+    frozen (inductor's freezing packs constant weights itself, and max-autotune then picks its own GEMM
+    templates: an opaque op would hide the linears from both). A constant to torch.compile, read while
+    tracing."""
+    import torch._inductor.config as inductor_config
+
+    return torch.backends.mkldnn.is_available() and not inductor_config.freezing
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

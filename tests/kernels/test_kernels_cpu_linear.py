@@ -44,3 +44,26 @@ def test_bf16_linear_layer_compiles_as_one_graph() -> None:
     fn = torch.compile(lambda x: linear(x, w) * 2, fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
     torch.testing.assert_close(fn(x), F.linear(x, w) * 2, atol=2e-2, rtol=2e-2)
+
+
+def test_frozen_graphs_leave_bf16_linears_to_inductor() -> None:
+    """Under freezing, inductor packs the (constant) weights and may pick its GEMM templates: the linear
+    must stay a plain matmul in the graph, not the opaque op."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from compiled_engine.layers.linear import linear
+
+    w = torch.randn(32, 64).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+
+    def targets(freezing: bool) -> set[str]:
+        torch._dynamo.reset()
+        backend = EagerAndRecordGraphs()
+        with inductor_config.patch(freezing=freezing):
+            torch.compile(lambda x: linear(x, w), backend=backend, fullgraph=True)(x)
+        return {str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"}
+
+    assert any("cpu_linear" in t for t in targets(False))
+    frozen = targets(True)
+    assert not any("cpu_linear" in t for t in frozen) and any("linear" in t for t in frozen)
