@@ -8,6 +8,7 @@ import os
 import sys
 
 from compiled_engine.bench.cli import add_bench_parser
+from compiled_engine.config import COMPILE_MODE_NAMES
 from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME, resolve_model
 from compiled_engine.runner.buckets import parse_buckets
 from compiled_engine.warmup import add_warmup_parser
@@ -47,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graphs")
+    p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default="default",
+                   help="CPU inductor options: default (cached, precompiled) | freezing | max-autotune-freezing "
+                        "(fastest bf16 steps, compiles on every start)")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     p.add_argument("--enable-overlap", action="store_true",
                    help="overlap scheduling also on the CPU (default: on with CUDA only)")
@@ -81,7 +85,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size, num_pages=args.num_pages,
         max_running=args.max_running, max_context=args.max_context, chunk_budget=args.chunk_budget,
         prefix_cache=args.prefix_cache, enforce_eager=args.enforce_eager, buckets=args.buckets,
-        max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp,
+        max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp, compile_mode=args.compile_mode,
     )
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# `EngineConfig.compile_mode` values (their inductor options: `runner.compiled_forward.COMPILE_MODES`).
+COMPILE_MODE_NAMES = ("default", "freezing", "max-autotune-freezing")
+
 
 @dataclass
 class EngineConfig:
@@ -30,5 +33,5 @@ class EngineConfig:
     tp_debug: bool = False  # check every step's plan + tokens agree across TP ranks (or COMPILED_ENGINE_TP_DEBUG=1)
     rank_timeout_s: float = 300.0  # a TP rank with no loop iteration for this long is hung: the engine fails
     compile_cache_dir: str | None = None  # None: <cache_root()>/compile (see compiled_engine.compile_cache)
-    compile_mode: str = "default"  # CPU inductor options: default | freezing | max-autotune-freezing
+    compile_mode: str = "default"  # CPU inductor options: one of COMPILE_MODE_NAMES
     extra: dict = field(default_factory=dict)

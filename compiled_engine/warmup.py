@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from compiled_engine.config import EngineConfig
+from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
 from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME
 from compiled_engine.runner.buckets import parse_buckets
 
@@ -26,8 +26,8 @@ def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--page-size", type=int, default=EngineConfig.page_size)
     p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--compile-mode", default=EngineConfig.compile_mode,
-                   help="CPU inductor options: default | freezing | max-autotune-freezing")
+    p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default=EngineConfig.compile_mode,
+                   help="CPU inductor options (freezing modes are not precompiled: they compile on every start)")
     p.add_argument("--cache-dir", default=None, help="compile cache root (default: <cache root>/compile)")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--list", action="store_true", help="show cache entries with their key fields and sizes")

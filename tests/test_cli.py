@@ -23,3 +23,15 @@ def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:
     out = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert out.returncode == 2
     assert "config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_compile_mode_reaches_the_engine_config() -> None:
+    import argparse
+
+    from compiled_engine.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args([])).compile_mode == "default"
+    chosen = parser.parse_args(["--compile-mode", "max-autotune-freezing"])
+    assert engine_config(chosen).compile_mode == "max-autotune-freezing"

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
+from compiled_engine.config import COMPILE_MODE_NAMES
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner import precompiled
 from compiled_engine.runner.step_inputs import StepInputs
@@ -43,6 +44,7 @@ COMPILE_MODES: dict[str, dict[str, bool]] = {
     "freezing": {"freezing": True},
     "max-autotune-freezing": {"freezing": True, "max_autotune": True},
 }
+assert tuple(COMPILE_MODES) == COMPILE_MODE_NAMES
 
 
 class CompiledForward:
