@@ -221,7 +221,7 @@ def _common(body: dict, limits: Limits, logprobs: int | None) -> dict:
     )
 
 
-def _require_object(body: object) -> dict:
+def require_object(body: object) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, got {_type_name(body)}")
     return body
@@ -229,7 +229,7 @@ def _require_object(body: object) -> dict:
 
 # ---- endpoints -----------------------------------------------------------------------------------
 def parse_completion(body: object, limits: Limits) -> CompletionRequest:
-    body = _require_object(body)
+    body = require_object(body)
     for unsupported in ("suffix",):
         if body.get(unsupported) is not None:
             raise ProtocolError(f"'{unsupported}' is not supported", unsupported)
@@ -267,7 +267,7 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
 
 
 def parse_chat(body: object, limits: Limits) -> ChatRequest:
-    body = _require_object(body)
+    body = require_object(body)
     want = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
@@ -312,7 +312,7 @@ def _content(value: object, where: str, role: str) -> str:
 
 def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationRequest]:
     """`POST /generate`: {"text" | "input_ids", "sampling_params": {...}, "stream": bool}."""
-    body = _require_object(body)
+    body = require_object(body)
     if body.get("text") is not None:
         prompt: Prompt = get_str(body, "text", "")
         if not prompt:

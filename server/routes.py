@@ -34,6 +34,7 @@ from server.protocol import (
     parse_chat,
     parse_completion,
     parse_native,
+    require_object,
     token_ids,
 )
 
@@ -165,9 +166,7 @@ async def generate(request: Request) -> Response:
 @endpoint("tokenize")
 async def tokenize(request: Request) -> Response:
     st = state_of(request)
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
+    body = require_object(await read_json(request))
     if body.get("messages") is not None:
         try:
             ids = encode_chat(st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages)
@@ -184,8 +183,6 @@ async def tokenize(request: Request) -> Response:
 @endpoint("detokenize")
 async def detokenize(request: Request) -> Response:
     st = state_of(request)
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
+    body = require_object(await read_json(request))
     ids = token_ids(body.get("tokens"), "tokens", st.limits.vocab_size)
     return json_response({"text": st.tokenizer.decode(ids)})
