@@ -13,7 +13,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 MAX_STOPS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_MISSING = object()
 
 Prompt = str | list[int]
 
@@ -65,8 +64,8 @@ def _type_name(value: object) -> str:
 
 
 def get_int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+    value = body.get(name)
+    if value is None:  # absent or null: the default
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"'{name}' must be an integer, got {_type_name(value)}", name)
@@ -76,8 +75,8 @@ def get_int(body: dict, name: str, default: int | None, lo: int | None = None, h
 
 def get_float(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
               lo_open: bool = False) -> float:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+    value = body.get(name)
+    if value is None:  # absent or null: the default
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProtocolError(f"'{name}' must be a number, got {_type_name(value)}", name)
@@ -91,20 +90,19 @@ def get_float(body: dict, name: str, default: float, lo: float | None = None, hi
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ProtocolError(f"'{name}' must be a boolean, got {_type_name(value)}", name)
-    return value
+    return _get_typed(body, name, default, bool, "a boolean")
 
 
 def get_str(body: dict, name: str, default: str | None) -> str | None:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+    return _get_typed(body, name, default, str, "a string")
+
+
+def _get_typed(body: dict, name: str, default, kind: type, what: str):
+    value = body.get(name)
+    if value is None:  # absent or null: the default
         return default
-    if not isinstance(value, str):
-        raise ProtocolError(f"'{name}' must be a string, got {_type_name(value)}", name)
+    if not isinstance(value, kind):
+        raise ProtocolError(f"'{name}' must be {what}, got {_type_name(value)}", name)
     return value
 
 
