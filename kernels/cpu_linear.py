@@ -7,6 +7,7 @@ the weight (its version counter) repacks it. fp32 keeps torch's MKL path, which 
 from __future__ import annotations
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 _ATTR = "_compiled_engine_packed"
@@ -18,13 +19,11 @@ def packing_available() -> bool:
     frozen (inductor's freezing packs constant weights itself, and max-autotune then picks its own GEMM
     templates: an opaque op would hide the linears from both). A constant to torch.compile, read while
     tracing."""
-    import torch._inductor.config as inductor_config
-
     return torch.backends.mkldnn.is_available() and not inductor_config.freezing
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not packing_available():
+    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return F.linear(x, weight, bias)
     version, packed = getattr(weight, _ATTR, (None, None))
     if version != weight._version:
