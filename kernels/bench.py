@@ -1,5 +1,5 @@
 """Benchmark the kernel ops: `python -m kernels.bench` (CPU ops vs the torch fallback and the reference),
-`--linear` (CPU bf16 linear: torch vs pre-packed oneDNN), `--cuda` (Triton decode bandwidth and extend
+`--linear` (CPU bf16 linear: torch vs pre-packed oneDNN vs the AMX kernel), `--cuda` (Triton decode bandwidth and extend
 throughput on a GPU)."""
 
 import argparse
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, ops, reference
+from kernels import cpu_attention, cpu_native, ops, reference
 
 
 def _paged(
@@ -77,15 +77,23 @@ def bench_cpu(repeats: int) -> None:
 
 
 def bench_linear(repeats: int) -> None:
-    """The bench model's linears (hidden 768, 12 layers; 151 MB of bf16 weights: more than the caches)."""
-    shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12
+    """The bench model's linears (hidden 768, 12 layers, and the 32000-row LM head; 200 MB of bf16
+    weights: decode streams them all every step)."""
+    shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(32000, 768)]
     weights = [torch.randn(n, k).bfloat16() for n, k in shapes]
-    print(f"CPU bf16 linear, {torch.get_num_threads()} threads, 12 layers of the bench model, median ms")
-    for rows in (1, 8, 64, 512):
+    mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
+    amx = cpu_native.amx_linear_available()
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    print(f"CPU bf16 linear, {torch.get_num_threads()} threads, the bench model's {mib:.0f} MiB of linears, median ms"
+          + ("" if amx else " (no AMX here: the op is oneDNN)"))
+    for rows in (1, 8, 32, 64, 512):
         xs = {k: torch.randn(rows, k).bfloat16() for k in (768, 2048)}
         plain = _time_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], repeats)
-        packed = _time_ms(lambda xs=xs: [ops.linear(xs[w.shape[1]], w) for w in weights], repeats)
-        print(f"rows {rows:4}: torch F.linear {plain:8.2f}  packed oneDNN {packed:8.2f}  ({plain / packed:.2f}x)")
+        packed = _time_ms(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                         for w, p in zip(weights, onednn)], repeats)
+        op = _time_ms(lambda xs=xs: [ops.linear(xs[w.shape[1]], w) for w in weights], repeats)
+        print(f"rows {rows:4}: torch F.linear {plain:8.2f}  packed oneDNN {packed:8.2f}  op {op:8.2f} "
+              f"({mib / 1024 / op * 1e3:5.1f} GiB/s of weights; {packed / op:.2f}x oneDNN, {plain / op:.2f}x torch)")
 
 
 def bench_cuda() -> None:

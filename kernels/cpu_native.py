@@ -76,7 +76,45 @@ def library() -> ctypes.CDLL | None:
     lib.ce_decode_attention.restype = ctypes.c_int
     lib.ce_store_kv.argtypes = [*[_ptr] * 4, _i64, _i64, _ptr, *[_i64] * 4]
     lib.ce_store_kv.restype = _i64
+    lib.ce_amx_init.restype = ctypes.c_int
+    if hasattr(lib, "ce_linear_bf16"):  # built only where the compiler targets AMX
+        lib.ce_packed_bf16_size.argtypes = [_i64, _i64]
+        lib.ce_packed_bf16_size.restype = _i64
+        lib.ce_pack_bf16_weight.argtypes = [_ptr, _ptr, _i64, _i64]
+        lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
     return lib
+
+
+@functools.cache
+def amx_linear_available() -> bool:
+    """Whether the AMX bf16 linear runs here: built for AMX, and Linux granted this process the tile state."""
+    lib = library()
+    return lib is not None and hasattr(lib, "ce_linear_bf16") and lib.ce_amx_init() == 0
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The [N, K] bf16 weight in the AMX kernel's panel layout, or None when that kernel does not apply
+    (no AMX, or K not a multiple of 32)."""
+    n, k = weight.shape
+    if not amx_linear_available() or weight.dtype != torch.bfloat16 or k % 32:
+        return None
+    lib = library()
+    weight = weight.detach().contiguous()
+    packed = torch.empty(lib.ce_packed_bf16_size(n, k), dtype=torch.bfloat16)
+    lib.ce_pack_bf16_weight(weight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) in bf16 from `pack_bf16_weight(weight)` of the [n, K] weight."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        bias_ptr = None if bias is None else bias.data_ptr()
+        library().ce_linear_bf16(rows.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], n, k)
+    return out.view(*x.shape[:-1], n)
 
 
 def decode_attention(

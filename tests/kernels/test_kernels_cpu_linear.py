@@ -1,15 +1,19 @@
-"""`kernels::cpu_linear`: oneDNN on pre-packed bf16 weights, against fp32 math and torch's own linear."""
+"""`kernels::cpu_linear`: bf16 weights packed once (the AMX kernel where the CPU has it, else oneDNN),
+against fp32 math and torch's own linear."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear, ops
+from kernels import cpu_linear, cpu_native, ops
 
 pytestmark = pytest.mark.skipif(not cpu_linear.packing_available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize(("shape", "n", "k"), [((1,), 2048, 768), ((3,), 100, 72), ((2, 5), 64, 256), ((64,), 33, 40)])
+@pytest.mark.parametrize(
+    ("shape", "n", "k"),
+    [((1,), 2048, 768), ((3,), 100, 72), ((2, 5), 64, 256), ((64,), 33, 40), ((37,), 200, 96), ((0,), 64, 64)],
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_fp32_within_bf16_rounding(shape: tuple, n: int, k: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(n + k)
@@ -18,9 +22,43 @@ def test_packed_linear_matches_fp32_within_bf16_rounding(shape: tuple, n: int, k
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     out = ops.linear(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (*shape, n)
+    if x.numel():
+        _assert_within_bf16_rounding(out, x, w, b)
+
+
+def _assert_within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     expected = F.linear(x.float(), w.float(), None if b is None else b.float())
     torch_error = (F.linear(x, w, b).float() - expected).abs().max()
     assert (out.float() - expected).abs().max() <= max(2 * torch_error, 1e-2 * expected.abs().max())
+
+
+amx_only = pytest.mark.skipif(not cpu_native.amx_linear_available(), reason="no AMX bf16 on this CPU / build")
+
+
+@amx_only
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40])
+def test_amx_kernel_row_blocks_and_column_tail(rows: int) -> None:
+    """Rows run in blocks of 16 and columns in panels of 64: partial blocks and a partial last panel."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=gen).bfloat16()
+    w = torch.randn(72, 128, generator=gen).bfloat16()
+    b = torch.randn(72, generator=gen).bfloat16()
+    packed = cpu_native.pack_bf16_weight(w)
+    assert packed is not None and packed.numel() == 128 * 128  # two panels of 64 columns
+    _assert_within_bf16_rounding(cpu_native.linear_bf16(x, packed, b, 72), x, w, b)
+
+
+@amx_only
+def test_amx_kernel_takes_strided_inputs() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 6, generator=gen).bfloat16().t()  # [6, 64], not contiguous
+    w = torch.randn(64, 64, generator=gen).bfloat16()
+    _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)
+    assert getattr(w, cpu_linear._ATTR)[1], "expected the AMX layout for K % 32 == 0"
+
+
+def test_input_width_not_a_multiple_of_32_is_left_to_onednn() -> None:
+    assert cpu_native.pack_bf16_weight(torch.randn(8, 40).bfloat16()) is None
 
 
 def test_weight_changed_in_place_is_repacked() -> None:
