@@ -118,8 +118,8 @@ class CompiledForward:
         if self.precompiled_dir is None or self._freezing:
             return lazy
         name = {"extend": "extend", "decode": "decode-dynamic"}.get(key, f"decode-{key}")
-        return precompiled.load_or_compile(lambda: self._aot_compile(key, args), lazy, args,
-                                           self.precompiled_dir / f"{name}.bin") or lazy
+        path, static = self.precompiled_dir / f"{name}.bin", key not in DYNAMIC_GRAPHS
+        return precompiled.load_or_compile(lambda: self._aot_compile(key, args), lazy, args, path, static) or lazy
 
     def _aot_compile(self, key: object, args: tuple):
         if key not in DYNAMIC_GRAPHS:
