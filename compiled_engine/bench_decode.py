@@ -4,7 +4,8 @@
 2. Bench model (bf16 Llama, hidden 768, 12 layers): batch-1 decode tokens/s (prompt 128, 256 new tokens,
    greedy argmax on the logits) and 512-token prefill tokens/s, eager vs each compile mode.
 
-It times the model step (`ModelRunner.forward`), not the scheduler or the sampler. The machine may be
+It times the model step (`ModelRunner.forward`, on graphs precompiled as the engine's warm-up makes
+them), not the scheduler or the sampler. The machine may be
 shared: variants run interleaved, call by call, and each estimate is the mean of the fastest fifth of
 the samples, in wall time and in CPU time of this process (CPU time ignores the time other processes
 hold the cores; with --threads 1 it is the cleanest signal on a busy machine).
@@ -62,8 +63,11 @@ class Setup:
         ), torch.device("cpu"))
         cpu = torch.device("cpu")
         self.forwards: dict[str, CompiledForward] = {"eager": CompiledForward(self.model, buckets, False, cpu)}
+        self._precompiled = tempfile.TemporaryDirectory(prefix="bench-decode-")
         for mode in modes:
             self.forwards[mode] = CompiledForward(self.model, buckets, True, cpu, compile_mode=mode)
+            # Precompiled, as the engine's warm-up makes the graphs it serves with.
+            self.forwards[mode].precompiled_dir = Path(self._precompiled.name) / mode
         self.next_slot = 1
 
     def rows(self, lengths: list[int]) -> None:

@@ -126,9 +126,8 @@ void attend_generic(const float* qf, const typename E::T* k_cache, const typenam
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
-}
+inline __m512 load16_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+inline __m512 load16(const uint16_t* x) { return load16_bf16(_mm256_loadu_si256((const __m256i*)x)); }
 inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
 
 // Positions ahead whose K / V rows are prefetched: decode tokens of one sequence sit in scattered slots,
@@ -285,6 +284,16 @@ void pack_bf16_weight(const uint16_t* w, uint16_t* out, int64_t N, int64_t K) {
             }
 }
 
+// out[0:cols] = bf16(c[0:cols] + bias[0:cols]), rounding to nearest even like torch; bias may be null.
+inline void store_bf16_row(const float* c, const uint16_t* bias, uint16_t* out, int64_t cols) {
+    for (int64_t j = 0; j < cols; j += 16) {
+        const __mmask16 m = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(m, c + j);
+        if (bias) v = _mm512_add_ps(v, load16_bf16(_mm256_maskz_loadu_epi16(m, bias + j)));
+        _mm256_mask_storeu_epi16(out + j, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
 // out [M, N] = x [M, K] @ w.T (+ bias), all bf16 with float32 accumulation; K % 32 == 0. Threads split the
 // panels; each panel runs its rows in blocks of 16, the panel staying in L2 between blocks.
 void linear_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* out, int64_t M,
@@ -321,10 +330,7 @@ void linear_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias
                 _tile_stored(1, c + 16, 4 * kPanel);
                 _tile_stored(2, c + 32, 4 * kPanel);
                 _tile_stored(3, c + 48, 4 * kPanel);
-                for (int r = 0; r < rows; ++r) {
-                    uint16_t* o = out + (m0 + r) * N + n0;
-                    for (int64_t j = 0; j < cols; ++j) o[j] = f32_to_bf16(c[r * kPanel + j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
-                }
+                for (int r = 0; r < rows; ++r) store_bf16_row(c + r * kPanel, bias ? bias + n0 : nullptr, out + (m0 + r) * N + n0, cols);
             }
         }
         if (configured >= 0) _tile_release();
