@@ -140,47 +140,88 @@ inline void prefetch(const T* row, int64_t count) {
     for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
-// The same task for KV heads kh0 .. kh0 + nkh - 1 at once, D = 16 * V: each position's K and V rows of
-// those heads are adjacent in memory, so a whole-row task (nkh = Hkv) streams the cache sequentially.
-// qf, p and acc hold nkh * G query heads.
+// r[i] = sum of the 16 floats of rows[i], for 16 rows (a 16 x 16 block): four levels of pairwise
+// permute-and-add, 15 adds for 16 sums where a horizontal reduction per row costs ~8 operations each.
+inline __m512 sum_rows16(const float* rows) {
+    const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const __m512i hi3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i hi4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    auto fold = [](__m512 a, __m512 b, __m512i lo, __m512i hi) {
+        return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+    };
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; ++i) l1[i] = fold(_mm512_load_ps(rows + 32 * i), _mm512_load_ps(rows + 32 * i + 16), lo1, hi1);
+    for (int i = 0; i < 4; ++i) l2[i] = fold(l1[2 * i], l1[2 * i + 1], lo2, hi2);
+    for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], lo3, hi3);
+    return fold(l3[0], l3[1], lo4, hi4);
+}
+
+// The same task for KV heads kh0 .. kh0 + nkh - 1, D = 16 * V, one KV head and up to GC of its query heads
+// at a time, so that the weighted sum of V stays in GC * V <= 16 registers. Scores come 16 positions at a
+// time: each position's 16-lane products go to a block that `sum_rows16` reduces. qf, p and acc hold
+// nkh * G query heads; acc is written, not accumulated.
 template <typename E, int V>
 void attend_avx512(const float* qf, const typename E::T* k_cache, const typename E::T* v_cache,
                    const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh0, int64_t nkh, int64_t G,
                    float scale, float soft_cap, float* p, float* acc) {
     constexpr int64_t D = 16 * V;
-    const __m512 sv = _mm512_set1_ps(scale);
-    // Position t's row of these heads in `cache`, prefetching the row kAhead positions on.
-    auto row = [&](const typename E::T* cache, int64_t t) {
-        if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh0) * D, nkh * D);
-        return cache + (clamp_slot(slots[t], S) * Hkv + kh0) * D;
-    };
-    for (int64_t t = 0; t < n; ++t) {
-        const typename E::T* kr = row(k_cache, t);
-        for (int64_t j = 0; j < nkh; ++j) {
-            __m512 kv[V];
-            for (int v = 0; v < V; ++v) kv[v] = load16(kr + j * D + 16 * v);
-            for (int64_t g = 0; g < G; ++g) {
-                const int64_t h = j * G + g;
-                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + h * D), kv[0]);
-                for (int v = 1; v < V; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + 16 * v), kv[v], s);
-                p[h * n + t] = capped(_mm512_reduce_add_ps(_mm512_mul_ps(s, sv)), soft_cap);
-            }
-        }
-    }
-    softmax_rows(p, nkh * G, n);
-    for (int64_t t = 0; t < n; ++t) {
-        const typename E::T* vr = row(v_cache, t);
-        for (int64_t j = 0; j < nkh; ++j) {
-            __m512 vv[V];
-            for (int v = 0; v < V; ++v) vv[v] = load16(vr + j * D + 16 * v);
-            for (int64_t g = 0; g < G; ++g) {
-                const int64_t h = j * G + g;
-                const __m512 w = _mm512_set1_ps(p[h * n + t]);
-                for (int v = 0; v < V; ++v) {
-                    float* a = acc + h * D + 16 * v;
-                    _mm512_storeu_ps(a, _mm512_fmadd_ps(w, vv[v], _mm512_loadu_ps(a)));
+    constexpr int GC = V >= 16 ? 1 : 16 / V;
+    alignas(64) float block[GC][16 * 16];
+    for (int64_t j = 0; j < nkh; ++j) {
+        const int64_t kh = kh0 + j;
+        // Position t's row of head kh in `cache`, prefetching the row kAhead positions on.
+        auto row = [&](const typename E::T* cache, int64_t t) {
+            if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh) * D, D);
+            return cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
+        };
+        for (int64_t g0 = 0; g0 < G; g0 += GC) {
+            const int gc = static_cast<int>(G - g0 < GC ? G - g0 : GC);
+            const int64_t h0 = j * G + g0;
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const int64_t tb = n - t0 < 16 ? n - t0 : 16;
+                for (int64_t i = 0; i < tb; ++i) {
+                    const typename E::T* kr = row(k_cache, t0 + i);
+                    __m512 kv[V];
+                    for (int v = 0; v < V; ++v) kv[v] = load16(kr + 16 * v);
+#pragma GCC unroll 16
+                    for (int g = 0; g < GC; ++g) {
+                        if (g >= gc) break;
+                        const float* qg = qf + (h0 + g) * D;
+                        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+                        for (int v = 1; v < V; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), kv[v], s);
+                        _mm512_store_ps(block[g] + 16 * i, s);
+                    }
+                }
+                const __mmask16 valid = tb == 16 ? 0xFFFF : static_cast<__mmask16>((1u << tb) - 1);
+                for (int g = 0; g < gc; ++g) {
+                    float* out = p + (h0 + g) * n + t0;
+                    _mm512_mask_storeu_ps(out, valid, _mm512_mul_ps(sum_rows16(block[g]), _mm512_set1_ps(scale)));
+                    if (soft_cap > 0.0f)
+                        for (int64_t i = 0; i < tb; ++i) out[i] = capped(out[i], soft_cap);
                 }
             }
+            softmax_rows(p + h0 * n, gc, n);
+            __m512 a[GC][V];
+            for (int g = 0; g < GC; ++g)
+                for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; ++t) {
+                const typename E::T* vr = row(v_cache, t);
+                __m512 vv[V];
+                for (int v = 0; v < V; ++v) vv[v] = load16(vr + 16 * v);
+#pragma GCC unroll 16
+                for (int g = 0; g < GC; ++g) {
+                    if (g >= gc) break;
+                    const __m512 w = _mm512_set1_ps(p[(h0 + g) * n + t]);
+                    for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(w, vv[v], a[g][v]);
+                }
+            }
+            for (int g = 0; g < gc; ++g)
+                for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (h0 + g) * D + 16 * v, a[g][v]);
         }
     }
 }
