@@ -9,6 +9,7 @@
 #include <cstring>
 #include <omp.h>
 #include <sys/syscall.h>
+#include <type_traits>
 #include <unistd.h>
 #include <vector>
 
@@ -72,6 +73,25 @@ inline int64_t clamp_slot(int64_t slot, int64_t S) { return (slot < 0 || slot >=
 
 inline float capped(float s, float soft_cap) { return soft_cap > 0.0f ? soft_cap * std::tanh(s / soft_cap) : s; }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes (GCC leaves the scalar loop unvectorized once it is inlined into the kernels).
+inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // Each of the G rows of p [G, n] becomes softmax(row).
 inline void softmax_rows(float* p, int64_t G, int64_t n) {
     for (int64_t g = 0; g < G; ++g) {
@@ -80,14 +100,24 @@ inline void softmax_rows(float* p, int64_t G, int64_t n) {
 #pragma omp simd reduction(max : m)
         for (int64_t t = 1; t < n; ++t) m = pg[t] > m ? pg[t] : m;
         float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
+        int64_t t = 0;
+#if defined(__AVX512F__)
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 sv = _mm512_setzero_ps();
+        for (; t + 16 <= n; t += 16) {
+            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(pg + t), mv));
+            _mm512_storeu_ps(pg + t, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        sum = _mm512_reduce_add_ps(sv);
+#endif
+        for (; t < n; ++t) {
             pg[t] = exp_nonpositive(pg[t] - m);
             sum += pg[t];
         }
         const float inv = 1.0f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < n; ++t) pg[t] *= inv;
+        for (int64_t i = 0; i < n; ++i) pg[i] *= inv;
     }
 }
 
@@ -227,6 +257,109 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Softmax weights p[0:n] as bf16 pairs in place: uint32 i of the row holds weights 2i and 2i + 1 (a zero
+// weight after an odd n). Each chunk's bf16 lands on bytes that were already read.
+inline const uint32_t* bf16_pairs_in_place(float* p, int64_t n) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(p);
+    for (int64_t t = 0; t < n; t += 32) {
+        const int64_t m = n - t;
+        const __mmask16 lo = m >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << m) - 1);
+        const __mmask16 hi = m >= 32 ? 0xFFFF : m <= 16 ? 0 : static_cast<__mmask16>((1u << (m - 16)) - 1);
+        const __m512 a = _mm512_maskz_loadu_ps(lo, p + t), b = _mm512_maskz_loadu_ps(hi, p + t + 16);
+        const __mmask32 both = (static_cast<__mmask32>(hi) << 16) | lo;
+        _mm512_mask_storeu_epi16(out + t, both, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+    out[n] = 0;
+    return reinterpret_cast<const uint32_t*>(out);
+}
+
+// The task of `attend_avx512` for bf16 caches on AVX512-BF16 pairs (vdpbf16ps), D = 32 * W: scores are
+// bf16 q . bf16 k with float32 sums; the weighted sum of V takes two positions per instruction, with
+// the weights rounded to bf16 as torch's bf16 attention does. Half the instructions of the float path.
+// qb holds the task's nkh * G query heads in bf16.
+template <int W>
+void attend_bf16_pairs(const uint16_t* qb, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* slots,
+                       int64_t n, int64_t S, int64_t Hkv, int64_t kh0, int64_t nkh, int64_t G, float scale,
+                       float soft_cap, float* p, float* acc) {
+    constexpr int64_t D = 32 * W;
+    constexpr int GC = 8 / W;  // query heads per pass: 2 * GC * W = 16 accumulators
+    alignas(64) float block[GC][16 * 16];
+    // V rows t and t + 1 interleaved put d = 32w + 8L + i (128-bit lane L, i < 4) in lane 4L + i of the low
+    // sums and d + 4 in the high ones: these put them back in order.
+    const __m512i order0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i order1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t j = 0; j < nkh; ++j) {
+        const int64_t kh = kh0 + j;
+        auto row = [&](const uint16_t* cache, int64_t t) {
+            if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh) * D, D);
+            return cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
+        };
+        for (int64_t g0 = 0; g0 < G; g0 += GC) {
+            const int gc = static_cast<int>(G - g0 < GC ? G - g0 : GC);
+            const int64_t h0 = j * G + g0;
+            __m512bh qv[GC][W];
+            for (int g = 0; g < gc; ++g)
+                for (int w = 0; w < W; ++w) qv[g][w] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D + 32 * w);
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const int64_t tb = n - t0 < 16 ? n - t0 : 16;
+                for (int64_t i = 0; i < tb; ++i) {
+                    const uint16_t* kr = row(k_cache, t0 + i);
+                    __m512bh kv[W];
+                    for (int w = 0; w < W; ++w) kv[w] = (__m512bh)_mm512_loadu_si512(kr + 32 * w);
+#pragma GCC unroll 8
+                    for (int g = 0; g < GC; ++g) {
+                        if (g >= gc) break;
+                        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+                        for (int w = 1; w < W; ++w) s = _mm512_dpbf16_ps(s, qv[g][w], kv[w]);
+                        _mm512_store_ps(block[g] + 16 * i, s);
+                    }
+                }
+                const __mmask16 valid = tb == 16 ? 0xFFFF : static_cast<__mmask16>((1u << tb) - 1);
+                for (int g = 0; g < gc; ++g) {
+                    float* out = p + (h0 + g) * n + t0;
+                    _mm512_mask_storeu_ps(out, valid, _mm512_mul_ps(sum_rows16(block[g]), _mm512_set1_ps(scale)));
+                    if (soft_cap > 0.0f)
+                        for (int64_t i = 0; i < tb; ++i) out[i] = capped(out[i], soft_cap);
+                }
+            }
+            softmax_rows(p + h0 * n, gc, n);
+            const uint32_t* weights[GC];
+            for (int g = 0; g < gc; ++g) weights[g] = bf16_pairs_in_place(p + (h0 + g) * n, n);
+            __m512 lo[GC][W], hi[GC][W];
+            for (int g = 0; g < GC; ++g)
+                for (int w = 0; w < W; ++w) lo[g][w] = hi[g][w] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t += 2) {
+                const uint16_t* a = row(v_cache, t);
+                const uint16_t* b = t + 1 < n ? row(v_cache, t + 1) : nullptr;
+                __m512bh ul[W], uh[W];
+                for (int w = 0; w < W; ++w) {
+                    const __m512i av = _mm512_loadu_si512(a + 32 * w);
+                    const __m512i bv = b ? _mm512_loadu_si512(b + 32 * w) : _mm512_setzero_si512();
+                    ul[w] = (__m512bh)_mm512_unpacklo_epi16(av, bv);
+                    uh[w] = (__m512bh)_mm512_unpackhi_epi16(av, bv);
+                }
+#pragma GCC unroll 8
+                for (int g = 0; g < GC; ++g) {
+                    if (g >= gc) break;
+                    const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[g][t / 2]));
+                    for (int w = 0; w < W; ++w) {
+                        lo[g][w] = _mm512_dpbf16_ps(lo[g][w], wv, ul[w]);
+                        hi[g][w] = _mm512_dpbf16_ps(hi[g][w], wv, uh[w]);
+                    }
+                }
+            }
+            for (int g = 0; g < gc; ++g)
+                for (int w = 0; w < W; ++w) {
+                    float* out = acc + (h0 + g) * D + 32 * w;
+                    _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo[g][w], order0, hi[g][w]));
+                    _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo[g][w], order1, hi[g][w]));
+                }
+        }
+    }
+}
+#endif
+
 // One query per row b; the G = H / Hkv query heads of a KV head share each K/V row read. A task is a
 // whole row (all heads: sequential reads) when there are enough rows for every thread, else one
 // (row, KV head) pair.
@@ -251,7 +384,21 @@ void decode_attention(const typename E::T* q, const typename E::T* k_cache, cons
             load_row<E>(q + (b * H + kh0 * G) * D, qf.data(), heads * D);
             const int32_t* slots = table + b * table_stride + start;
             bool done = false;
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<E, BF16>) {
+                const uint16_t* qb = q + (b * H + kh0 * G) * D;
+                done = true;
+                switch (D) {
+                    case 32: attend_bf16_pairs<1>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    case 64: attend_bf16_pairs<2>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    case 128: attend_bf16_pairs<4>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    case 256: attend_bf16_pairs<8>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                    default: done = false;
+                }
+            }
+#endif
 #if defined(__AVX512F__)
+            if (!done) {
             done = true;
             switch (D) {
                 case 32: attend_avx512<E, 2>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
@@ -259,6 +406,7 @@ void decode_attention(const typename E::T* q, const typename E::T* k_cache, cons
                 case 128: attend_avx512<E, 8>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
                 case 256: attend_avx512<E, 16>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
                 default: done = false;
+            }
             }
 #endif
             if (!done)
