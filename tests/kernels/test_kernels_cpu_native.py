@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ com
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128])  # 16 and 80 take the generic (non-AVX512) path
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128, 256])  # 16 and 80 take the generic (non-AVX512) path
 @pytest.mark.parametrize(("group", "sliding_window", "soft_cap"), [(1, 0, 0.0), (3, 0, 0.0), (4, 9, 0.0), (2, 0, 4.0)])
 def test_decode_matches_torch_fallback(dtype, head_dim, group, sliding_window, soft_cap) -> None:
     seq_lens = [0, 1, 2, 9, 10, 33, 300, 0]
