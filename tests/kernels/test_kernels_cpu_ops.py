@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_batches import make_batch
 
-from kernels import ops, reference
+from kernels import cpu_attention, ops, reference
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -39,6 +39,22 @@ def test_extend_realistic(dtype: torch.dtype, page_size: int) -> None:
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     batch = make_batch(seq_lens, q_lens, 8, 2, 128, page_size, dtype, seed=page_size)
     args = batch.extend_args(128**-0.5)
+    _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("soft_cap", [0.0, 3.0])
+def test_extend_of_many_similar_suffixes_runs_padded(dtype: torch.dtype, soft_cap: float) -> None:
+    """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same result."""
+    q_lens = [8, 8, 7, 8, 16, 15, 16, 1, 64]
+    prefixes = [100, 100, 101, 90, 100, 99, 100, 120, 0]
+    seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
+    groups = cpu_attention._similar_groups(
+        [cpu_attention._Req(b, 0, q, n) for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))]
+    )
+    assert sorted(len(g) for g in groups) == [1, 1, 3, 4]  # the 1- and 64-token queries stay alone
+    batch = make_batch(seq_lens, q_lens, 6, 2, 64, 16, dtype, seed=7)
+    args = (*batch.extend_args(64**-0.5), 0, soft_cap)
     _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
 
 
