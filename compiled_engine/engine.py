@@ -9,6 +9,7 @@ touch the pages, and drops tokens sampled after a request finished.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class Engine:
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        gc.unfreeze()  # `startup.build_engine` froze the engine's objects: they may be collected again
 
     def _launch(self, batch: Batch) -> Future | StepOutput:
         live = [self._live.get(r.rid) for r in batch.reqs if r.sample]
