@@ -46,13 +46,13 @@ def test_extend_realistic(dtype: torch.dtype, page_size: int) -> None:
 @pytest.mark.parametrize("soft_cap", [0.0, 3.0])
 def test_extend_of_many_similar_suffixes_runs_padded(dtype: torch.dtype, soft_cap: float) -> None:
     """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same result."""
-    q_lens = [8, 8, 7, 8, 16, 15, 16, 1, 64]
-    prefixes = [100, 100, 101, 90, 100, 99, 100, 120, 0]
+    q_lens = [8, 8, 7, 8, 16, 15, 16, 1, 64, 64]
+    prefixes = [100, 100, 101, 90, 100, 99, 100, 120, 0, 0]
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
-    groups = cpu_attention._similar_groups(
-        [cpu_attention._Req(b, 0, q, n) for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))]
-    )
-    assert sorted(len(g) for g in groups) == [1, 1, 3, 4]  # the 1- and 64-token queries stay alone
+    reqs = [cpu_attention._Req(b, 0, q, n) for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))]
+    # The 1-token query and the two prompts without a prefix (SDPA's causal path) attend alone.
+    assert sorted(len(g) for g in cpu_attention._attention_groups(reqs, 0)) == [1, 1, 1, 3, 4]
+    assert all(len(g) == 1 for g in cpu_attention._attention_groups(reqs, 8))
     batch = make_batch(seq_lens, q_lens, 6, 2, 64, 16, dtype, seed=7)
     args = (*batch.extend_args(64**-0.5), 0, soft_cap)
     _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
