@@ -191,6 +191,18 @@ inline __m512 sum_rows16(const float* rows) {
     return fold(l3[0], l3[1], lo4, hi4);
 }
 
+// Scores of tb <= 16 positions for gc query heads: block holds, per head (256 floats apart), each
+// position's 16-lane products; head g's sums, scaled and soft-capped, go to out + g * n.
+inline void block_scores(const float* block, int gc, float* out, int64_t n, int64_t tb, float scale, float soft_cap) {
+    const __mmask16 valid = tb == 16 ? 0xFFFF : static_cast<__mmask16>((1u << tb) - 1);
+    for (int g = 0; g < gc; ++g) {
+        float* o = out + g * n;
+        _mm512_mask_storeu_ps(o, valid, _mm512_mul_ps(sum_rows16(block + 256 * g), _mm512_set1_ps(scale)));
+        if (soft_cap > 0.0f)
+            for (int64_t i = 0; i < tb; ++i) o[i] = capped(o[i], soft_cap);
+    }
+}
+
 // The same task for KV heads kh0 .. kh0 + nkh - 1, D = 16 * V, one KV head and up to GC of its query heads
 // at a time, so that the weighted sum of V stays in GC * V <= 16 registers. Scores come 16 positions at a
 // time: each position's 16-lane products go to a block that `sum_rows16` reduces. qf, p and acc hold
@@ -227,13 +239,7 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
                         _mm512_store_ps(block[g] + 16 * i, s);
                     }
                 }
-                const __mmask16 valid = tb == 16 ? 0xFFFF : static_cast<__mmask16>((1u << tb) - 1);
-                for (int g = 0; g < gc; ++g) {
-                    float* out = p + (h0 + g) * n + t0;
-                    _mm512_mask_storeu_ps(out, valid, _mm512_mul_ps(sum_rows16(block[g]), _mm512_set1_ps(scale)));
-                    if (soft_cap > 0.0f)
-                        for (int64_t i = 0; i < tb; ++i) out[i] = capped(out[i], soft_cap);
-                }
+                block_scores(block[0], gc, p + h0 * n + t0, n, tb, scale, soft_cap);
             }
             softmax_rows(p + h0 * n, gc, n);
             __m512 a[GC][V];
@@ -315,13 +321,7 @@ void attend_bf16_pairs(const uint16_t* qb, const uint16_t* k_cache, const uint16
                         _mm512_store_ps(block[g] + 16 * i, s);
                     }
                 }
-                const __mmask16 valid = tb == 16 ? 0xFFFF : static_cast<__mmask16>((1u << tb) - 1);
-                for (int g = 0; g < gc; ++g) {
-                    float* out = p + (h0 + g) * n + t0;
-                    _mm512_mask_storeu_ps(out, valid, _mm512_mul_ps(sum_rows16(block[g]), _mm512_set1_ps(scale)));
-                    if (soft_cap > 0.0f)
-                        for (int64_t i = 0; i < tb; ++i) out[i] = capped(out[i], soft_cap);
-                }
+                block_scores(block[0], gc, p + h0 * n + t0, n, tb, scale, soft_cap);
             }
             softmax_rows(p + h0 * n, gc, n);
             const uint32_t* weights[GC];
