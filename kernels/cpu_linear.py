@@ -1,6 +1,6 @@
 """`F.linear` for CPU bf16 weights on weights packed once: torch's plain bf16 linear re-packs the weight
 into oneDNN's blocked layout on every call. Where the CPU has AMX, the native kernel of `cpu_native`
-(panels streamed through AMX tiles: 1.2-1.3x the op through oneDNN from 1 to 512 rows on the bench
+(panels streamed through AMX tiles: 1.1-1.2x the op through oneDNN from 1 to 512 rows on the bench
 model's linears, `python -m kernels.bench --linear`); elsewhere oneDNN on its own packed layout (what
 inductor's freezing does). The packed copy is made on the first call and kept on the weight tensor (so
 the bf16 weights take twice their memory); an in-place change of the weight (its version counter)
