@@ -1,5 +1,6 @@
-"""The native CPU kernels of `cpu_native.cpp`: built with the system C++ compiler on first use (about a
-second, cached under inductor's cache folder by a hash of the source, flags, compiler and CPU) and called
+"""The native CPU kernels of `kernels/native/` (attention.cpp: decode attention and the KV store;
+linear.cpp: the AMX bf16 linear): built into one library with the system C++ compiler on first use (a few
+seconds, cached under inductor's cache folder by a hash of the sources, flags, compiler and CPU) and called
 through ctypes, which releases the GIL. Everything here returns None when the library is unavailable
 (no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to the torch implementations.
 """
@@ -21,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_native.cpp")
+NATIVE = Path(__file__).with_name("native")
+SOURCES = [NATIVE / "attention.cpp", NATIVE / "linear.cpp"]
+HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -40,7 +43,8 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    texts = [path.read_text() for path in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     target = Path(cache_dir()) / "compiled_engine_native" / f"cpu_native-{key}.so"
@@ -49,7 +53,8 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                           check=True)
             os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
         finally:
             if os.path.exists(tmp):

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_native.cpp) against the torch fallbacks and fp32 references, and the
+"""The native CPU kernels (kernels/native/*.cpp) against the torch fallbacks and fp32 references, and the
 fallback when no native library can be built."""
 
 import pytest

@@ -90,5 +90,6 @@ def test_a_native_kernel_source_edit_changes_the_key(model_dir: Path, tmp_path: 
     base = digest(EngineConfig(), model_dir)
     (kernels / "README.txt").write_text("not source\n")
     assert digest(EngineConfig(), model_dir) == base
-    (kernels / "cpu_native.cpp").write_text("int attend() { return 0; }\n")
+    (kernels / "native").mkdir()
+    (kernels / "native" / "attention.cpp").write_text("int attend() { return 0; }\n")
     assert digest(EngineConfig(), model_dir) != base
