@@ -1,8 +1,9 @@
 """The native CPU kernels of `kernels/native/` (attention.cpp: decode attention and the KV store;
-linear.cpp: the AMX bf16 linear): built into one library with the system C++ compiler on first use (a few
-seconds, cached under inductor's cache folder by a hash of the sources, flags, compiler and CPU) and called
-through ctypes, which releases the GIL. Everything here returns None when the library is unavailable
-(no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to the torch implementations.
+linear.cpp: the AMX bf16 linear; sampling.cpp: the greedy argmax), built into one library with the system
+C++ compiler on first use (a few seconds, cached under inductor's cache folder by a hash of the sources,
+flags, compiler and CPU) and called through ctypes, which releases the GIL. Everything here returns None
+when the library is unavailable (no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to
+the torch implementations.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-SOURCES = [NATIVE / "attention.cpp", NATIVE / "linear.cpp"]
+SOURCES = [NATIVE / "attention.cpp", NATIVE / "linear.cpp", NATIVE / "sampling.cpp"]
 HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -82,6 +83,8 @@ def library() -> ctypes.CDLL | None:
     lib.ce_store_kv.argtypes = [*[_ptr] * 4, _i64, _i64, _ptr, *[_i64] * 4]
     lib.ce_store_kv.restype = _i64
     lib.ce_amx_init.restype = ctypes.c_int
+    lib.ce_argmax.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
+    lib.ce_argmax.restype = ctypes.c_int
     if hasattr(lib, "ce_linear_bf16"):  # built only where the compiler targets AMX
         lib.ce_packed_bf16_size.argtypes = [_i64, _i64]
         lib.ce_packed_bf16_size.restype = _i64
@@ -121,6 +124,20 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
         bias_ptr = None if bias is None else bias.data_ptr()
         library().ce_linear_bf16(rows.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], n, k)
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of a 2-D CPU tensor (the first maximum, or the first NaN), or None when the
+    native path does not apply."""
+    lib = library()
+    code = _DTYPE_CODES.get(x.dtype)
+    if lib is None or code is None or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] == 0:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.ce_argmax(code, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def decode_attention(

@@ -32,22 +32,6 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-struct F32 {
-    using T = float;
-    static float load(T x) { return x; }
-    static T store(float x) { return x; }
-};
-struct BF16 {
-    using T = uint16_t;
-    static float load(T x) { return bf16_to_f32(x); }
-    static T store(float x) { return f32_to_bf16(x); }
-};
-struct F16 {
-    using T = _Float16;
-    static float load(T x) { return static_cast<float>(x); }
-    static T store(float x) { return static_cast<T>(x); }
-};
-
 inline int64_t clamp_slot(int64_t slot, int64_t S) { return (slot < 0 || slot >= S) ? 0 : slot; }
 
 inline float capped(float s, float soft_cap) { return soft_cap > 0.0f ? soft_cap * std::tanh(s / soft_cap) : s; }
@@ -134,10 +118,6 @@ void attend_generic(const float* qf, const typename E::T* k_cache, const typenam
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) { return load16_bf16(_mm256_loadu_si256((const __m256i*)x)); }
-inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
-
 // Positions ahead whose K / V rows are prefetched: decode tokens of one sequence sit in scattered slots,
 // so without it every row is a cache miss the loop waits for (batch 64: 4.97 ms -> ~3.1 ms per layer).
 constexpr int64_t kAhead = 8;

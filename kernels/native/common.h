@@ -1,5 +1,5 @@
 // Shared by the native CPU kernels (kernels/native/*.cpp, built by kernels/cpu_native.py): bf16 <-> float32
-// and 16-lane loads. Plain C++ and intrinsics, no torch headers.
+// element types and 16-lane loads. Plain C++ and intrinsics, no torch headers.
 #pragma once
 
 #include <cmath>
@@ -27,8 +27,28 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, like torch
     return static_cast<uint16_t>(u >> 16);
 }
 
+// Element types of the kernels' templates (codes `dt`: 0 float32, 1 bfloat16, 2 float16).
+struct F32 {
+    using T = float;
+    static float load(T x) { return x; }
+    static T store(float x) { return x; }
+};
+struct BF16 {
+    using T = uint16_t;
+    static float load(T x) { return bf16_to_f32(x); }
+    static T store(float x) { return f32_to_bf16(x); }
+};
+struct F16 {
+    using T = _Float16;
+    static float load(T x) { return static_cast<float>(x); }
+    static T store(float x) { return static_cast<T>(x); }
+};
+
 #if defined(__AVX512F__)
 inline __m512 load16_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) { return load16_bf16(_mm256_loadu_si256((const __m256i*)x)); }
+inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
 #endif
 
 }  // namespace

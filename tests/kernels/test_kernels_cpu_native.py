@@ -81,3 +81,24 @@ def test_decode_whole_row_and_per_head_tasks_agree(dtype: torch.dtype) -> None:
     torch.testing.assert_close(whole_rows, per_head, atol=TOL[dtype], rtol=TOL[dtype])
     expected = reference.decode_attention_reference(*batch.decode_args(0.125))
     torch.testing.assert_close(whole_rows.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000])
+def test_argmax_matches_torch_with_ties_nans_and_strides(dtype: torch.dtype, vocab: int) -> None:
+    """The first maximum wins a tie, the first NaN wins over everything (torch's rules), any row stride."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 5, generator=gen).to(dtype)[:, 2 : 2 + vocab]  # rows 'vocab + 5' apart
+    x[1] = 3.0  # all equal
+    x[2, vocab // 2 :] = 4.0  # a tie between two positions at least
+    x[3] = float("-inf")
+    x[4, vocab - 1] = float("nan")
+    x[5, vocab // 3] = float("nan")
+    x[5, 0] = float("inf")
+    torch.testing.assert_close(cpu_native.argmax(x), x.argmax(dim=-1), rtol=0, atol=0)
+
+
+def test_argmax_declines_what_it_does_not_cover() -> None:
+    assert cpu_native.argmax(torch.randn(2, 3, 4)) is None  # not 2-D
+    assert cpu_native.argmax(torch.randn(2, 5, dtype=torch.float64)) is None
+    assert cpu_native.argmax(torch.randn(2, 0)) is None
