@@ -22,7 +22,7 @@ from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.runner.step_inputs import StepInputs
 from compiled_engine.scheduler.plan import Batch
 from compiled_engine.scheduler.sampling_params import SamplingParams
-from compiled_engine.scheduler.scheduler import RequestRejected, Scheduler
+from compiled_engine.scheduler.scheduler import Scheduler, check_ids
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +68,13 @@ class Engine:
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError (RequestRejected) with a clear message if it can never run."""
         params.validate()
-        self._check_ids(rid, prompt_ids, params)
+        check_ids(rid, prompt_ids, params.stop_token_ids, params.seed, self.vocab_size)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.scheduler.add_request(rid, list(prompt_ids), params)
         banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
         self._live[rid] = _Live(len(prompt_ids), params, generator, banned)
-
-    def _check_ids(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Token ids the model cannot embed and seeds torch cannot take are rejected before admission."""
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise RequestRejected(f"request {rid!r}: stop_token_ids has {bad[0]}, outside the vocabulary")
-        if params.seed is not None and not 0 <= params.seed < 2**63:
-            raise RequestRejected(f"request {rid!r}: seed must be in [0, 2**63), got {params.seed}")
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)

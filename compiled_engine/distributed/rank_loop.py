@@ -72,6 +72,7 @@ class Ready:
     capacity_tokens: int
     num_pages: int
     eos_token_ids: tuple[int, ...]
+    vocab_size: int
 
 
 @dataclass(slots=True)
@@ -120,7 +121,8 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
         engine = build_engine(config)
         if conn is not None:
             sched = engine.scheduler.config
-            conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids)])
+            conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids,
+                               engine.vocab_size)])
         _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
         engine.shutdown()
     except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits

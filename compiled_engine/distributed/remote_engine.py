@@ -19,7 +19,7 @@ from compiled_engine.distributed.rank_loop import (
 )
 from compiled_engine.engine import TokenOutput
 from compiled_engine.scheduler.sampling_params import SamplingParams
-from compiled_engine.scheduler.scheduler import SchedulerStats, check_prompt
+from compiled_engine.scheduler.scheduler import SchedulerStats, check_ids, check_prompt
 
 POLL_S = 0.5  # how often a blocked step() checks that the ranks are alive
 
@@ -41,6 +41,7 @@ class RemoteEngine:
         params.validate()
         ready = self.handle.ready
         check_prompt(rid, prompt_ids, ready.max_context, ready.capacity_tokens)
+        check_ids(rid, prompt_ids, params.stop_token_ids, params.seed, ready.vocab_size)
         self._outbox.append(Add(rid, list(prompt_ids), params))
         self._live[rid] = None
 

@@ -31,6 +31,19 @@ class RequestRejected(ValueError):
     """A request that can never run (bad parameters, empty prompt, too long for context or KV pool)."""
 
 
+def check_ids(rid: str, prompt: tuple[int, ...] | list[int], stop_token_ids: list[int] | tuple[int, ...],
+              seed: int | None, vocab_size: int) -> None:
+    """Raise RequestRejected for token ids the model cannot embed and a seed torch cannot take."""
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestRejected(f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in stop_token_ids if t >= vocab_size]
+    if bad:
+        raise RequestRejected(f"request {rid!r}: stop_token_ids has {bad[0]}, outside the vocabulary")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise RequestRejected(f"request {rid!r}: seed must be in [0, 2**63), got {seed}")
+
+
 def check_prompt(rid: str, prompt: tuple[int, ...] | list[int], max_context: int, capacity_tokens: int) -> None:
     """Raise RequestRejected for a prompt that can never run: empty, negative ids, no room for one
     generated token in the context or in the whole KV pool."""

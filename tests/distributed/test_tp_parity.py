@@ -64,6 +64,10 @@ def test_qwen3_without_overlap_pages_of_4(qwen3_dir: str) -> None:
     settings = dict(enforce_eager=True, num_pages=400, page_size=4, max_running=12, chunk_budget=48, overlap=False)
     tp2 = LLM(qwen3_dir, tp_size=2, tp_debug=True, **settings)
     try:
+        # Rejected when added, as by the in-process engine, not at a later step; nothing is queued.
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            tp2.engine.add_request("out-of-vocab", [3, 500], GREEDY)
+        assert not tp2.engine.has_work()
         got = scenario(tp2, prompts)
     finally:
         tp2.engine.shutdown()
