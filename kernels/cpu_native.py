@@ -70,7 +70,7 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        log.warning("no C++ compiler found: CPU decode attention and the KV store use the torch fallbacks")
+        log.warning("no C++ compiler found: the CPU ops use their torch / oneDNN fallbacks")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))

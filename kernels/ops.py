@@ -38,8 +38,8 @@ sliding_window=0, soft_cap=0.0): ragged new tokens q [T, H, D] -> [T, H, D]; req
 cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included)."""
 
 linear = torch.ops.kernels.cpu_linear.default
-"""cpu_linear(x, weight, bias=None): `F.linear` for CPU bf16 weights, on weights pre-packed for oneDNN
-(`kernels.cpu_linear`)."""
+"""cpu_linear(x, weight, bias=None): `F.linear` for CPU bf16 weights, on weights packed once for the AMX
+kernel or oneDNN (`kernels.cpu_linear`)."""
 
 
 def _store_kv_cpu(k_cache, v_cache, k, v, slots) -> None:

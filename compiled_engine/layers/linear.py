@@ -20,8 +20,8 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, except CPU bf16 weights go through `kernels::cpu_linear` (oneDNN on pre-packed weights,
-    about 1.25x torch's bf16 linear from 1 to 64 rows)."""
+    """`F.linear`, except CPU bf16 weights go through `kernels::cpu_linear` (weights packed once: the AMX
+    kernel, else oneDNN; see `kernels.cpu_linear`)."""
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_linear.packing_available():
         return ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)

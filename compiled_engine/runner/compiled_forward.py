@@ -31,14 +31,14 @@ torch._dynamo.config.specialize_float = True
 # `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in the
 # default mode, then captures CUDA graphs). Measured with `python -m compiled_engine.bench_decode`:
 #   default    generated C++ for the pointwise ops; linears call torch's GEMM (fp32) or `kernels::cpu_linear`
-#              (bf16: oneDNN on weights packed once). Precompiled and cached: warm starts are fast.
+#              (bf16: the AMX kernel on weights packed once). Precompiled and cached: warm starts are fast.
 #   freezing   weights become graph constants and inductor packs the linears itself (so bf16 linears stay
 #              plain matmuls in these graphs, see `kernels.cpu_linear.packing_available`), constant
 #              folding. Bypasses the FX graph cache and is never precompiled (every start compiles), each
 #              graph holds its own packed copy of the linear weights, and tiny fp32 GEMVs get slower.
 #   max-autotune-freezing   freezing + inductor's C++ GEMM templates (AMX), benchmarked at compile time. On
-#              the bf16 bench model: batch-1 decode 73 tok/s vs 46 in default mode, prefill 5,100 vs 3,800
-#              tok/s, for ~22 s (decode) / 34 s (extend) of compile per graph on every start.
+#              the bf16 bench model: batch-1 decode 98 tok/s vs 86 in default mode (model step), prefill
+#              6,200 vs 5,500 tok/s, for ~21 s (decode) / 31 s (extend) of compile per graph on every start.
 COMPILE_MODES: dict[str, dict[str, bool]] = {
     "default": {},
     "freezing": {"freezing": True},

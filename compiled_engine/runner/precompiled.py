@@ -1,6 +1,7 @@
 """Graphs compiled ahead of time (`torch.compile(...).aot_compile`) and saved to a file, so that a warm
-start loads them without tracing with dynamo. The saved guards are checked on every call; whatever fails
-(compiling, saving, loading, a guard) falls back to the lazily compiled graph and is logged."""
+start loads them without tracing with dynamo. The saved guards are checked on every call (a static graph:
+once per input signature); whatever fails (compiling, saving, loading, a guard) falls back to the lazily
+compiled graph and is logged."""
 
 from __future__ import annotations
 
