@@ -128,10 +128,12 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 def argmax(x: torch.Tensor) -> torch.Tensor | None:
     """torch.argmax(x, dim=-1) of a 2-D CPU tensor (the first maximum, or the first NaN), or None when the
-    native path does not apply."""
-    lib = library()
+    native path does not apply (any other device, dtype or shape)."""
     code = _DTYPE_CODES.get(x.dtype)
-    if lib is None or code is None or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] == 0:
+    if x.device.type != "cpu" or code is None or x.dim() != 2 or x.shape[1] == 0:
+        return None
+    lib = library()
+    if lib is None:
         return None
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -164,5 +164,5 @@ def _in_vocab(ids: torch.Tensor | None, vocab: int, device: torch.device) -> tor
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax: the native CPU kernel where it applies (torch's CPU argmax costs ~0.7-1.7 ms for
     32 rows of a 32000 vocabulary), else torch's; both return the first maximum."""
-    tokens = cpu_native.argmax(logits) if logits.device.type == "cpu" else None
+    tokens = cpu_native.argmax(logits)
     return logits.argmax(dim=-1) if tokens is None else tokens
