@@ -89,35 +89,6 @@ inline void load_row(const typename E::T* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = E::load(src[i]);
 }
 
-// Generic path of one (row, KV head) task: scores for the G query heads sharing KV head kh, softmax, and
-// the weighted sum of V. `qf` holds the G query rows in float32; `p` is G * n floats of scratch.
-template <typename E>
-void attend_generic(const float* qf, const typename E::T* k_cache, const typename E::T* v_cache,
-                    const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh, int64_t G, int64_t D,
-                    float scale, float soft_cap, float* p, float* acc) {
-    std::vector<float> row(D);
-    for (int64_t t = 0; t < n; ++t) {
-        load_row<E>(k_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D, row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf + g * D;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-            p[g * n + t] = capped(s * scale, soft_cap);
-        }
-    }
-    softmax_rows(p, G, n);
-    for (int64_t t = 0; t < n; ++t) {
-        load_row<E>(v_cache + (clamp_slot(slots[t], S) * Hkv + kh) * D, row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-            const float w = p[g * n + t];
-            float* ag = acc + g * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];
-        }
-    }
-}
-
-#if defined(__AVX512F__)
 // Positions ahead whose K / V rows are prefetched: decode tokens of one sequence sit in scattered slots,
 // so without it every row is a cache miss the loop waits for (batch 64: 4.97 ms -> ~3.1 ms per layer).
 constexpr int64_t kAhead = 8;
@@ -128,6 +99,48 @@ inline void prefetch(const T* row, int64_t count) {
     for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
+// Position t's row of KV head kh in a cache [S, Hkv, D], prefetching the row kAhead positions on.
+struct HeadRows {
+    const int32_t* slots;
+    int64_t n, S, Hkv, kh, D;
+
+    template <typename T>
+    const T* operator()(const T* cache, int64_t t) const {
+        if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh) * D, D);
+        return cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
+    }
+};
+
+// Generic path of one (row, KV head) task: scores for the G query heads sharing KV head kh, softmax, and
+// the weighted sum of V. `qf` holds the G query rows in float32; `p` is G * n floats of scratch.
+template <typename E>
+void attend_generic(const float* qf, const typename E::T* k_cache, const typename E::T* v_cache,
+                    const int32_t* slots, int64_t n, int64_t S, int64_t Hkv, int64_t kh, int64_t G, int64_t D,
+                    float scale, float soft_cap, float* p, float* acc) {
+    const HeadRows at{slots, n, S, Hkv, kh, D};
+    std::vector<float> row(D);
+    for (int64_t t = 0; t < n; ++t) {
+        load_row<E>(at(k_cache, t), row.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf + g * D;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+            p[g * n + t] = capped(s * scale, soft_cap);
+        }
+    }
+    softmax_rows(p, G, n);
+    for (int64_t t = 0; t < n; ++t) {
+        load_row<E>(at(v_cache, t), row.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+            const float w = p[g * n + t];
+            float* ag = acc + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
 // r[i] = sum of the 16 floats of rows[i], for 16 rows (a 16 x 16 block): four levels of pairwise
 // permute-and-add, 15 adds for 16 sums where a horizontal reduction per row costs ~8 operations each.
 inline __m512 sum_rows16(const float* rows) {
@@ -173,12 +186,7 @@ void attend_avx512(const float* qf, const typename E::T* k_cache, const typename
     constexpr int GC = V >= 16 ? 1 : 16 / V;
     alignas(64) float block[GC][16 * 16];
     for (int64_t j = 0; j < nkh; ++j) {
-        const int64_t kh = kh0 + j;
-        // Position t's row of head kh in `cache`, prefetching the row kAhead positions on.
-        auto row = [&](const typename E::T* cache, int64_t t) {
-            if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh) * D, D);
-            return cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
-        };
+        const HeadRows row{slots, n, S, Hkv, kh0 + j, D};
         for (int64_t g0 = 0; g0 < G; g0 += GC) {
             const int gc = static_cast<int>(G - g0 < GC ? G - g0 : GC);
             const int64_t h0 = j * G + g0;
@@ -254,11 +262,7 @@ void attend_bf16_pairs(const uint16_t* qb, const uint16_t* k_cache, const uint16
     const __m512i order0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i order1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t j = 0; j < nkh; ++j) {
-        const int64_t kh = kh0 + j;
-        auto row = [&](const uint16_t* cache, int64_t t) {
-            if (t + kAhead < n) prefetch(cache + (clamp_slot(slots[t + kAhead], S) * Hkv + kh) * D, D);
-            return cache + (clamp_slot(slots[t], S) * Hkv + kh) * D;
-        };
+        const HeadRows row{slots, n, S, Hkv, kh0 + j, D};
         for (int64_t g0 = 0; g0 < G; g0 += GC) {
             const int gc = static_cast<int>(G - g0 < GC ? G - g0 : GC);
             const int64_t h0 = j * G + g0;
