@@ -82,7 +82,7 @@ def bench_linear(repeats: int) -> None:
     shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(32000, 768)]
     weights = [torch.randn(n, k).bfloat16() for n, k in shapes]
     mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
-    amx = cpu_native.amx_linear_available()
+    amx = cpu_native.amx_available()
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     print(f"CPU bf16 linear, {torch.get_num_threads()} threads, the bench model's {mib:.0f} MiB of linears, median ms"
           + ("" if amx else " (no AMX here: the op is oneDNN)"))

@@ -23,7 +23,7 @@ def packing_available() -> bool:
     graph is being frozen (inductor's freezing packs constant weights itself, and max-autotune then picks
     its own GEMM templates: an opaque op would hide the linears from both). A constant to torch.compile,
     read while tracing."""
-    has_kernel = cpu_native.amx_linear_available() or torch.backends.mkldnn.is_available()
+    has_kernel = cpu_native.amx_available() or torch.backends.mkldnn.is_available()
     return has_kernel and not inductor_config.freezing
 
 

@@ -1,5 +1,6 @@
 """The native CPU kernels of `kernels/native/` (attention.cpp: decode attention and the KV store;
-linear.cpp: the AMX bf16 linear; sampling.cpp: the greedy argmax), built into one library with the system
+extend_attention.cpp: AMX flash attention for prefill / extend; linear.cpp: the AMX bf16 linear;
+sampling.cpp: the greedy argmax), built into one library with the system
 C++ compiler on first use (a few seconds, cached under inductor's cache folder by a hash of the sources,
 flags, compiler and CPU) and called through ctypes, which releases the GIL. Everything here returns None
 when the library is unavailable (no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to
@@ -24,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-SOURCES = [NATIVE / "attention.cpp", NATIVE / "linear.cpp", NATIVE / "sampling.cpp"]
+SOURCES = [NATIVE / "attention.cpp", NATIVE / "extend_attention.cpp", NATIVE / "linear.cpp", NATIVE / "sampling.cpp"]
 HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -90,12 +91,16 @@ def library() -> ctypes.CDLL | None:
         lib.ce_packed_bf16_size.restype = _i64
         lib.ce_pack_bf16_weight.argtypes = [_ptr, _ptr, _i64, _i64]
         lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
+        lib.ce_extend_attention_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                                                 *[_i64] * 5, _f32]
+        lib.ce_extend_attention_bf16.restype = ctypes.c_int
     return lib
 
 
 @functools.cache
-def amx_linear_available() -> bool:
-    """Whether the AMX bf16 linear runs here: built for AMX, and Linux granted this process the tile state."""
+def amx_available() -> bool:
+    """Whether the AMX bf16 kernels (linear, extend attention) run here: built for AMX, and Linux granted
+    this process the tile state."""
     lib = library()
     return lib is not None and hasattr(lib, "ce_linear_bf16") and lib.ce_amx_init() == 0
 
@@ -104,7 +109,7 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The [N, K] bf16 weight in the AMX kernel's panel layout, or None when that kernel does not apply
     (no AMX, or K not a multiple of 32)."""
     n, k = weight.shape
-    if not amx_linear_available() or weight.dtype != torch.bfloat16 or k % 32:
+    if not amx_available() or weight.dtype != torch.bfloat16 or k % 32:
         return None
     lib = library()
     weight = weight.detach().contiguous()
@@ -164,6 +169,36 @@ def decode_attention(
         sliding_window, soft_cap,
     )
     return out
+
+
+def extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int, soft_cap: float,
+) -> torch.Tensor | None:
+    """Paged causal attention of each request's new tokens (bf16, AMX), or None when the native path does
+    not apply: no AMX, another dtype, a sliding window, a soft cap, or a head size not a multiple of 64."""
+    dim = q.shape[-1]
+    if sliding_window > 0 or soft_cap > 0 or dim % 64 or not amx_available():
+        return None
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
+        return None
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    q = _token_rows(q)
+    table = page_table.to(torch.int32).contiguous()
+    cu = cu_q_lens.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    tokens, heads, _ = q.shape
+    covered = int(cu[-1])
+    if covered < tokens:  # rows of no request (padding) read as zeros, as on the torch path
+        out[covered:] = 0
+    bad = library().ce_extend_attention_bf16(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
+        cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.numel(), heads, k_cache.shape[1], dim,
+        k_cache.shape[0], scale,
+    )
+    return None if bad else out
 
 
 def store_kv(

@@ -58,6 +58,10 @@ def _decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, page
 
 def _extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
                           sliding_window=0, soft_cap=0.0):
+    out = cpu_native.extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window,
+                                      soft_cap)
+    if out is not None:
+        return out
     return cpu_attention.extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
                                               sliding_window, soft_cap)
 

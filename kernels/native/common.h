@@ -51,4 +51,23 @@ inline __m512 load16(const uint16_t* x) { return load16_bf16(_mm256_loadu_si256(
 inline __m512 load16(const _Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }
 #endif
 
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// This thread's 8 AMX tiles, 64 bytes wide: the first `short_tiles` have `rows` rows, the rest 16.
+inline void configure_amx_tiles(int rows, int short_tiles) {
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = t < short_tiles ? rows : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#endif
+
 }  // namespace

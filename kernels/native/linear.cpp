@@ -16,22 +16,8 @@ namespace {
 // reading the weights: this streams them at ~21 GB/s on 2 cores where oneDNN's packed GEMV reaches ~14.
 constexpr int64_t kPanel = 64;
 
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 // Tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-7: B (16 pairs x 16 columns).
-void configure_tiles(int rows) {
-    TileConfig c{};
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        c.rows[t] = t < 5 ? rows : 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
+void configure_tiles(int rows) { configure_amx_tiles(rows, 5); }
 
 void pack_bf16_weight(const uint16_t* w, uint16_t* out, int64_t N, int64_t K) {
     const int64_t panels = (N + kPanel - 1) / kPanel;

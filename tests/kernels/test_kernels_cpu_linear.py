@@ -32,7 +32,7 @@ def _assert_within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Te
     assert (out.float() - expected).abs().max() <= max(2 * torch_error, 1e-2 * expected.abs().max())
 
 
-amx_only = pytest.mark.skipif(not cpu_native.amx_linear_available(), reason="no AMX bf16 on this CPU / build")
+amx_only = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX bf16 on this CPU / build")
 
 
 @amx_only

@@ -27,6 +27,54 @@ def test_decode_matches_torch_fallback(dtype, head_dim, group, sliding_window, s
     assert torch.equal(native[0], torch.zeros_like(native[0])) and torch.equal(native[-1], torch.zeros_like(native[-1]))
 
 
+amx_only = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX bf16 on this CPU / build")
+
+
+@amx_only
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (128, 4), (256, 2)])
+def test_extend_matches_reference(head_dim: int, group: int) -> None:
+    # fresh prompts, cached prefixes, a row past 128 query rows of a group (two work items), a decode-like
+    # one-token extend, an empty extend, and key counts on and off the 64-key blocks
+    seq_lens = [1, 70, 64, 200, 33, 0, 129]
+    q_lens = [1, 70, 5, 150, 1, 0, 64]
+    batch = make_batch(seq_lens, q_lens, 2 * group, 2, head_dim, 16, torch.bfloat16, seed=head_dim + group)
+    scale = head_dim**-0.5
+    native = cpu_native.extend_attention(*batch.extend_args(scale)[:6], scale, 0, 0.0)
+    expected = reference.extend_attention_reference(*batch.extend_args(scale))
+    fallback = cpu_attention.extend_attention_cpu(*batch.extend_args(scale)[:6], scale)
+    torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(native.float(), fallback.float(), atol=2e-2, rtol=2e-2)
+
+
+@amx_only
+def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries() -> None:
+    batch = make_batch([40, 9], [40, 3], 4, 2, 64, 1, torch.bfloat16, seed=7)
+    fused = torch.randn(batch.q.shape[0] + 2, 6, 64, dtype=torch.bfloat16)  # q, then padding rows
+    q = fused[:, :4]  # a token-strided view, like a slice of the QKV projection
+    q[: batch.q.shape[0]] = batch.q
+    native = cpu_native.extend_attention(q, *batch.extend_args(0.125)[1:6], 0.125, 0, 0.0)
+    expected = reference.extend_attention_reference(*batch.extend_args(0.125))
+    torch.testing.assert_close(native[: batch.q.shape[0]].float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(native[batch.q.shape[0] :], torch.zeros_like(native[batch.q.shape[0] :]))
+
+
+@amx_only
+def test_extend_declines_what_it_does_not_cover() -> None:
+    batch = make_batch([20], [20], 4, 2, 64, 1, torch.bfloat16)
+    args = batch.extend_args(0.125)[:6]
+    assert cpu_native.extend_attention(*args, 0.125, 8, 0.0) is None  # sliding window
+    assert cpu_native.extend_attention(*args, 0.125, 0, 5.0) is None  # soft cap
+    fp32 = make_batch([20], [20], 4, 2, 64, 1, torch.float32)
+    assert cpu_native.extend_attention(*fp32.extend_args(0.125)[:6], 0.125, 0, 0.0) is None
+    d96 = make_batch([20], [20], 4, 2, 96, 1, torch.bfloat16)
+    assert cpu_native.extend_attention(*d96.extend_args(0.125)[:6], 0.125, 0, 0.0) is None
+    # the op serves every case (the torch path where the native one declines)
+    for sliding_window, soft_cap in [(0, 0.0), (8, 0.0), (0, 5.0)]:
+        out = ops.extend_attention(*batch.extend_args(0.125), sliding_window, soft_cap)
+        expected = reference.extend_attention_reference(*batch.extend_args(0.125), sliding_window, soft_cap)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_store_kv_rejects_out_of_range_slots_and_writes_nothing() -> None:
     k_cache, v_cache = torch.zeros(6, 2, 4), torch.zeros(6, 2, 4)
     k, v = torch.ones(2, 2, 4), torch.ones(2, 2, 4)
