@@ -19,6 +19,7 @@ YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "origina
 
 CASES = {
     "llama-gqa": ("LlamaForCausalLM", {}),
+    "llama-gqa-hd64": ("LlamaForCausalLM", {"head_dim": 64}),  # the AMX extend kernel in bf16
     "llama-tied-sharded-llama3rope": (
         "LlamaForCausalLM",
         {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE, "max_shard_size": "60KB"},
