@@ -1,10 +1,11 @@
 """The native CPU kernels of `kernels/native/` (attention.cpp: decode attention and the KV store;
 extend_attention.cpp: AMX flash attention for prefill / extend; linear.cpp: the AMX bf16 linear;
-sampling.cpp: the greedy argmax), built into one library with the system
-C++ compiler on first use (a few seconds, cached under inductor's cache folder by a hash of the sources,
-flags, compiler and CPU) and called through ctypes, which releases the GIL. Everything here returns None
-when the library is unavailable (no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to
-the torch implementations.
+sampling.cpp: the greedy argmax; torch_ops.cpp: their registration as the CPU kernels of the kernels::
+ops), built into one library against this torch with the system C++ compiler on first use (~15 s,
+cached under inductor's cache folder by a hash of the sources, flags, compiler, torch and CPU). Loading
+it registers the ops' C++ kernels; the functions here call the same kernels through ctypes (which
+releases the GIL) for the Python paths. Everything here returns None when the library is unavailable
+(no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to the torch implementations.
 """
 
 from __future__ import annotations
@@ -25,9 +26,25 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-SOURCES = [NATIVE / "attention.cpp", NATIVE / "extend_attention.cpp", NATIVE / "linear.cpp", NATIVE / "sampling.cpp"]
+SOURCES = [NATIVE / name for name in ("attention.cpp", "extend_attention.cpp", "linear.cpp", "sampling.cpp", "torch_ops.cpp")]
 HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def _torch_flags() -> list[str]:
+    """Compiling and linking against this torch (torch_ops.cpp registers the kernels with its dispatcher)."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    lib_dirs = cpp_extension.library_paths()
+    return [
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in cpp_extension.include_paths()),
+        *(f"-L{path}" for path in lib_dirs),
+        *(f"-Wl,-rpath,{path}" for path in lib_dirs),
+        "-lc10",
+        "-ltorch_cpu",
+    ]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -46,7 +63,8 @@ def _cpu_flags() -> str:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = FLAGS + _torch_flags()
+    key = hashlib.sha256("\0".join([*texts, *flags, version, torch.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     target = Path(cache_dir()) / "compiled_engine_native" / f"cpu_native-{key}.so"
@@ -55,7 +73,7 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+            subprocess.run([compiler, *map(str, SOURCES), *flags, "-o", tmp], capture_output=True, text=True,
                            check=True)
             os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
         finally:
@@ -74,7 +92,9 @@ def library() -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: the CPU ops use their torch / oneDNN fallbacks")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        path = str(_build(compiler))
+        torch.ops.load_library(path)  # registers the CPU kernels of the kernels:: ops (torch_ops.cpp)
+        lib = ctypes.CDLL(path)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("building the native CPU kernels failed, using the torch fallbacks: %s", detail[-2000:])

@@ -1,5 +1,7 @@
 """The attention, KV-store and CPU linear ops (`torch.ops.kernels.*`): Triton on CUDA; on the CPU the
-native kernels of `cpu_native` where they apply, torch otherwise.
+native kernels of `cpu_native` where they apply, torch otherwise. When the native library loads, its C++
+kernels serve the CPU (a compiled graph calls them without entering Python: ~20 us saved per call) and
+hand what they decline to `kernels::<op>_torch`, the Python implementations below.
 
 Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined with
 `torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose
@@ -13,16 +15,17 @@ import torch
 from kernels import cpu_attention, cpu_linear, cpu_native
 
 _lib = torch.library.Library("kernels", "DEF")
-_lib.define("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()")
-_lib.define(
-    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
-    "int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor"
-)
-_lib.define(
-    "extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
-    "Tensor seq_lens, float scale, int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor"
-)
-_lib.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_SCHEMAS = {
+    "store_kv": "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()",
+    "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
+    "int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor",
+    "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
+    "Tensor seq_lens, float scale, int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor",
+    "cpu_linear": "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+}
+for _name, _schema in _SCHEMAS.items():
+    _lib.define(_name + _schema)
+    _lib.define(_name + "_torch" + _schema)  # the CPU torch implementation, where the C++ kernels decline
 
 store_kv = torch.ops.kernels.store_kv.default
 """store_kv(k_cache, v_cache, k, v, slots): write k, v [T, Hkv, D] into the caches [S, Hkv, D] at `slots`
@@ -88,14 +91,24 @@ def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens,
                                                     page_size, sliding_window, soft_cap)
 
 
-for _name, _cpu, _cuda in (
-    ("store_kv", _store_kv_cpu, _store_kv_cuda),
-    ("decode_attention", _decode_attention_cpu, _decode_attention_cuda),
-    ("extend_attention", _extend_attention_cpu, _extend_attention_cuda),
+# Loading the native library registers its C++ CPU kernels for the four ops (kernels/native/torch_ops.cpp):
+# graphs then call them without entering Python. Without it, the Python implementations serve the CPU.
+_cpp_kernels = cpu_native.library() is not None
+for _name, _cpu in (
+    ("store_kv", _store_kv_cpu),
+    ("decode_attention", _decode_attention_cpu),
+    ("extend_attention", _extend_attention_cpu),
+    ("cpu_linear", cpu_linear.packed_linear),
 ):
-    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name + "_torch", _cpu, "CPU")
+    if not _cpp_kernels:
+        _lib.impl(_name, _cpu, "CPU")
+for _name, _cuda in (
+    ("store_kv", _store_kv_cuda),
+    ("decode_attention", _decode_attention_cuda),
+    ("extend_attention", _extend_attention_cuda),
+):
     _lib.impl(_name, _cuda, "CUDA")
-_lib.impl("cpu_linear", cpu_linear.packed_linear, "CPU")
 
 
 @torch.library.register_fake("kernels::store_kv")

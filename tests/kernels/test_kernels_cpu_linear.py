@@ -53,7 +53,8 @@ def test_amx_kernel_takes_strided_inputs() -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 6, generator=gen).bfloat16().t()  # [6, 64], not contiguous
     w = torch.randn(64, 64, generator=gen).bfloat16()
-    _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)
+    _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)  # the C++ kernel, when the library loaded
+    _assert_within_bf16_rounding(torch.ops.kernels.cpu_linear_torch(x, w), x, w, None)  # the Python one
     assert getattr(w, cpu_linear._ATTR)[1], "expected the AMX layout for K % 32 == 0"
 
 

@@ -85,10 +85,27 @@ def test_store_kv_rejects_out_of_range_slots_and_writes_nothing() -> None:
 
 def test_ops_fall_back_to_torch_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_batch([5, 40, 0], [1, 1, 1], 4, 2, 64, 4, seed=3)
-    with_native = ops.decode_attention(*batch.decode_args(0.125))
+    with_native = ops.decode_attention(*batch.decode_args(0.125))  # the C++ kernel
     monkeypatch.setattr(cpu_native, "library", lambda: None)
-    without = ops.decode_attention(*batch.decode_args(0.125))
+    without = torch.ops.kernels.decode_attention_torch(*batch.decode_args(0.125))  # the op without the library
     torch.testing.assert_close(without, with_native, atol=2e-5, rtol=2e-5)
+
+
+def test_cpp_kernels_hand_what_they_decline_to_the_torch_ops() -> None:
+    """Strided caches (decode, store) and a soft cap (extend) go from the C++ kernels to kernels::*_torch."""
+    batch = make_batch([5, 40], [1, 1], 4, 2, 64, 4, torch.bfloat16, seed=4)
+    wide_k, wide_v = (torch.cat([c, torch.zeros_like(c)], dim=-1) for c in (batch.k_cache, batch.v_cache))
+    k_view, v_view = wide_k[..., :64], wide_v[..., :64]  # the same caches, not contiguous
+    args = batch.decode_args(0.125)
+    out = ops.decode_attention(args[0], k_view, v_view, *args[3:])
+    torch.testing.assert_close(out.float(), reference.decode_attention_reference(*args).float(), atol=2e-2, rtol=2e-2)
+    k = torch.randn(2, 2, 64).bfloat16()
+    ops.store_kv(k_view, v_view, k, -k, torch.tensor([1, 2]))
+    assert torch.equal(wide_k[1:3, :, :64], k) and torch.equal(wide_v[1:3, :, :64], -k)
+    extend = make_batch([30], [30], 4, 2, 64, 1, torch.bfloat16, seed=5)
+    capped = ops.extend_attention(*extend.extend_args(0.125), 0, 3.0)
+    expected = reference.extend_attention_reference(*extend.extend_args(0.125), 0, 3.0)
+    torch.testing.assert_close(capped.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_failed_build_gives_no_library(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
