@@ -26,7 +26,10 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-SOURCES = [NATIVE / name for name in ("attention.cpp", "extend_attention.cpp", "linear.cpp", "sampling.cpp", "torch_ops.cpp")]
+SOURCES = [
+    NATIVE / name
+    for name in ("attention.cpp", "extend_attention.cpp", "linear.cpp", "sampling.cpp", "torch_ops.cpp")
+]
 HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -64,7 +67,8 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
     flags = FLAGS + _torch_flags()
-    key = hashlib.sha256("\0".join([*texts, *flags, version, torch.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
+    parts = [*texts, *flags, version, torch.__version__, _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     target = Path(cache_dir()) / "compiled_engine_native" / f"cpu_native-{key}.so"
