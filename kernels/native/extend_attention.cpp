@@ -6,15 +6,19 @@
 // Layouts: q [T, H, D] (token stride q_stride), out [T, H, D] contiguous, caches [S, Hkv, D], page table
 // [B, table_stride] of raw slots per position, cu_q_lens [B + 1], seq_lens [B]; D % 64 == 0.
 //
-// Work items are (request, KV head, up to 128 query rows), a query row being one (token, head of the GQA
-// group) pair, token-major. Keys run in blocks of 64: a block's K is transposed into AMX B tiles and its V
-// interleaved into pairs once, then serves every 16-row tile of the item: S = Q K^T on AMX, the online
-// softmax (base 2) in AVX512, O += P V on AMX. Row tiles skip the key blocks that causality hides.
+// Keys run in blocks of 64. Per KV head, each distinct block (its 64 slots: requests sharing a cached prefix
+// share its blocks) is packed once per call: K transposed into AMX B tiles, V interleaved into pairs. Work
+// items are then (request, up to 128 query rows), a query row being one (token, head of the GQA group)
+// pair, token-major; each 16-row tile runs S = Q K^T on AMX, the online softmax (base 2) in AVX512 and
+// O += P V on AMX over the blocks it sees (causality hides the rest).
 
 #include <omp.h>
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common.h"
@@ -59,7 +63,21 @@ struct Problem {
 };
 
 struct Item {
-    int64_t b, h, row0, rows, cost;
+    int64_t b, row0, rows, cost;
+};
+
+// Keys [k0, k0 + n) of request b (n <= kKeys).
+struct KeyBlock {
+    int64_t b, k0, n;
+};
+
+constexpr int64_t kBlockElems = 2 * kKeys;  // x D: K^T tiles, then V tiles
+
+// The packed blocks of one call: request b's j-th block is packed[index[first[b] + j]].
+struct Blocks {
+    std::vector<KeyBlock> distinct;
+    std::vector<int64_t> first, index;
+    const uint16_t* packed;  // [distinct, kBlockElems * D] for the current KV head
 };
 
 // One thread's buffers for one work item.
@@ -68,16 +86,13 @@ struct Scratch {
     std::vector<float> o;        // [kItemRows, D] unnormalized outputs
     std::vector<float> m, l;     // [kItemRows] running max (base 2) and sum
     std::vector<int64_t> limit;  // [kItemRows] keys each row sees (causal)
-    std::vector<uint16_t> kt;    // [kKeys / 16, D / 32] B tiles of K^T (16 dim pairs x 16 keys)
-    std::vector<uint16_t> vp;    // [kKeys / 32, D / 16] B tiles of V (16 key pairs x 16 dims)
     std::vector<float> c;        // [kTile, D] one P V product
     alignas(64) float s[kTile * kKeys];
     alignas(64) uint16_t p[kTile * kKeys];
     alignas(64) float alpha[kTile];
 
     explicit Scratch(int64_t D)
-        : q(kItemRows * D), o(kItemRows * D), m(kItemRows), l(kItemRows), limit(kItemRows), kt(kKeys * D),
-          vp(kKeys * D), c(kTile * D) {}
+        : q(kItemRows * D), o(kItemRows * D), m(kItemRows), l(kItemRows), limit(kItemRows), c(kTile * D) {}
 };
 
 inline int64_t slot_at(const Problem& pr, int64_t b, int64_t pos) {
@@ -86,7 +101,7 @@ inline int64_t slot_at(const Problem& pr, int64_t b, int64_t pos) {
 }
 
 // The item's query rows into sc.q, and fresh softmax state.
-void load_queries(const Problem& pr, const Item& it, Scratch& sc) {
+void load_queries(const Problem& pr, const Item& it, int64_t h, Scratch& sc) {
     const int64_t D = pr.D, group = pr.H / pr.Hkv, q_start = pr.cu_q_lens[it.b];
     const int64_t q_len = pr.cu_q_lens[it.b + 1] - q_start, prefix = pr.seq_lens[it.b] - q_len;
     for (int64_t r = 0; r < kItemRows; ++r) {
@@ -95,7 +110,7 @@ void load_queries(const Problem& pr, const Item& it, Scratch& sc) {
         sc.l[r] = 0.0f;
         std::fill_n(sc.o.data() + r * D, D, 0.0f);
         if (r < it.rows) {
-            const int64_t row = it.row0 + r, t = row / group, head = it.h * group + row % group;
+            const int64_t row = it.row0 + r, t = row / group, head = h * group + row % group;
             std::memcpy(dst, pr.q + (q_start + t) * pr.q_stride + head * D, D * 2);
             sc.limit[r] = prefix + t + 1;
         } else {
@@ -129,11 +144,10 @@ inline void transpose16x16(__m512i r[16]) {
     }
 }
 
-// The K and V rows of keys [k0, min(k0 + kKeys, end)) towards L1 (their slots are random: no hardware
-// prefetcher would guess them).
-void prefetch_keys(const Problem& pr, int64_t b, int64_t h, int64_t k0, int64_t end) {
-    for (int64_t i = k0; i < std::min(k0 + kKeys, end); ++i) {
-        const int64_t offset = (slot_at(pr, b, i) * pr.Hkv + h) * pr.D;
+// The K and V rows of a block towards L1 (their slots are random: no hardware prefetcher would guess them).
+void prefetch_block(const Problem& pr, const KeyBlock& kb, int64_t h) {
+    for (int64_t i = kb.k0; i < kb.k0 + kb.n; ++i) {
+        const int64_t offset = (slot_at(pr, kb.b, i) * pr.Hkv + h) * pr.D;
         for (int64_t byte = 0; byte < pr.D * 2; byte += 64) {
             _mm_prefetch(reinterpret_cast<const char*>(pr.k_cache + offset) + byte, _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(pr.v_cache + offset) + byte, _MM_HINT_T0);
@@ -141,41 +155,63 @@ void prefetch_keys(const Problem& pr, int64_t b, int64_t h, int64_t k0, int64_t 
     }
 }
 
-// Keys [k0, k0 + kKeys) of request b, KV head h, into B tiles (keys at or past `end` are zeros), and the
-// next block's rows prefetched.
-void pack_keys(const Problem& pr, int64_t b, int64_t h, int64_t k0, int64_t end, Scratch& sc) {
-    prefetch_keys(pr, b, h, k0 + kKeys, end);
+// A block of KV head h into dst: K^T as B tiles [kKeys / 16, D / 32] (16 dim pairs x 16 keys), then V as
+// B tiles [kKeys / 32, D / 16] (16 key pairs x 16 dims); keys past the block's n are zeros.
+void pack_block(const Problem& pr, const KeyBlock& kb, int64_t h, uint16_t* dst) {
     const int64_t D = pr.D, chunks = D / 32, dtiles = D / 16;
-    const uint16_t* rows[kKeys];
-    for (int64_t i = 0; i < kKeys; ++i) rows[i] = k0 + i < end ? pr.k_cache + (slot_at(pr, b, k0 + i) * pr.Hkv + h) * D : nullptr;
+    const uint16_t* krows[kKeys];
+    const uint16_t* vrows[kKeys];
+    for (int64_t i = 0; i < kKeys; ++i) {
+        const int64_t offset = i < kb.n ? (slot_at(pr, kb.b, kb.k0 + i) * pr.Hkv + h) * D : -1;
+        krows[i] = offset >= 0 ? pr.k_cache + offset : nullptr;
+        vrows[i] = offset >= 0 ? pr.v_cache + offset : nullptr;
+    }
     for (int64_t tile = 0; tile < kKeys / 16; ++tile)
         for (int64_t c = 0; c < chunks; ++c) {
             __m512i r[16];  // row n: key n's dims [32c, 32c + 32) as 16 pairs; transposed: pair p's 16 keys
             for (int n = 0; n < 16; ++n) {
-                const uint16_t* row = rows[tile * 16 + n];
+                const uint16_t* row = krows[tile * 16 + n];
                 r[n] = row ? _mm512_loadu_si512(row + c * 32) : _mm512_setzero_si512();
             }
             transpose16x16(r);
-            uint16_t* dst = sc.kt.data() + (tile * chunks + c) * 512;
-            for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 32, r[p]);
+            uint16_t* out = dst + (tile * chunks + c) * 512;
+            for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + p * 32, r[p]);
         }
+    uint16_t* vp = dst + kKeys * D;
     for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
-        const int64_t i = 2 * pair;
-        const uint16_t* a = k0 + i < end ? pr.v_cache + (slot_at(pr, b, k0 + i) * pr.Hkv + h) * D : nullptr;
-        const uint16_t* z = k0 + i + 1 < end ? pr.v_cache + (slot_at(pr, b, k0 + i + 1) * pr.Hkv + h) * D : nullptr;
-        uint16_t* dst = sc.vp.data() + ((pair / 16) * dtiles * 16 + pair % 16) * 32;
+        const uint16_t* a = vrows[2 * pair];
+        const uint16_t* z = vrows[2 * pair + 1];
+        uint16_t* out = vp + ((pair / 16) * dtiles * 16 + pair % 16) * 32;
         for (int64_t d = 0; d < dtiles; ++d) {
             const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d * 16))) : _mm512_setzero_si512();
             const __m512i hi = z ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(z + d * 16))) : _mm512_setzero_si512();
-            _mm512_storeu_si512(dst + d * 16 * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            _mm512_storeu_si512(out + d * 16 * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
 
+// Request b's blocks, the distinct ones (by their slots) listed once.
+Blocks find_blocks(const Problem& pr, int64_t B) {
+    Blocks blocks;
+    blocks.first.assign(B + 1, 0);
+    std::unordered_map<std::string_view, int64_t> seen;  // a block's slots, as bytes
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t q_len = pr.cu_q_lens[b + 1] - pr.cu_q_lens[b], len = q_len > 0 ? pr.seq_lens[b] : 0;
+        for (int64_t k0 = 0; k0 < len; k0 += kKeys) {
+            const int64_t n = std::min(kKeys, len - k0);
+            const std::string_view key(reinterpret_cast<const char*>(pr.table + b * pr.table_stride + k0), n * 4);
+            const auto [it, added] = seen.emplace(key, static_cast<int64_t>(blocks.distinct.size()));
+            if (added) blocks.distinct.push_back({b, k0, n});
+            blocks.index.push_back(it->second);
+        }
+        blocks.first[b + 1] = static_cast<int64_t>(blocks.index.size());
+    }
+    return blocks;
+}
+
 // S [16, kKeys] = the tile's queries . K^T: four C tiles of 16 keys, one A tile of queries per 32 dims.
-void scores(const Scratch& sc, int64_t tile, int64_t D) {
+void scores(Scratch& sc, const uint16_t* kt, int64_t tile, int64_t D) {
     const uint16_t* q = sc.q.data() + tile * kTile * D;
-    const uint16_t* kt = sc.kt.data();
     const int64_t chunks = D / 32, step = chunks * 512;  // B tiles of consecutive key tiles
     _tile_zero(0);
     _tile_zero(1);
@@ -241,7 +277,7 @@ void softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float sc
 }
 
 // O = O * alpha + P V for the tile: 64 output dims at a time in four C tiles, one A tile of P per 32 keys.
-void accumulate(Scratch& sc, int64_t tile, int64_t D) {
+void accumulate(Scratch& sc, const uint16_t* vp, int64_t tile, int64_t D) {
     const int64_t dtiles = D / 16;
     for (int64_t d = 0; d < dtiles; d += 4) {
         _tile_zero(0);
@@ -249,7 +285,7 @@ void accumulate(Scratch& sc, int64_t tile, int64_t D) {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kc = 0; kc < kKeys / 32; ++kc) {
-            const uint16_t* b = sc.vp.data() + (kc * dtiles + d) * 512;
+            const uint16_t* b = vp + (kc * dtiles + d) * 512;
             _tile_loadd(4, sc.p + kc * 32, kKeys * 2);
             _tile_loadd(5, b, 64);
             _tile_loadd(6, b + 512, 64);
@@ -274,10 +310,10 @@ void accumulate(Scratch& sc, int64_t tile, int64_t D) {
     }
 }
 
-void store_outputs(const Problem& pr, const Item& it, const Scratch& sc) {
+void store_outputs(const Problem& pr, const Item& it, int64_t h, const Scratch& sc) {
     const int64_t D = pr.D, group = pr.H / pr.Hkv, q_start = pr.cu_q_lens[it.b];
     for (int64_t r = 0; r < it.rows; ++r) {
-        const int64_t row = it.row0 + r, t = row / group, head = it.h * group + row % group;
+        const int64_t row = it.row0 + r, t = row / group, head = h * group + row % group;
         uint16_t* dst = pr.out + ((q_start + t) * pr.H + head) * D;
         const __m512 inv = _mm512_set1_ps(1.0f / sc.l[r]);
         for (int64_t j = 0; j < D; j += 16)
@@ -286,23 +322,22 @@ void store_outputs(const Problem& pr, const Item& it, const Scratch& sc) {
     }
 }
 
-void run_item(const Problem& pr, const Item& it, Scratch& sc) {
-    load_queries(pr, it, sc);
+void run_item(const Problem& pr, const Item& it, int64_t h, const Blocks& blocks, Scratch& sc) {
+    load_queries(pr, it, h, sc);
     const int64_t tiles = (it.rows + kTile - 1) / kTile;
     const int64_t end = sc.limit[it.rows - 1];  // the item's last row sees the most keys
-    prefetch_keys(pr, it.b, it.h, 0, end);
     for (int64_t k0 = 0; k0 < end; k0 += kKeys) {
-        pack_keys(pr, it.b, it.h, k0, end, sc);
+        const uint16_t* kt = blocks.packed + blocks.index[blocks.first[it.b] + k0 / kKeys] * kBlockElems * pr.D;
         for (int64_t tile = 0; tile < tiles; ++tile) {
             const int64_t last = std::min(it.rows, (tile + 1) * kTile) - 1;
             const int64_t keys = std::min(kKeys, sc.limit[last] - k0);  // keys this tile sees in the block
             if (keys <= 0) continue;
-            scores(sc, tile, pr.D);
+            scores(sc, kt, tile, pr.D);
             softmax_block(sc, tile, k0, keys, pr.scale2);
-            accumulate(sc, tile, pr.D);
+            accumulate(sc, kt + kKeys * pr.D, tile, pr.D);
         }
     }
-    store_outputs(pr, it, sc);
+    store_outputs(pr, it, h, sc);
 }
 
 void extend_attention(const Problem& pr, int64_t B) {
@@ -310,19 +345,33 @@ void extend_attention(const Problem& pr, int64_t B) {
     std::vector<Item> items;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t q_len = pr.cu_q_lens[b + 1] - pr.cu_q_lens[b], prefix = pr.seq_lens[b] - q_len;
-        for (int64_t h = 0; h < pr.Hkv; ++h)
-            for (int64_t row0 = 0; row0 < q_len * group; row0 += kItemRows) {
-                const int64_t rows = std::min(kItemRows, q_len * group - row0);
-                items.push_back({b, h, row0, rows, rows * (prefix + (row0 + rows) / group)});
-            }
+        for (int64_t row0 = 0; row0 < q_len * group; row0 += kItemRows) {
+            const int64_t rows = std::min(kItemRows, q_len * group - row0);
+            items.push_back({b, row0, rows, rows * (prefix + (row0 + rows) / group)});
+        }
     }
     std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    Blocks blocks = find_blocks(pr, B);
+    // One KV head's packed blocks at a time, in a buffer kept between calls (fresh pages would fault).
+    static std::mutex mutex;
+    static std::vector<uint16_t> packed;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const int64_t nblocks = static_cast<int64_t>(blocks.distinct.size());
+    packed.resize(std::max<size_t>(packed.size(), nblocks * kBlockElems * pr.D));
+    blocks.packed = packed.data();
 #pragma omp parallel
     {
         Scratch sc(pr.D);
         configure_amx_tiles(kTile, 0);
+        for (int64_t h = 0; h < pr.Hkv; ++h) {
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < nblocks; ++u) {
+                if (u + 1 < nblocks) prefetch_block(pr, blocks.distinct[u + 1], h);
+                pack_block(pr, blocks.distinct[u], h, packed.data() + u * kBlockElems * pr.D);
+            }
 #pragma omp for schedule(dynamic, 1)
-        for (size_t i = 0; i < items.size(); ++i) run_item(pr, items[i], sc);
+            for (size_t i = 0; i < items.size(); ++i) run_item(pr, items[i], h, blocks, sc);
+        }
         _tile_release();
     }
 }

@@ -47,6 +47,18 @@ def test_extend_matches_reference(head_dim: int, group: int) -> None:
 
 
 @amx_only
+def test_extend_requests_sharing_cached_blocks() -> None:
+    """Rows 1 and 2 reuse row 0's first 70 slots (a radix hit: block 0 shared, block 1 not), row 3 all of
+    row 0's slots; the kernel packs shared blocks once."""
+    batch = make_batch([150, 150, 90, 150], [40, 30, 20, 5], 6, 2, 64, 1, torch.bfloat16, seed=11)
+    batch.page_table[1:3, :70] = batch.page_table[0, :70]
+    batch.page_table[3] = batch.page_table[0]
+    native = cpu_native.extend_attention(*batch.extend_args(0.125)[:6], 0.125, 0, 0.0)
+    expected = reference.extend_attention_reference(*batch.extend_args(0.125))
+    torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@amx_only
 def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries() -> None:
     batch = make_batch([40, 9], [40, 3], 4, 2, 64, 1, torch.bfloat16, seed=7)
     fused = torch.randn(batch.q.shape[0] + 2, 6, 64, dtype=torch.bfloat16)  # q, then padding rows
