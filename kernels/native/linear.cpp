@@ -42,20 +42,53 @@ inline void store_bf16_row(const float* c, const uint16_t* bias, uint16_t* out, 
     }
 }
 
+// c [32, 64] = x rows [m0, m0 + 32) @ the panel w: two 32-column halves, each as 2 x 2 tiles (A: tiles 4-5,
+// B: 6-7, C: 0-3), one tile load per product where 16-row blocks need 1.25.
+inline void block32(const uint16_t* x, const uint16_t* w, int64_t m0, int64_t K, float* c) {
+    for (int64_t half = 0; half < 2; ++half) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < K / 32; ++kb) {
+            const uint16_t* b = w + kb * 16 * 2 * kPanel + half * 64;
+            _tile_loadd(4, x + m0 * K + kb * 32, K * 2);
+            _tile_loadd(6, b, 4 * kPanel);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 32, 4 * kPanel);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, x + (m0 + 16) * K + kb * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        float* ch = c + half * 32;
+        _tile_stored(0, ch, 4 * kPanel);
+        _tile_stored(1, ch + 16, 4 * kPanel);
+        _tile_stored(2, ch + 16 * kPanel, 4 * kPanel);
+        _tile_stored(3, ch + 16 * kPanel + 16, 4 * kPanel);
+    }
+}
+
 // out [M, N] = x [M, K] @ w.T (+ bias), all bf16 with float32 accumulation; K % 32 == 0. Threads split the
-// panels; each panel runs its rows in blocks of 16, the panel staying in L2 between blocks.
+// panels; each panel runs its rows in blocks of 32 (then 16), the panel staying in L2 between blocks.
 void linear_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* out, int64_t M,
                  int64_t N, int64_t K) {
     const int64_t panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel
     {
         int configured = -1;
-        alignas(64) float c[16 * kPanel];
+        alignas(64) float c[32 * kPanel];
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
             const uint16_t* w = packed + p * K * kPanel;
             const int64_t n0 = p * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
-            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            int64_t m0 = 0;
+            for (; m0 + 32 <= M; m0 += 32) {
+                if (configured != 16) configure_tiles(configured = 16);
+                block32(x, w, m0, K, c);
+                for (int r = 0; r < 32; ++r) store_bf16_row(c + r * kPanel, bias ? bias + n0 : nullptr, out + (m0 + r) * N + n0, cols);
+            }
+            for (; m0 < M; m0 += 16) {
                 const int rows = M - m0 < 16 ? static_cast<int>(M - m0) : 16;
                 if (rows != configured) configure_tiles(configured = rows);
                 _tile_zero(0);

@@ -36,9 +36,9 @@ amx_only = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX bf1
 
 
 @amx_only
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 40, 63, 64, 81])
 def test_amx_kernel_row_blocks_and_column_tail(rows: int) -> None:
-    """Rows run in blocks of 16 and columns in panels of 64: partial blocks and a partial last panel."""
+    """Rows run in blocks of 32, then 16, and columns in panels of 64: partial blocks and a partial last panel."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 128, generator=gen).bfloat16()
     w = torch.randn(72, 128, generator=gen).bfloat16()
