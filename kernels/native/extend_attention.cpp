@@ -237,31 +237,35 @@ void scores(Scratch& sc, const uint16_t* kt, int64_t tile, int64_t D) {
 
 // Online softmax of the tile's scores over its first `keys` keys: probabilities into sc.p (bf16, zero past
 // each row's keys), each row's rescale factor into sc.alpha, running max and sum updated. A row's 64
-// scores stay in four registers.
+// scores stay in four registers; the max is taken on the raw scores (the scale is positive) and the scale
+// folded into the exponent, and a tile whose rows all see the whole block skips the masks.
 void softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float scale2) {
     static_assert(kKeys == 64, "a row of the block is four vectors");
     const __m512 scale = _mm512_set1_ps(scale2), neg_inf = _mm512_set1_ps(kNegInf);
+    const int64_t first_row = tile * kTile;
+    const bool full = keys == kKeys && sc.limit[first_row] - k0 >= kKeys && sc.limit[first_row + kTile - 1] > 0;
     alignas(64) float m_old[kTile], m_new[kTile], sums[kTile];
     for (int64_t r = 0; r < kTile; ++r) {
-        const int64_t row = tile * kTile + r;
-        const int64_t valid = std::min(keys, sc.limit[row] - k0);
+        const int64_t row = first_row + r;
+        const int64_t valid = full ? kKeys : std::min(keys, sc.limit[row] - k0);
         const float* s = sc.s + r * kKeys;
         __m512 x[4];
         for (int v = 0; v < 4; ++v)
-            x[v] = _mm512_mask_mul_ps(neg_inf, first_lanes(valid - 16 * v), _mm512_load_ps(s + 16 * v), scale);
+            x[v] = full ? _mm512_load_ps(s + 16 * v) : _mm512_mask_load_ps(neg_inf, first_lanes(valid - 16 * v), s + 16 * v);
         const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
         m_old[r] = sc.m[row];
-        m_new[r] = std::max(m_old[r], mx);
+        m_new[r] = std::max(m_old[r], mx * scale2);
         uint16_t* p = sc.p + r * kKeys;
         if (m_new[r] == kNegInf) {  // no key yet: a padding row
             std::fill_n(p, kKeys, uint16_t{0});
             m_old[r] = m_new[r] = sums[r] = 0.0f;  // alpha 1
             continue;
         }
-        const __m512 mv = _mm512_set1_ps(m_new[r]);
+        const __m512 neg_m = _mm512_set1_ps(-m_new[r]);
         __m512 e[4];
-        for (int v = 0; v < 4; ++v) e[v] = exp2_16(_mm512_sub_ps(x[v], mv));  // -inf -> 2^-126, masked below
-        for (int v = 0; v < 4; ++v) e[v] = _mm512_maskz_mov_ps(first_lanes(valid - 16 * v), e[v]);
+        for (int v = 0; v < 4; ++v) e[v] = exp2_16(_mm512_fmadd_ps(x[v], scale, neg_m));  // -inf -> 2^-126
+        if (!full)
+            for (int v = 0; v < 4; ++v) e[v] = _mm512_maskz_mov_ps(first_lanes(valid - 16 * v), e[v]);
         sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
         _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
         _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
@@ -272,7 +276,7 @@ void softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float sc
     const __mmask16 first = _mm512_cmp_ps_mask(mo, neg_inf, _CMP_EQ_OQ);
     const __m512 alpha = _mm512_mask_mov_ps(exp2_16(_mm512_sub_ps(mo, mn)), first, _mm512_setzero_ps());
     _mm512_store_ps(sc.alpha, alpha);
-    float* l = sc.l.data() + tile * kTile;
+    float* l = sc.l.data() + first_row;
     _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, _mm512_load_ps(sums)));
 }
 
