@@ -17,6 +17,7 @@ from compiled_engine.compile_cache import CacheEntry, cache_key, compile_with_ca
 from compiled_engine.config import EngineConfig
 from compiled_engine.demo_model import resolve_model
 from compiled_engine.engine import Engine
+from compiled_engine.host_malloc import keep_freed_memory
 from compiled_engine.models.loader import load_model
 from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
@@ -83,6 +84,8 @@ def _available_host_memory() -> int:
 
 def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
     model, hf_config = load_model(model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format)
