@@ -1,5 +1,6 @@
 // Paged decode attention and the KV store on the CPU (AVX512 / AVX512-BF16 where the build has them),
-// called through ctypes by kernels/cpu_native.py.
+// the CPU kernels of kernels::decode_attention and store_kv (torch_ops.cpp), also called through ctypes by
+// kernels/cpu_native.py.
 //
 // Element type codes (`dt`): 0 float32, 1 bfloat16, 2 float16. Math is in float32.
 // Layouts: caches [S, Hkv, D]; q / out [B, H, D]; k / v [T, Hkv, D]; all contiguous.

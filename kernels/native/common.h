@@ -58,6 +58,10 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
+// GCC's tileloadd carries no memory clobber: without this barrier the compiler may sink ordinary stores
+// (a softmax writing the probabilities) below the tile load that reads them.
+inline void tile_loads_see_stores() { asm volatile("" ::: "memory"); }
+
 // This thread's 8 AMX tiles, 64 bytes wide: the first `short_tiles` have `rows` rows, the rest 16.
 inline void configure_amx_tiles(int rows, int short_tiles) {
     TileConfig c{};

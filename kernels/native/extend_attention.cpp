@@ -1,4 +1,5 @@
-// Extend (prefill) attention on AMX tiles, called through ctypes by kernels/cpu_native.py: flash attention
+// Extend (prefill) attention on AMX tiles, the CPU kernel of kernels::extend_attention (torch_ops.cpp; also
+// called through ctypes by kernels/cpu_native.py): flash attention
 // of each request's new tokens over its paged KV cache (cached prefix + the new tokens, causal), bf16 in
 // and out, float32 softmax. Compiled only where the build targets AMX; elsewhere, and for soft caps,
 // sliding windows and other dtypes, kernels/cpu_attention.py uses SDPA.
@@ -211,6 +212,7 @@ Blocks find_blocks(const Problem& pr, int64_t B) {
 
 // S [16, kKeys] = the tile's queries . K^T: four C tiles of 16 keys, one A tile of queries per 32 dims.
 void scores(Scratch& sc, const uint16_t* kt, int64_t tile, int64_t D) {
+    tile_loads_see_stores();
     const uint16_t* q = sc.q.data() + tile * kTile * D;
     const int64_t chunks = D / 32, step = chunks * 512;  // B tiles of consecutive key tiles
     _tile_zero(0);
@@ -282,6 +284,7 @@ void softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float sc
 
 // O = O * alpha + P V for the tile: 64 output dims at a time in four C tiles, one A tile of P per 32 keys.
 void accumulate(Scratch& sc, const uint16_t* vp, int64_t tile, int64_t D) {
+    tile_loads_see_stores();
     const int64_t dtiles = D / 16;
     for (int64_t d = 0; d < dtiles; d += 4) {
         _tile_zero(0);

@@ -1,5 +1,6 @@
-// bf16 linear on AMX tiles, called through ctypes by kernels/cpu_native.py (compiled only where the build
-// targets AMX; elsewhere kernels/cpu_linear.py uses oneDNN).
+// bf16 linear on AMX tiles: the CPU kernel of kernels::cpu_linear (torch_ops.cpp), also called through ctypes
+// by kernels/cpu_native.py. Compiled only where the build targets AMX; elsewhere kernels/cpu_linear.py uses
+// oneDNN.
 
 #include <omp.h>
 #include <sys/syscall.h>
