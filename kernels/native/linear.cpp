@@ -70,37 +70,27 @@ inline void block32(const uint16_t* x, const uint16_t* w, int64_t m0, int64_t K,
     }
 }
 
-// Input rows per chunk: a chunk of x (<= 512 KB) stays in L2 while the panels stream past it.
-inline int64_t chunk_rows(int64_t K) {
-    const int64_t rows = (512 * 1024) / (K * 2) / 32 * 32;
-    return rows < 32 ? 32 : rows;
-}
-
-// out [M, N] = x [M, K] @ w.T (+ bias), all bf16 with float32 accumulation; K % 32 == 0. Work is (chunk of
-// rows, panel) pairs, split between threads in order, so each thread keeps its chunk of x in L2 (a large
-// prefill re-read all of x from L3 for every panel); within a pair, rows run in blocks of 32 (then 16).
+// out [M, N] = x [M, K] @ w.T (+ bias), all bf16 with float32 accumulation; K % 32 == 0. Threads split the
+// panels; each panel runs its rows in blocks of 32 (then 16), the panel staying in L2 between blocks.
 void linear_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* out, int64_t M,
                  int64_t N, int64_t K) {
-    const int64_t panels = (N + kPanel - 1) / kPanel, rows_per_chunk = chunk_rows(K);
-    const int64_t chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
+    const int64_t panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel
     {
         int configured = -1;
         alignas(64) float c[32 * kPanel];
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < chunks * panels; ++task) {
-            const int64_t p = task % panels, m_begin = task / panels * rows_per_chunk;
-            const int64_t m_end = M < m_begin + rows_per_chunk ? M : m_begin + rows_per_chunk;
+        for (int64_t p = 0; p < panels; ++p) {
             const uint16_t* w = packed + p * K * kPanel;
             const int64_t n0 = p * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
-            int64_t m0 = m_begin;
-            for (; m0 + 32 <= m_end; m0 += 32) {
+            int64_t m0 = 0;
+            for (; m0 + 32 <= M; m0 += 32) {
                 if (configured != 16) configure_tiles(configured = 16);
                 block32(x, w, m0, K, c);
                 for (int r = 0; r < 32; ++r) store_bf16_row(c + r * kPanel, bias ? bias + n0 : nullptr, out + (m0 + r) * N + n0, cols);
             }
-            for (; m0 < m_end; m0 += 16) {
-                const int rows = m_end - m0 < 16 ? static_cast<int>(m_end - m0) : 16;
+            for (; m0 < M; m0 += 16) {
+                const int rows = M - m0 < 16 ? static_cast<int>(M - m0) : 16;
                 if (rows != configured) configure_tiles(configured = rows);
                 _tile_zero(0);
                 _tile_zero(1);
