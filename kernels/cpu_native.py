@@ -1,11 +1,12 @@
 """The native CPU kernels of `kernels/native/` (attention.cpp: decode attention and the KV store;
 extend_attention.cpp: AMX flash attention for prefill / extend; linear.cpp: the AMX bf16 linear;
-sampling.cpp: the greedy argmax; torch_ops.cpp: their registration as the CPU kernels of the kernels::
-ops), built into one library against this torch with the system C++ compiler on first use (~15 s,
-cached under inductor's cache folder by a hash of the sources, flags, compiler, torch and CPU). Loading
-it registers the ops' C++ kernels; the functions here call the same kernels through ctypes (which
-releases the GIL) for the Python paths. Everything here returns None when the library is unavailable
-(no compiler, `COMPILED_ENGINE_NATIVE=0`) so that callers fall back to the torch implementations.
+sampling.cpp: the greedy argmax; torch_ops.cpp: the CPU kernels of the kernels:: ops on top of them),
+built into one library against this torch with the system C++ compiler on first use (~15 s, cached
+under inductor's cache folder by a hash of the sources, flags, compiler, torch and CPU). Loading it
+registers the ops' C++ kernels; the functions here reach the weight packing, the linear (for the ops'
+torch fallback) and the argmax (for the sampler) through ctypes, which releases the GIL. They return None
+when the library is unavailable (no compiler, `COMPILED_ENGINE_NATIVE=0`), and the torch implementations
+serve instead.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _torch_flags() -> list[str]:
     ]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def _cpu_flags() -> str:
@@ -103,10 +104,6 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("building the native CPU kernels failed, using the torch fallbacks: %s", detail[-2000:])
         return None
-    lib.ce_decode_attention.argtypes = [ctypes.c_int, *[_ptr] * 4, _i64, _ptr, _ptr, *[_i64] * 5, _f32, _i64, _f32]
-    lib.ce_decode_attention.restype = ctypes.c_int
-    lib.ce_store_kv.argtypes = [*[_ptr] * 4, _i64, _i64, _ptr, *[_i64] * 4]
-    lib.ce_store_kv.restype = _i64
     lib.ce_amx_init.restype = ctypes.c_int
     lib.ce_argmax.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
     lib.ce_argmax.restype = ctypes.c_int
@@ -115,9 +112,6 @@ def library() -> ctypes.CDLL | None:
         lib.ce_packed_bf16_size.restype = _i64
         lib.ce_pack_bf16_weight.argtypes = [_ptr, _ptr, _i64, _i64]
         lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
-        lib.ce_extend_attention_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
-                                                 *[_i64] * 5, _f32]
-        lib.ce_extend_attention_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -169,85 +163,3 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.ce_argmax(code, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
-
-
-def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, sliding_window: int, soft_cap: float,
-) -> torch.Tensor | None:
-    """Paged decode attention, or None when the native path does not apply."""
-    lib = library()
-    code = _DTYPE_CODES.get(q.dtype)
-    if lib is None or code is None or not (k_cache.dtype == v_cache.dtype == q.dtype):
-        return None
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return None
-    q = q.contiguous()
-    table = page_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
-    batch, heads, dim = q.shape
-    lib.ce_decode_attention(
-        code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
-        lens.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[1], dim, k_cache.shape[0], scale,
-        sliding_window, soft_cap,
-    )
-    return out
-
-
-def extend_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int, soft_cap: float,
-) -> torch.Tensor | None:
-    """Paged causal attention of each request's new tokens (bf16, AMX), or None when the native path does
-    not apply: no AMX, another dtype, a sliding window, a soft cap, or a head size not a multiple of 64."""
-    dim = q.shape[-1]
-    if sliding_window > 0 or soft_cap > 0 or dim % 64 or not amx_available():
-        return None
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
-        return None
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return None
-    q = _token_rows(q)
-    table = page_table.to(torch.int32).contiguous()
-    cu = cu_q_lens.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype)
-    tokens, heads, _ = q.shape
-    covered = int(cu[-1])
-    if covered < tokens:  # rows of no request (padding) read as zeros, as on the torch path
-        out[covered:] = 0
-    bad = library().ce_extend_attention_bf16(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
-        cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.numel(), heads, k_cache.shape[1], dim,
-        k_cache.shape[0], scale,
-    )
-    return None if bad else out
-
-
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> bool:
-    """Scatter k, v rows into the caches; False when the native path does not apply (nothing written).
-    k and v may be token-strided views (slices of a fused QKV output): each token's [Hkv, D] block must be
-    contiguous."""
-    lib = library()
-    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return False
-    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        return False
-    k, v, slots = _token_rows(k), _token_rows(v), slots.to(torch.int64).contiguous()
-    row = k_cache.stride(0)
-    bad = lib.ce_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
-                          v.stride(0), slots.data_ptr(), slots.numel(), row, k_cache.element_size(),
-                          k_cache.shape[0])
-    if bad:
-        raise IndexError(f"store_kv: {bad} slot(s) out of range for a cache of {k_cache.shape[0]} slots")
-    return True
-
-
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [T, Hkv, D] with each token's block contiguous (any token stride), copying only if needed."""
-    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return x
-    return x.contiguous()

@@ -1,7 +1,8 @@
 """The attention, KV-store and CPU linear ops (`torch.ops.kernels.*`): Triton on CUDA; on the CPU the
 native kernels of `cpu_native` where they apply, torch otherwise. When the native library loads, its C++
 kernels serve the CPU (a compiled graph calls them without entering Python: ~20 us saved per call) and
-hand what they decline to `kernels::<op>_torch`, the Python implementations below.
+hand what they decline to `kernels::<op>_torch`, the torch implementations below; without the library
+those serve the CPU directly.
 
 Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined with
 `torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose
@@ -46,25 +47,17 @@ kernel or oneDNN (`kernels.cpu_linear`)."""
 
 
 def _store_kv_cpu(k_cache, v_cache, k, v, slots) -> None:
-    if not cpu_native.store_kv(k_cache, v_cache, k, v, slots):
-        cpu_attention.store_kv_cpu(k_cache, v_cache, k, v, slots)
+    cpu_attention.store_kv_cpu(k_cache, v_cache, k, v, slots)
 
 
 def _decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
                           soft_cap=0.0):
-    out = cpu_native.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap)
-    if out is not None:
-        return out
     return cpu_attention.decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
                                               soft_cap)
 
 
 def _extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
                           sliding_window=0, soft_cap=0.0):
-    out = cpu_native.extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window,
-                                      soft_cap)
-    if out is not None:
-        return out
     return cpu_attention.extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
                                               sliding_window, soft_cap)
 

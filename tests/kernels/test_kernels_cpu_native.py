@@ -19,7 +19,7 @@ def test_decode_matches_torch_fallback(dtype, head_dim, group, sliding_window, s
     seq_lens = [0, 1, 2, 9, 10, 33, 300, 0]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 4, dtype, seed=head_dim + group)
     args = (*batch.decode_args(head_dim**-0.5)[:5], head_dim**-0.5)
-    native = cpu_native.decode_attention(*args, sliding_window, soft_cap)
+    native = ops.decode_attention(*batch.decode_args(head_dim**-0.5), sliding_window, soft_cap)  # the C++ kernel
     fallback = cpu_attention.decode_attention_cpu(*args, sliding_window, soft_cap)
     expected = reference.decode_attention_reference(*batch.decode_args(head_dim**-0.5), sliding_window, soft_cap)
     torch.testing.assert_close(native.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -39,7 +39,7 @@ def test_extend_matches_reference(head_dim: int, group: int) -> None:
     q_lens = [1, 70, 5, 150, 1, 0, 64]
     batch = make_batch(seq_lens, q_lens, 2 * group, 2, head_dim, 16, torch.bfloat16, seed=head_dim + group)
     scale = head_dim**-0.5
-    native = cpu_native.extend_attention(*batch.extend_args(scale)[:6], scale, 0, 0.0)
+    native = ops.extend_attention(*batch.extend_args(scale))  # the C++ kernel
     expected = reference.extend_attention_reference(*batch.extend_args(scale))
     fallback = cpu_attention.extend_attention_cpu(*batch.extend_args(scale)[:6], scale)
     torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -53,7 +53,7 @@ def test_extend_requests_sharing_cached_blocks() -> None:
     batch = make_batch([150, 150, 90, 150], [40, 30, 20, 5], 6, 2, 64, 1, torch.bfloat16, seed=11)
     batch.page_table[1:3, :70] = batch.page_table[0, :70]
     batch.page_table[3] = batch.page_table[0]
-    native = cpu_native.extend_attention(*batch.extend_args(0.125)[:6], 0.125, 0, 0.0)
+    native = ops.extend_attention(*batch.extend_args(0.125))
     expected = reference.extend_attention_reference(*batch.extend_args(0.125))
     torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
@@ -64,24 +64,18 @@ def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries() -> None:
     fused = torch.randn(batch.q.shape[0] + 2, 6, 64, dtype=torch.bfloat16)  # q, then padding rows
     q = fused[:, :4]  # a token-strided view, like a slice of the QKV projection
     q[: batch.q.shape[0]] = batch.q
-    native = cpu_native.extend_attention(q, *batch.extend_args(0.125)[1:6], 0.125, 0, 0.0)
+    native = ops.extend_attention(q, *batch.extend_args(0.125)[1:])
     expected = reference.extend_attention_reference(*batch.extend_args(0.125))
     torch.testing.assert_close(native[: batch.q.shape[0]].float(), expected.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(native[batch.q.shape[0] :], torch.zeros_like(native[batch.q.shape[0] :]))
 
 
-@amx_only
-def test_extend_declines_what_it_does_not_cover() -> None:
-    batch = make_batch([20], [20], 4, 2, 64, 1, torch.bfloat16)
-    args = batch.extend_args(0.125)[:6]
-    assert cpu_native.extend_attention(*args, 0.125, 8, 0.0) is None  # sliding window
-    assert cpu_native.extend_attention(*args, 0.125, 0, 5.0) is None  # soft cap
-    fp32 = make_batch([20], [20], 4, 2, 64, 1, torch.float32)
-    assert cpu_native.extend_attention(*fp32.extend_args(0.125)[:6], 0.125, 0, 0.0) is None
-    d96 = make_batch([20], [20], 4, 2, 96, 1, torch.bfloat16)
-    assert cpu_native.extend_attention(*d96.extend_args(0.125)[:6], 0.125, 0, 0.0) is None
-    # the op serves every case (the torch path where the native one declines)
-    for sliding_window, soft_cap in [(0, 0.0), (8, 0.0), (0, 5.0)]:
+def test_extend_op_serves_what_the_amx_kernel_declines() -> None:
+    """Sliding windows, soft caps, fp32 and head sizes not a multiple of 64 take the torch path."""
+    cases = [(torch.bfloat16, 64, 0, 0.0), (torch.bfloat16, 64, 8, 0.0), (torch.bfloat16, 64, 0, 5.0),
+             (torch.float32, 64, 0, 0.0), (torch.bfloat16, 96, 0, 0.0)]
+    for dtype, head_dim, sliding_window, soft_cap in cases:
+        batch = make_batch([20, 9], [20, 4], 4, 2, head_dim, 1, dtype)
         out = ops.extend_attention(*batch.extend_args(0.125), sliding_window, soft_cap)
         expected = reference.extend_attention_reference(*batch.extend_args(0.125), sliding_window, soft_cap)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -137,7 +131,7 @@ def test_store_kv_from_token_strided_views() -> None:
     qkv = torch.randn(3, 4 + 2 + 2, 16)  # per token: 4 q heads, 2 k heads, 2 v heads
     k, v = qkv[:, 4:6], qkv[:, 6:8]
     k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
-    assert cpu_native.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 2]))
+    ops.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 2]))
     assert torch.equal(k_cache[5], k[0]) and torch.equal(k_cache[2], k[2]) and torch.equal(v_cache[2], v[2])
     assert k_cache[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
 
@@ -146,13 +140,13 @@ def test_store_kv_from_token_strided_views() -> None:
 def test_decode_whole_row_and_per_head_tasks_agree(dtype: torch.dtype) -> None:
     """Rows >= 2x the threads run one task per row (all KV heads), fewer rows one task per (row, KV head)."""
     batch = make_batch([3, 50, 0, 7, 129, 64], [1] * 6, 8, 4, 64, 1, dtype, seed=7)
-    args = (*batch.decode_args(0.125)[:5], 0.125, 0, 0.0)
+    args = batch.decode_args(0.125)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # 6 rows >= 2 threads' worth: whole rows
-        whole_rows = cpu_native.decode_attention(*args)
+        whole_rows = ops.decode_attention(*args)
         torch.set_num_threads(4)  # 6 rows < 8: per KV head
-        per_head = cpu_native.decode_attention(*args)
+        per_head = ops.decode_attention(*args)
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(whole_rows, per_head, atol=TOL[dtype], rtol=TOL[dtype])
