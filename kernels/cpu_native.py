@@ -2,7 +2,7 @@
 extend_attention.cpp: AMX flash attention for prefill / extend; linear.cpp: the AMX bf16 linear;
 sampling.cpp: the greedy argmax; torch_ops.cpp: the CPU kernels of the kernels:: ops on top of them),
 built into one library against this torch with the system C++ compiler on first use (~15 s, cached
-under inductor's cache folder by a hash of the sources, flags, compiler, torch and CPU). Loading it
+under inductor's default cache folder by a hash of the sources, flags, compiler, torch and CPU). Loading it
 registers the ops' C++ kernels; the functions here reach the weight packing, the linear (for the ops'
 torch fallback) and the argmax (for the sampler) through ctypes, which releases the GIL. They return None
 when the library is unavailable (no compiler, `COMPILED_ENGINE_NATIVE=0`), and the torch implementations
@@ -70,9 +70,11 @@ def _build(compiler: str) -> Path:
     flags = FLAGS + _torch_flags()
     parts = [*texts, *flags, version, torch.__version__, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    # inductor's default folder, not its current one: the compile cache repoints TORCHINDUCTOR_CACHE_DIR at
+    # each entry, and processes started from there (TP ranks) would build the library once per entry
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    target = Path(cache_dir()) / "compiled_engine_native" / f"cpu_native-{key}.so"
+    target = Path(default_cache_dir()) / "compiled_engine_native" / f"cpu_native-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
