@@ -1,7 +1,8 @@
 """`F.linear` for CPU bf16 weights on weights packed once: torch's plain bf16 linear re-packs the weight
-into oneDNN's blocked layout on every call. Where the CPU has AMX, the native kernel of `cpu_native`
-(panels streamed through AMX tiles: 1.1-1.2x the op through oneDNN from 1 to 512 rows on the bench
-model's linears, `python -m kernels.bench --linear`); elsewhere oneDNN on its own packed layout (what
+into oneDNN's blocked layout on every call. This is the torch implementation of `kernels::cpu_linear`:
+where the native library loads, its C++ kernel (torch_ops.cpp: the AMX kernel, packed weights cached in
+C++) serves the op and comes here only for what it declines; without the library this serves it. Where
+the CPU has AMX, the native kernel of `cpu_native`; elsewhere oneDNN on its own packed layout (what
 inductor's freezing does). The packed copy is made on the first call and kept on the weight tensor (so
 the bf16 weights take twice their memory); an in-place change of the weight (its version counter)
 repacks it. fp32 keeps torch's MKL path, which is faster there."""

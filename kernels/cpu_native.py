@@ -141,14 +141,13 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) in bf16 from `pack_bf16_weight(weight)` of the [n, K] weight."""
     k = x.shape[-1]
-    flat = x.dim() == 2 and x.is_contiguous()  # the graphs' case: no reshape (each costs ~1 us per call)
-    rows = x if flat else x.reshape(-1, k).contiguous()
+    rows = x.reshape(-1, k).contiguous()
     out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
     if rows.shape[0]:
         bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         bias_ptr = None if bias is None else bias.data_ptr()
         library().ce_linear_bf16(rows.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], n, k)
-    return out if flat else out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], n)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor | None:

@@ -46,10 +46,6 @@ linear = torch.ops.kernels.cpu_linear.default
 kernel or oneDNN (`kernels.cpu_linear`)."""
 
 
-def _store_kv_cpu(k_cache, v_cache, k, v, slots) -> None:
-    cpu_attention.store_kv_cpu(k_cache, v_cache, k, v, slots)
-
-
 def _decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
                           soft_cap=0.0):
     return cpu_attention.decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
@@ -88,7 +84,7 @@ def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens,
 # graphs then call them without entering Python. Without it, the Python implementations serve the CPU.
 _cpp_kernels = cpu_native.library() is not None
 for _name, _cpu in (
-    ("store_kv", _store_kv_cpu),
+    ("store_kv", cpu_attention.store_kv_cpu),
     ("decode_attention", _decode_attention_cpu),
     ("extend_attention", _extend_attention_cpu),
     ("cpu_linear", cpu_linear.packed_linear),
