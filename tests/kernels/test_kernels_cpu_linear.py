@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not cpu_linear.packing_available(), reason="torc
 
 @pytest.mark.parametrize(
     ("shape", "n", "k"),
-    [((1,), 2048, 768), ((3,), 100, 72), ((2, 5), 64, 256), ((64,), 33, 40), ((37,), 200, 96), ((0,), 64, 64)],
+    [((1,), 2048, 768), ((3,), 100, 72), ((2, 5), 64, 256), ((64,), 33, 40), ((37,), 200, 96), ((0,), 64, 64),
+     ((2, 400), 1100, 64), ((2048,), 64, 96)],  # the last two: big GEMMs, which the C++ op hands to oneDNN
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_fp32_within_bf16_rounding(shape: tuple, n: int, k: int, bias: bool) -> None:
