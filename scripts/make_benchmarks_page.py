@@ -35,28 +35,35 @@ SERVE_PAGES = "65536"  # as the offline benchmarks
 # judged against the compiled batch-1 decode step of the latency benchmark (like for like).
 SERVE_GRAPHS = "compiled"
 
-PREFIX_ARGS = ["--dataset", "prefix", "--system-len", "1024", "--num-shared", "16", "--num-chats", "4", "--turns", "3"]
+# The prefix dataset's own sizes (32 shared + 8 chats x 4 turns) offline; the online runs, and a second offline
+# run, use a smaller shape (16 shared + 4 chats x 3 turns) that keeps the servers' runs short.
+PREFIX_SMALL_ARGS = ["--dataset", "prefix", "--system-len", "1024", "--num-shared", "16", "--num-chats", "4",
+                     "--turns", "3"]
 SERVE_RANDOM_ARGS = ["--num-prompts", "16", "--input-len", "128:256", "--output-len", "32:64"]
 
 STEPS = {
     "offline": [["bench", "offline", "--compare", "hf", "--compare", "overlap", "--repeats", "2"]],
-    "prefix": [["bench", "offline", *PREFIX_ARGS, "--compare", "naive", "--repeats", "2"]],
+    "prefix": [["bench", "offline", "--dataset", "prefix", "--compare", "naive", "--repeats", "2"],
+               ["bench", "offline", *PREFIX_SMALL_ARGS, "--compare", "naive", "--repeats", "2"]],
     "latency": [["bench", "latency", "--batch", "1,8,32", "--output-len", "64", "--compare", "eager"]],
     "serve": [
         ["bench", "serve", "--url", f"http://127.0.0.1:{PORTS['radix']}", "--label", "radix", *SERVE_RANDOM_ARGS,
          "--request-rate", "0.5,1,inf", "--timeout", "900"],
         ["bench", "serve", "--url", f"http://127.0.0.1:{PORTS['radix']}", "--label", "radix",
-         "--url", f"http://127.0.0.1:{PORTS['naive']}", "--label", "naive", *PREFIX_ARGS, "--timeout", "900"],
+         "--url", f"http://127.0.0.1:{PORTS['naive']}", "--label", "naive", *PREFIX_SMALL_ARGS, "--timeout", "900"],
     ],
 }
-FILES = {"offline": ["offline_random"], "prefix": ["offline_prefix"], "latency": ["latency"],
-         "serve": ["serve_random", "serve_prefix"]}
+FILES = {"offline": ["offline_random"], "prefix": ["offline_prefix", "offline_prefix_small"],
+         "latency": ["latency"], "serve": ["serve_random", "serve_prefix"]}
+# Results whose charts get a folder of their own (their file names would collide in docs/benchmarks/).
+OWN_PLOT_DIR = {"offline_prefix_small", "serve_random", "serve_prefix"}
 
 
 def run_step(name: str) -> None:
     for cmd, stem in zip(STEPS[name], FILES[name], strict=True):
         out = OUT.relative_to(ROOT)
-        full = [*CLI, *cmd, "--json", str(out / f"{stem}.json"), "--plot", str(out / stem if name == "serve" else out)]
+        plots = out / stem if stem in OWN_PLOT_DIR else out
+        full = [*CLI, *cmd, "--json", str(out / f"{stem}.json"), "--plot", str(plots)]
         print("$", " ".join(full[2:]), flush=True)
         subprocess.run(full, check=True, cwd=ROOT)
 
@@ -196,12 +203,14 @@ def _targets(docs: dict[str, dict | None]) -> list[str]:
         rows.append(["offline standard workload >= 3x transformers' best", f"{tput:.2f}x", _yes(tput >= 3)])
     else:
         rows.append(["offline standard workload >= 3x transformers' best", *missing])
-    if not docs["offline_prefix"]:
-        rows.append(["prefix workload (offline): radix >= 3x naive throughput, >= 5x lower median TTFT", *missing])
-    else:
-        tput, ttft = _ratio(docs["offline_prefix"], "naive prefix cache")
-        rows.append(["prefix workload (offline): radix >= 3x naive throughput", f"{tput:.2f}x", _yes(tput >= 3)])
-        rows.append(["prefix workload (offline): radix >= 5x lower median TTFT", f"{ttft:.2f}x", _yes(ttft >= 5)])
+    for stem, name in (("offline_prefix", "prefix workload (offline)"),
+                       ("offline_prefix_small", "smaller prefix workload (offline, the online runs' shape)")):
+        if not docs[stem]:
+            rows.append([f"{name}: radix >= 3x naive throughput, >= 5x lower median TTFT", *missing])
+            continue
+        tput, ttft = _ratio(docs[stem], "naive prefix cache")
+        rows.append([f"{name}: radix >= 3x naive throughput", f"{tput:.2f}x", _yes(tput >= 3)])
+        rows.append([f"{name}: radix >= 5x lower median TTFT", f"{ttft:.2f}x", _yes(ttft >= 5)])
     if docs["serve_prefix"]:
         runs = {r["label"]: r["summary"] for r in docs["serve_prefix"]["result"]["runs"]}
         if {"radix", "naive"} <= runs.keys():
@@ -225,6 +234,17 @@ def _targets(docs: dict[str, dict | None]) -> list[str]:
     else:
         rows.append(["online p99 TPOT <= 2x batch-1 decode step (needs the serve and latency results)", *missing])
     return _table(["target", "measured", "met"], rows)
+
+
+SMALL_PREFIX_TTFT = (
+    "Why this workload's median TTFT ratio stays under 5x: its first round sends 20 requests at once, all "
+    "sharing the 1024-token system prompt. Radix answers its median request after two steps: one prefills a "
+    "1056-token prompt (the shared prefix), the next the other 19 requests' 736 new tokens. Naive answers its "
+    "median request at the end of its first step, one chunk of 8192 tokens (the engine's chunk budget). At equal "
+    "cost per token that bounds the ratio at 8192 / 1792 = 4.6x, and radix's tokens cost more, since each "
+    "suffix token attends to over 1024 keys. With the dataset's own sizes (above: 40 requests in the first round) "
+    "naive's median request waits for its second 8192-token step, while radix still needs the same two steps, "
+    "with more suffixes in the second.")
 
 
 def _yes(ok: bool) -> str:
@@ -253,6 +273,10 @@ def render() -> str:
     if docs["offline_prefix"]:
         lines += _offline_section(docs["offline_prefix"], "Offline prefix sharing: radix vs naive",
                                   "benchmarks/offline_prefix.png")
+    if docs["offline_prefix_small"]:
+        lines += _offline_section(docs["offline_prefix_small"], "Offline prefix sharing, smaller workload",
+                                  "benchmarks/offline_prefix_small/offline_prefix.png")
+        lines += [SMALL_PREFIX_TTFT, ""]
     if docs["latency"]:
         lines += _latency_section(docs["latency"])
     if docs["serve_random"]:
