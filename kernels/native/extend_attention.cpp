@@ -223,6 +223,35 @@ void load_queries(const Problem& pr, const Item& it, int64_t h, Scratch& sc) {
     }
 }
 
+// C tiles 0-3 += four A tiles of 16 rows (the first at `a`, rows `lda` elements apart, each 16 rows further)
+// times the B tile at `b`. Tiles 4-7 are scratch.
+inline void four_tiles_times_b(const uint16_t* a, int64_t lda, const uint16_t* b) {
+    _tile_loadd(4, b, 64);
+    _tile_loadd(5, a, lda * 2);
+    _tile_loadd(6, a + 16 * lda, lda * 2);
+    _tile_dpbf16ps(0, 5, 4);
+    _tile_loadd(7, a + 32 * lda, lda * 2);
+    _tile_dpbf16ps(1, 6, 4);
+    _tile_loadd(5, a + 48 * lda, lda * 2);
+    _tile_dpbf16ps(2, 7, 4);
+    _tile_dpbf16ps(3, 5, 4);
+}
+
+// C tiles 0-3 to / from 64 rows of 16 floats at c (tile i: rows 16i to 16i + 15).
+inline void store_four_tiles(float* c) {
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 16 * kTile, 64);
+    _tile_stored(2, c + 32 * kTile, 64);
+    _tile_stored(3, c + 48 * kTile, 64);
+}
+
+inline void load_four_tiles(const float* c) {
+    _tile_loadd(0, c, 64);
+    _tile_loadd(1, c + 16 * kTile, 64);
+    _tile_loadd(2, c + 32 * kTile, 64);
+    _tile_loadd(3, c + 48 * kTile, 64);
+}
+
 // S^T [kKeys, 16] = K Q^T for the tile: four C tiles of 16 keys, one B tile of Q^T per 32 dims.
 void scores(Scratch& sc, const uint16_t* k, int64_t tile, int64_t D) {
     const uint16_t* qt = sc.qt + tile * (D / 32) * 512;
@@ -231,22 +260,8 @@ void scores(Scratch& sc, const uint16_t* k, int64_t tile, int64_t D) {
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t c = 0; c < D / 32; ++c) {
-        const uint16_t* a = k + c * 32;
-        _tile_loadd(4, qt + c * 512, 64);
-        _tile_loadd(5, a, D * 2);
-        _tile_loadd(6, a + 16 * D, D * 2);
-        _tile_dpbf16ps(0, 5, 4);
-        _tile_loadd(7, a + 32 * D, D * 2);
-        _tile_dpbf16ps(1, 6, 4);
-        _tile_loadd(5, a + 48 * D, D * 2);
-        _tile_dpbf16ps(2, 7, 4);
-        _tile_dpbf16ps(3, 5, 4);
-    }
-    _tile_stored(0, sc.st, 64);
-    _tile_stored(1, sc.st + 16 * kTile, 64);
-    _tile_stored(2, sc.st + 32 * kTile, 64);
-    _tile_stored(3, sc.st + 48 * kTile, 64);
+    for (int64_t c = 0; c < D / 32; ++c) four_tiles_times_b(k + c * 32, D, qt + c * 512);
+    store_four_tiles(sc.st);
     tile_loads_see_stores();  // and the softmax's loads see the tile stores
 }
 
@@ -302,26 +317,9 @@ void accumulate(Scratch& sc, const uint16_t* vt, int64_t tile, int64_t D, __m512
         for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kTile, _mm512_mul_ps(_mm512_loadu_ps(ot + d * kTile), alpha));
     tile_loads_see_stores();
     for (int64_t d = 0; d < D; d += 64) {
-        _tile_loadd(0, ot + d * kTile, 64);
-        _tile_loadd(1, ot + (d + 16) * kTile, 64);
-        _tile_loadd(2, ot + (d + 32) * kTile, 64);
-        _tile_loadd(3, ot + (d + 48) * kTile, 64);
-        for (int64_t kc = 0; kc < kKeys / 32; ++kc) {
-            const uint16_t* a = vt + d * kKeys + kc * 32;
-            _tile_loadd(4, sc.pt + kc * 512, 64);
-            _tile_loadd(5, a, kKeys * 2);
-            _tile_loadd(6, a + 16 * kKeys, kKeys * 2);
-            _tile_dpbf16ps(0, 5, 4);
-            _tile_loadd(7, a + 32 * kKeys, kKeys * 2);
-            _tile_dpbf16ps(1, 6, 4);
-            _tile_loadd(5, a + 48 * kKeys, kKeys * 2);
-            _tile_dpbf16ps(2, 7, 4);
-            _tile_dpbf16ps(3, 5, 4);
-        }
-        _tile_stored(0, ot + d * kTile, 64);
-        _tile_stored(1, ot + (d + 16) * kTile, 64);
-        _tile_stored(2, ot + (d + 32) * kTile, 64);
-        _tile_stored(3, ot + (d + 48) * kTile, 64);
+        load_four_tiles(ot + d * kTile);
+        for (int64_t kc = 0; kc < kKeys / 32; ++kc) four_tiles_times_b(vt + d * kKeys + kc * 32, kKeys, sc.pt + kc * 512);
+        store_four_tiles(ot + d * kTile);
     }
     tile_loads_see_stores();
 }
