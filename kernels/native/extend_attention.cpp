@@ -273,7 +273,7 @@ void scores(Scratch& sc, const uint16_t* k, int64_t tile, int64_t D) {
 __m512 softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float scale2) {
     const int64_t first = tile * kTile;
     const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale2);
-    const __m512i limit = _mm512_sub_epi32(_mm512_loadu_si512(sc.limit + first), _mm512_set1_epi32(static_cast<int32_t>(k0)));
+    const __m512i limit = _mm512_sub_epi32(_mm512_loadu_si512(sc.limit + first), _mm512_set1_epi32(static_cast<int32_t>(k0)));  // keys of the block each row sees
     const bool full = keys == kKeys && sc.limit[first] - k0 >= kKeys && sc.limit[first + kTile - 1] > 0;
     auto visible = [&](int64_t j) { return _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(static_cast<int32_t>(j))); };
     __m512 mx[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
@@ -282,7 +282,8 @@ __m512 softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float 
         mx[j % 4] = _mm512_max_ps(mx[j % 4], full ? s : _mm512_mask_mov_ps(neg_inf, visible(j), s));
     }
     const __m512 m_old = _mm512_loadu_ps(sc.m + first);
-    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])), scale));
+    const __m512 block_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(block_max, scale));
     _mm512_storeu_ps(sc.m + first, m_new);
     const __mmask16 seen = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ);  // rows that saw a key
     const __m512 neg_m = _mm512_maskz_sub_ps(seen, _mm512_setzero_ps(), m_new);
@@ -331,7 +332,8 @@ void store_outputs(const Problem& pr, const Item& it, int64_t h, const Scratch& 
     for (int64_t tile = 0; tile < tiles; ++tile) {
         const float* ot = sc.ot + tile * D * kTile;
         const __m512 l = _mm512_loadu_ps(sc.l + tile * kTile);
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_NEQ_OQ), l));
+        const __m512 one = _mm512_set1_ps(1.0f);  // padding rows (l = 0) divide by 1
+        const __m512 inv = _mm512_div_ps(one, _mm512_mask_mov_ps(one, _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_NEQ_OQ), l));
         uint16_t* dst[kTile];
         const int64_t rows = std::min(kTile, it.rows - tile * kTile);
         for (int64_t r = 0; r < rows; ++r) {
