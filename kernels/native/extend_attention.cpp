@@ -273,7 +273,8 @@ void scores(Scratch& sc, const uint16_t* k, int64_t tile, int64_t D) {
 __m512 softmax_block(Scratch& sc, int64_t tile, int64_t k0, int64_t keys, float scale2) {
     const int64_t first = tile * kTile;
     const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale2);
-    const __m512i limit = _mm512_sub_epi32(_mm512_loadu_si512(sc.limit + first), _mm512_set1_epi32(static_cast<int32_t>(k0)));  // keys of the block each row sees
+    const __m512i k0v = _mm512_set1_epi32(static_cast<int32_t>(k0));
+    const __m512i limit = _mm512_sub_epi32(_mm512_loadu_si512(sc.limit + first), k0v);  // keys of the block each row sees
     const bool full = keys == kKeys && sc.limit[first] - k0 >= kKeys && sc.limit[first + kTile - 1] > 0;
     auto visible = [&](int64_t j) { return _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(static_cast<int32_t>(j))); };
     __m512 mx[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
