@@ -59,6 +59,27 @@ def test_extend_requests_sharing_cached_blocks() -> None:
 
 
 @amx_only
+@pytest.mark.parametrize("seed", range(8))
+def test_extend_random_batches_match_reference(seed: int) -> None:
+    """Random ragged batches: lengths on and off the 64-key blocks and 16-row tiles, GQA groups 1-4, head
+    sizes 64 and 128, and rows that reuse a random-length prefix of another row's slots (radix hits)."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    rows, group, head_dim = rand(1, 6), rand(1, 4), (64, 128)[seed % 2]
+    seq_lens = [rand(1, 300) for _ in range(rows)]
+    q_lens = [rand(1, n) for n in seq_lens]
+    batch = make_batch(seq_lens, q_lens, 2 * group, 2, head_dim, 1, torch.bfloat16, seed=seed)
+    for b in range(1, rows):
+        src = rand(0, b - 1)
+        shared = min(rand(0, seq_lens[src]), seq_lens[b] - q_lens[b])  # cached positions only
+        batch.page_table[b, :shared] = batch.page_table[src, :shared]
+    scale = head_dim**-0.5
+    native = ops.extend_attention(*batch.extend_args(scale))
+    expected = reference.extend_attention_reference(*batch.extend_args(scale))
+    torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@amx_only
 def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries() -> None:
     batch = make_batch([40, 9], [40, 3], 4, 2, 64, 1, torch.bfloat16, seed=7)
     fused = torch.randn(batch.q.shape[0] + 2, 6, 64, dtype=torch.bfloat16)  # q, then padding rows
