@@ -118,9 +118,14 @@ struct Scratch {
     std::vector<char> arena;
 };
 
+// The slot of position `pos` of a page-table row; out-of-range entries read slot 0 (never handed out).
+inline int64_t slot_at_row(const int32_t* row, int64_t pos, int64_t S) {
+    const int64_t slot = row[pos];
+    return (slot < 0 || slot >= S) ? 0 : slot;
+}
+
 inline int64_t slot_at(const Problem& pr, int64_t b, int64_t pos) {
-    const int64_t slot = pr.table[b * pr.table_stride + pos];
-    return (slot < 0 || slot >= pr.S) ? 0 : slot;
+    return slot_at_row(pr.table + b * pr.table_stride, pos, pr.S);
 }
 
 // The K and V rows of a block towards L1 (their slots are random: no hardware prefetcher would guess them).
@@ -196,8 +201,22 @@ inline void transpose16x16(__m512i r[16]) {
     }
 }
 
-// The item's query rows as Q^T B tiles (a 16x16 transpose of dim pairs per 32 dims), zero O^T and fresh
-// softmax state; padding rows are zero queries that see no key.
+// Sixteen query rows (null: padding) into tile `tile` of sc.qt as Q^T B tiles (a 16x16 transpose of dim pairs
+// per 32 dims), with a zero O^T and fresh softmax state.
+void load_query_tile(const uint16_t* const rows[kTile], int64_t D, int64_t tile, Scratch& sc) {
+    for (int64_t c = 0; c < D / 32; ++c) {
+        __m512i r[16];  // row r: query r's dims [32c, 32c + 32) as 16 pairs; transposed: pair p's 16 rows
+        for (int n = 0; n < 16; ++n) r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + c * 32) : _mm512_setzero_si512();
+        transpose16x16(r);
+        uint16_t* out = sc.qt + (tile * (D / 32) + c) * 512;
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + p * 32, r[p]);
+    }
+    std::fill_n(sc.ot + tile * D * kTile, D * kTile, 0.0f);
+    std::fill_n(sc.m + tile * kTile, kTile, kNegInf);
+    std::fill_n(sc.l + tile * kTile, kTile, 0.0f);
+}
+
+// The item's query rows and how many keys each sees; padding rows are zero queries that see no key.
 void load_queries(const Problem& pr, const Item& it, int64_t h, Scratch& sc) {
     const int64_t D = pr.D, group = pr.H / pr.Hkv, q_start = pr.cu_q_lens[it.b];
     const int64_t q_len = pr.cu_q_lens[it.b + 1] - q_start, prefix = pr.seq_lens[it.b] - q_len;
@@ -209,17 +228,8 @@ void load_queries(const Problem& pr, const Item& it, int64_t h, Scratch& sc) {
             const bool real = i < it.rows;
             rows[r] = real ? pr.q + (q_start + t) * pr.q_stride + head * D : nullptr;
             sc.limit[i] = real ? static_cast<int32_t>(prefix + t + 1) : 0;
-            sc.m[i] = kNegInf;
-            sc.l[i] = 0.0f;
         }
-        for (int64_t c = 0; c < D / 32; ++c) {
-            __m512i r[16];  // row r: query r's dims [32c, 32c + 32) as 16 pairs; transposed: pair p's 16 rows
-            for (int n = 0; n < 16; ++n) r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + c * 32) : _mm512_setzero_si512();
-            transpose16x16(r);
-            uint16_t* out = sc.qt + (tile * (D / 32) + c) * 512;
-            for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + p * 32, r[p]);
-        }
-        std::fill_n(sc.ot + tile * D * kTile, D * kTile, 0.0f);
+        load_query_tile(rows, D, tile, sc);
     }
 }
 
@@ -405,6 +415,170 @@ void extend_attention(const Problem& pr, int64_t B) {
         _tile_release();
     }
 }
+
+// ---- decode rows over a shared cached prefix ----------------------------------------------------------
+// Decode rows (one new token each) whose page tables start with the same slots, as radix-cache hits do: the
+// group's shared full blocks run once on AMX for all its query rows together (rows of several requests in
+// one tile), each row's own tail keys run in AVX512, and the two partial softmaxes are merged.
+
+constexpr int64_t kMinShared = 4 * kKeys;  // shared keys below which the plain decode kernel is as good
+
+struct PrefixGroup {
+    std::vector<int64_t> rows;  // batch rows
+    int64_t shared = 0;         // leading keys all of them share, a multiple of kKeys
+};
+
+// Every row with keys in a group of two or more rows sharing at least kMinShared leading slots; empty when
+// some row has none (the plain decode kernel then serves the batch).
+std::vector<PrefixGroup> prefix_groups(const int32_t* table, int64_t stride, const int32_t* seq_lens, int64_t B) {
+    std::vector<PrefixGroup> groups;
+    std::unordered_map<std::string_view, size_t> by_first_block;
+    for (int64_t b = 0; b < B; ++b) {
+        if (seq_lens[b] == 0) continue;  // a padding row: zeros
+        if (seq_lens[b] < kMinShared) return {};
+        const std::string_view first(reinterpret_cast<const char*>(table + b * stride), kKeys * 4);
+        const auto [it, added] = by_first_block.emplace(first, groups.size());
+        if (added) groups.push_back({{}, seq_lens[b] / kKeys * kKeys});
+        PrefixGroup& g = groups[it->second];
+        if (!g.rows.empty()) {  // shared: the leading whole blocks this row has in common with the group's first
+            const int32_t* lead = table + g.rows.front() * stride;
+            const int64_t n = std::min(g.shared, seq_lens[b] / kKeys * kKeys);
+            int64_t same = 0;
+            while (same < n && std::memcmp(lead + same, table + b * stride + same, kKeys * 4) == 0) same += kKeys;
+            g.shared = same;
+        }
+        g.rows.push_back(b);
+    }
+    for (const PrefixGroup& g : groups)
+        if (g.rows.size() < 2 || g.shared < kMinShared) return {};
+    return groups;
+}
+
+struct DecodeProblem {
+    const uint16_t* q;  // [B, H, D]
+    const uint16_t* k_cache;
+    const uint16_t* v_cache;
+    uint16_t* out;  // [B, H, D]
+    const int32_t* table;
+    const int32_t* seq_lens;
+    int64_t table_stride, H, Hkv, D, S;
+    float scale2;  // softmax scale * log2(e)
+};
+
+struct DecodeItem {
+    int64_t group, h, tile;  // a tile of the group's query rows (row-major over (row, GQA head)) for KV head h
+};
+
+// The tile's rows: their tail keys [shared, seq_len) in AVX512 merged with the shared part's O^T, m and l
+// (base 2), then out = O / l.
+void finish_rows(const DecodeProblem& pr, const PrefixGroup& g, const DecodeItem& it, const Scratch& sc,
+                 std::vector<float>& scores) {
+    const int64_t D = pr.D, gqa = pr.H / pr.Hkv, rows = static_cast<int64_t>(g.rows.size()) * gqa;
+    alignas(64) float o[256];
+    for (int64_t lane = 0; lane < kTile && it.tile * kTile + lane < rows; ++lane) {
+        const int64_t i = it.tile * kTile + lane, b = g.rows[i / gqa], head = it.h * gqa + i % gqa;
+        const uint16_t* q = pr.q + (b * pr.H + head) * D;
+        const int64_t tail = pr.seq_lens[b] - g.shared;
+        scores.resize(std::max<size_t>(scores.size(), tail + 16));
+        float m = sc.m[lane];
+        for (int64_t t = 0; t < tail; ++t) {
+            const int64_t slot = slot_at_row(pr.table + b * pr.table_stride, g.shared + t, pr.S);
+            const uint16_t* k = pr.k_cache + (slot * pr.Hkv + it.h) * D;
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32)
+                dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+            scores[t] = _mm512_reduce_add_ps(dot) * pr.scale2;
+            m = std::max(m, scores[t]);
+        }
+        const float a = exp2_16(_mm512_set1_ps(sc.m[lane] - m))[0];
+        float l = sc.l[lane] * a;
+        for (int64_t d = 0; d < D; ++d) o[d] = sc.ot[d * kTile + lane] * a;
+        for (int64_t t0 = 0; t0 < tail; t0 += 16) {
+            const __mmask16 valid = tail - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (tail - t0)) - 1);
+            const __m512 s = _mm512_maskz_loadu_ps(valid, scores.data() + t0);
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp2_16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+            l += _mm512_reduce_add_ps(p);
+            alignas(64) float pv[16];
+            _mm512_store_ps(pv, p);
+            for (int64_t t = t0; t < std::min(tail, t0 + 16); ++t) {
+                const int64_t slot = slot_at_row(pr.table + b * pr.table_stride, g.shared + t, pr.S);
+                const uint16_t* v = pr.v_cache + (slot * pr.Hkv + it.h) * D;
+                const __m512 w = _mm512_set1_ps(pv[t - t0]);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_store_ps(o + d, _mm512_fmadd_ps(w, load16(v + d), _mm512_load_ps(o + d)));
+            }
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / l);
+        uint16_t* dst = pr.out + (b * pr.H + head) * D;
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i*)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + d), inv)));
+    }
+}
+
+void decode_shared_prefix(const DecodeProblem& pr, const std::vector<PrefixGroup>& groups, int64_t B) {
+    const int64_t D = pr.D, gqa = pr.H / pr.Hkv;
+    for (int64_t b = 0; b < B; ++b)
+        if (pr.seq_lens[b] == 0) std::fill_n(pr.out + b * pr.H * D, pr.H * D, uint16_t{0});
+    // Packed blocks of every (group, KV head): first[gi] + h * (shared / kKeys) + j.
+    std::vector<int64_t> first(groups.size() + 1, 0);
+    std::vector<DecodeItem> items;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const PrefixGroup& g = groups[gi];
+        first[gi + 1] = first[gi] + pr.Hkv * (g.shared / kKeys);
+        const int64_t tiles = (static_cast<int64_t>(g.rows.size()) * gqa + kTile - 1) / kTile;
+        for (int64_t h = 0; h < pr.Hkv; ++h)
+            for (int64_t t = 0; t < tiles; ++t) items.push_back({static_cast<int64_t>(gi), h, t});
+    }
+    std::vector<KeyBlock> blocks(first.back());
+    std::vector<int64_t> block_head(first.back());
+    for (size_t gi = 0; gi < groups.size(); ++gi)
+        for (int64_t h = 0; h < pr.Hkv; ++h)
+            for (int64_t j = 0; j < groups[gi].shared / kKeys; ++j) {
+                const int64_t u = first[gi] + h * (groups[gi].shared / kKeys) + j;
+                blocks[u] = {groups[gi].rows.front(), j * kKeys, kKeys};
+                block_head[u] = h;
+            }
+    const int64_t nblocks = static_cast<int64_t>(blocks.size());
+    static std::mutex mutex;
+    static std::vector<uint16_t> packed;
+    const std::lock_guard<std::mutex> lock(mutex);
+    packed.resize(std::max<size_t>(packed.size(), nblocks * kBlockElems * D + kAlign / 2));
+    uint16_t* aligned = aligned_to_line(packed.data());
+    // pack_block reads the table and caches through a Problem.
+    const Problem view{pr.q, pr.k_cache, pr.v_cache, pr.out, pr.table, nullptr, pr.seq_lens, pr.table_stride, 0,
+                       pr.H, pr.Hkv, D, pr.S, pr.scale2};
+#pragma omp parallel
+    {
+        Scratch sc(D);
+        std::vector<float> tail_scores;
+        configure_amx_tiles(kTile, 0);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < nblocks; ++u) pack_block(view, blocks[u], block_head[u], aligned + u * kBlockElems * D);
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < items.size(); ++i) {
+            const DecodeItem& it = items[i];
+            const PrefixGroup& g = groups[it.group];
+            const int64_t rows = static_cast<int64_t>(g.rows.size()) * gqa;
+            const uint16_t* q[kTile];
+            for (int64_t lane = 0; lane < kTile; ++lane) {
+                const int64_t r = it.tile * kTile + lane;
+                q[lane] = r < rows ? pr.q + (g.rows[r / gqa] * pr.H + it.h * gqa + r % gqa) * D : nullptr;
+                sc.limit[lane] = r < rows ? static_cast<int32_t>(g.shared) : 0;
+            }
+            load_query_tile(q, D, 0, sc);
+            const int64_t nb = g.shared / kKeys;
+            const uint16_t* base = aligned + (first[it.group] + it.h * nb) * kBlockElems * D;
+            for (int64_t j = 0; j < nb; ++j) {
+                const uint16_t* k = base + j * kBlockElems * D;
+                scores(sc, k, 0, D);
+                const __m512 alpha = softmax_block(sc, 0, j * kKeys, kKeys, pr.scale2);
+                accumulate(sc, k + kKeys * D, 0, D, alpha);
+            }
+            finish_rows(pr, g, it, sc, tail_scores);
+        }
+        _tile_release();
+    }
+}
 #endif
 
 }  // namespace
@@ -422,6 +596,21 @@ int ce_extend_attention_bf16(const void* q, int64_t q_stride, const void* k_cach
                      static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), table, cu_q_lens, seq_lens,
                      table_stride, q_stride, H, Hkv, D, S, scale * 1.44269504088896341f};
     extend_attention(pr, B);
+    return 0;
+}
+
+// Decode attention (q [B, H, D], one new token per row) for batches whose rows all share a cached prefix of at
+// least 256 keys with another row; returns 1 (nothing written) for any other batch or shape.
+int ce_decode_shared_prefix_bf16(const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                                 int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H,
+                                 int64_t Hkv, int64_t D, int64_t S, float scale) {
+    if (D % 64 != 0 || D > 256 || Hkv <= 0 || H % Hkv != 0 || table_stride < kMinShared) return 1;
+    const std::vector<PrefixGroup> groups = prefix_groups(table, table_stride, seq_lens, B);
+    if (groups.empty()) return 1;
+    const DecodeProblem pr{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+                           static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), table, seq_lens,
+                           table_stride, H, Hkv, D, S, scale * 1.44269504088896341f};
+    decode_shared_prefix(pr, groups, B);
     return 0;
 }
 #endif

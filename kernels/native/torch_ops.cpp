@@ -31,6 +31,9 @@ int ce_extend_attention_bf16(const void* q, int64_t q_stride, const void* k_cach
                              const int32_t* table, int64_t table_stride, const int32_t* cu_q_lens,
                              const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                              int64_t S, float scale);
+int ce_decode_shared_prefix_bf16(const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                                 int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H,
+                                 int64_t Hkv, int64_t D, int64_t S, float scale);
 #endif
 }
 
@@ -90,6 +93,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
     const at::Tensor qc = q.contiguous(), table = page_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
     at::Tensor out = at::empty_like(qc);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    // Rows sharing a cached prefix (radix hits): the shared blocks once for all of them, on AMX.
+    if (code == 1 && sliding_window <= 0 && soft_cap <= 0 && amx_ready() &&
+        ce_decode_shared_prefix_bf16(qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
+                                     table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1),
+                                     k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale)) == 0)
+        return out;
+#endif
     ce_decode_attention(code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
                         table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1),
                         k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale), sliding_window,

@@ -31,6 +31,23 @@ amx_only = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX bf1
 
 
 @amx_only
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (64, 1), (128, 4), (256, 2)])
+def test_decode_rows_sharing_cached_prefixes_match_reference(head_dim: int, group: int) -> None:
+    """Two groups of rows sharing 300 and 700 leading slots (radix hits), tails of 0 to 200 own keys, and a
+    padding row: the op's shared-prefix path (every row shares >= 256 keys with another) against fp32."""
+    tails = [0, 1, 37, 64, 200, 5, 90]
+    seq_lens = [300 + t for t in tails[:3]] + [700 + t for t in tails[3:]] + [0]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 1, torch.bfloat16, seed=group)
+    batch.page_table[1:3, :300] = batch.page_table[0, :300]
+    batch.page_table[4:7, :700] = batch.page_table[3, :700]
+    scale = head_dim**-0.5
+    native = ops.decode_attention(*batch.decode_args(scale))
+    expected = reference.decode_attention_reference(*batch.decode_args(scale))
+    torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(native[-1], torch.zeros_like(native[-1]))
+
+
+@amx_only
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (128, 4), (256, 2)])
 def test_extend_matches_reference(head_dim: int, group: int) -> None:
     # fresh prompts, cached prefixes, a row past 128 query rows of a group (two work items), a decode-like
