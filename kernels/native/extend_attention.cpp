@@ -61,7 +61,7 @@ struct Problem {
     const uint16_t* v_cache;
     uint16_t* out;
     const int32_t* table;
-    const int32_t* cu_q_lens;
+    const int32_t* cu_q_lens;  // null for decode (one query token a row)
     const int32_t* seq_lens;
     int64_t table_stride, q_stride, H, Hkv, D, S;
     float scale2;  // softmax scale * log2(e)
@@ -83,6 +83,22 @@ struct Blocks {
     std::vector<KeyBlock> distinct;
     std::vector<int64_t> first, index;
     const uint16_t* packed;  // [distinct, kBlockElems * D] for the current KV head
+};
+
+// The packed blocks of one call, in a 64-byte aligned buffer kept between calls (fresh pages would fault);
+// one call at a time holds it.
+class PackedBuffer {
+  public:
+    explicit PackedBuffer(int64_t elems) : lock_(mutex_) {
+        buffer_.resize(std::max<size_t>(buffer_.size(), elems + kAlign / 2));
+        data = aligned_to_line(buffer_.data());
+    }
+    uint16_t* data;
+
+  private:
+    static inline std::mutex mutex_;
+    static inline std::vector<uint16_t> buffer_;
+    std::lock_guard<std::mutex> lock_;
 };
 
 // One thread's buffers for one work item, in one allocation; a tile is 16 query rows, the lanes of the
@@ -391,13 +407,9 @@ void extend_attention(const Problem& pr, int64_t B) {
     }
     std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
     Blocks blocks = find_blocks(pr, B);
-    // One KV head's packed blocks at a time, in a buffer kept between calls (fresh pages would fault).
-    static std::mutex mutex;
-    static std::vector<uint16_t> packed;
-    const std::lock_guard<std::mutex> lock(mutex);
     const int64_t nblocks = static_cast<int64_t>(blocks.distinct.size());
-    packed.resize(std::max<size_t>(packed.size(), nblocks * kBlockElems * pr.D + kAlign / 2));
-    uint16_t* aligned = aligned_to_line(packed.data());
+    const PackedBuffer packed(nblocks * kBlockElems * pr.D);  // one KV head's blocks at a time
+    uint16_t* aligned = packed.data;
     blocks.packed = aligned;
 #pragma omp parallel
     {
@@ -454,30 +466,19 @@ std::vector<PrefixGroup> prefix_groups(const int32_t* table, int64_t stride, con
     return groups;
 }
 
-struct DecodeProblem {
-    const uint16_t* q;  // [B, H, D]
-    const uint16_t* k_cache;
-    const uint16_t* v_cache;
-    uint16_t* out;  // [B, H, D]
-    const int32_t* table;
-    const int32_t* seq_lens;
-    int64_t table_stride, H, Hkv, D, S;
-    float scale2;  // softmax scale * log2(e)
-};
-
 struct DecodeItem {
     int64_t group, h, tile;  // a tile of the group's query rows (row-major over (row, GQA head)) for KV head h
 };
 
 // The tile's rows: their tail keys [shared, seq_len) in AVX512 merged with the shared part's O^T, m and l
 // (base 2), then out = O / l.
-void finish_rows(const DecodeProblem& pr, const PrefixGroup& g, const DecodeItem& it, const Scratch& sc,
+void finish_rows(const Problem& pr, const PrefixGroup& g, const DecodeItem& it, const Scratch& sc,
                  std::vector<float>& scores) {
     const int64_t D = pr.D, gqa = pr.H / pr.Hkv, rows = static_cast<int64_t>(g.rows.size()) * gqa;
     alignas(64) float o[256];
     for (int64_t lane = 0; lane < kTile && it.tile * kTile + lane < rows; ++lane) {
         const int64_t i = it.tile * kTile + lane, b = g.rows[i / gqa], head = it.h * gqa + i % gqa;
-        const uint16_t* q = pr.q + (b * pr.H + head) * D;
+        const uint16_t* q = pr.q + b * pr.q_stride + head * D;
         const int64_t tail = pr.seq_lens[b] - g.shared;
         scores.resize(std::max<size_t>(scores.size(), tail + 16));
         float m = sc.m[lane];
@@ -515,7 +516,7 @@ void finish_rows(const DecodeProblem& pr, const PrefixGroup& g, const DecodeItem
     }
 }
 
-void decode_shared_prefix(const DecodeProblem& pr, const std::vector<PrefixGroup>& groups, int64_t B) {
+void decode_shared_prefix(const Problem& pr, const std::vector<PrefixGroup>& groups, int64_t B) {
     const int64_t D = pr.D, gqa = pr.H / pr.Hkv;
     for (int64_t b = 0; b < B; ++b)
         if (pr.seq_lens[b] == 0) std::fill_n(pr.out + b * pr.H * D, pr.H * D, uint16_t{0});
@@ -539,21 +540,15 @@ void decode_shared_prefix(const DecodeProblem& pr, const std::vector<PrefixGroup
                 block_head[u] = h;
             }
     const int64_t nblocks = static_cast<int64_t>(blocks.size());
-    static std::mutex mutex;
-    static std::vector<uint16_t> packed;
-    const std::lock_guard<std::mutex> lock(mutex);
-    packed.resize(std::max<size_t>(packed.size(), nblocks * kBlockElems * D + kAlign / 2));
-    uint16_t* aligned = aligned_to_line(packed.data());
-    // pack_block reads the table and caches through a Problem.
-    const Problem view{pr.q, pr.k_cache, pr.v_cache, pr.out, pr.table, nullptr, pr.seq_lens, pr.table_stride, 0,
-                       pr.H, pr.Hkv, D, pr.S, pr.scale2};
+    const PackedBuffer packed(nblocks * kBlockElems * D);
+    uint16_t* aligned = packed.data;
 #pragma omp parallel
     {
         Scratch sc(D);
         std::vector<float> tail_scores;
         configure_amx_tiles(kTile, 0);
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < nblocks; ++u) pack_block(view, blocks[u], block_head[u], aligned + u * kBlockElems * D);
+        for (int64_t u = 0; u < nblocks; ++u) pack_block(pr, blocks[u], block_head[u], aligned + u * kBlockElems * D);
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < items.size(); ++i) {
             const DecodeItem& it = items[i];
@@ -562,7 +557,7 @@ void decode_shared_prefix(const DecodeProblem& pr, const std::vector<PrefixGroup
             const uint16_t* q[kTile];
             for (int64_t lane = 0; lane < kTile; ++lane) {
                 const int64_t r = it.tile * kTile + lane;
-                q[lane] = r < rows ? pr.q + (g.rows[r / gqa] * pr.H + it.h * gqa + r % gqa) * D : nullptr;
+                q[lane] = r < rows ? pr.q + g.rows[r / gqa] * pr.q_stride + (it.h * gqa + r % gqa) * D : nullptr;
                 sc.limit[lane] = r < rows ? static_cast<int32_t>(g.shared) : 0;
             }
             load_query_tile(q, D, 0, sc);
@@ -607,9 +602,9 @@ int ce_decode_shared_prefix_bf16(const void* q, const void* k_cache, const void*
     if (D % 64 != 0 || D > 256 || Hkv <= 0 || H % Hkv != 0 || table_stride < kMinShared) return 1;
     const std::vector<PrefixGroup> groups = prefix_groups(table, table_stride, seq_lens, B);
     if (groups.empty()) return 1;
-    const DecodeProblem pr{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-                           static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), table, seq_lens,
-                           table_stride, H, Hkv, D, S, scale * 1.44269504088896341f};
+    const Problem pr{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+                     static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), table, nullptr, seq_lens,
+                     table_stride, H * D, H, Hkv, D, S, scale * 1.44269504088896341f};  // no cu_q_lens: one token a row
     decode_shared_prefix(pr, groups, B);
     return 0;
 }
