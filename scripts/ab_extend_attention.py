@@ -33,8 +33,8 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def build(source: Path, out: Path) -> ctypes.CDLL:
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    subprocess.run(["g++", *flags, f"-I{ROOT / 'kernels' / 'native'}", str(source), "-o", str(out)], check=True)
+    """`source` alone (it needs no torch headers) with the native library's flags."""
+    subprocess.run(["g++", *cpu_native.FLAGS, f"-I{cpu_native.NATIVE}", str(source), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     lib.ce_extend_attention_bf16.argtypes = [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float]
     lib.ce_extend_attention_bf16.restype = ctypes.c_int
