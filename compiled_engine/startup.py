@@ -112,10 +112,12 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         key = cache_key(config, model_dir, model.dtype, device, runner.config)
         root = default_root(config.compile_cache_dir)
         folder = CacheEntry(root, key.digest).precompiled_dir
-        compile_with_cache(key, root, lambda: warm_up(runner, progress, folder))
+        report = compile_with_cache(key, root, lambda: warm_up(runner, progress, folder))
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
+    if not config.enforce_eager:
+        engine.compile_summary = report.summary()
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
     # otherwise re-scan ~470k objects (torch, transformers, the graphs): ~0.46 s pauses in the middle of
     # serving on the bench model. `Engine.shutdown` gives them back.

@@ -59,6 +59,8 @@ def warm_up_cache(config: EngineConfig) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("compiled_engine.compile_cache").setLevel(logging.INFO)
+    if config.tp_size > 1:
+        return _warm_up_ranks(config)
     bar = GraphBar()
     try:
         engine = build_engine(config, progress=bar)
@@ -68,6 +70,20 @@ def warm_up_cache(config: EngineConfig) -> int:
                     engine.runner.config)
     entry = CacheEntry(Path(config.compile_cache_dir), key.digest)
     print(f"{entry.digest}  {_mb(entry.size())}  {entry.path}")
+    return 0
+
+
+def _warm_up_ranks(config: EngineConfig) -> int:
+    """TP > 1: start the ranks as `serve` does (each compiles its own sharded graphs into its own cache
+    entry, keyed by its rank), print their reports, stop them."""
+    from compiled_engine.distributed.launcher import launch
+
+    handle = launch(config)
+    try:
+        for rank, summary in enumerate(handle.ready.compile_summaries):
+            print(f"rank {rank}: {summary}")
+    finally:
+        handle.shutdown()
     return 0
 
 

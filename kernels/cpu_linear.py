@@ -24,8 +24,13 @@ def packing_available() -> bool:
     graph is being frozen (inductor's freezing packs constant weights itself, and max-autotune then picks
     its own GEMM templates: an opaque op would hide the linears from both). A constant to torch.compile,
     read while tracing."""
-    has_kernel = cpu_native.amx_available() or torch.backends.mkldnn.is_available()
-    return has_kernel and not inductor_config.freezing
+    return (cpu_native.amx_available() or onednn_bf16_available()) and not inductor_config.freezing
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN packs and runs bf16 linears here: it needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT;
+    elsewhere (AVX2-only x86, ARM) its reorder raises and torch's own bf16 linear serves."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _packed(weight: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
@@ -35,7 +40,7 @@ def _packed(weight: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
     if version != weight._version:
         packed = cpu_native.pack_bf16_weight(weight)
         amx = packed is not None
-        if not amx and torch.backends.mkldnn.is_available():
+        if not amx and onednn_bf16_available():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         setattr(weight, _ATTR, (weight._version, amx, packed))
     return amx, packed

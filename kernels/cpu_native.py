@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_isa
+
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
@@ -32,7 +34,7 @@ SOURCES = [
     for name in ("attention.cpp", "extend_attention.cpp", "linear.cpp", "sampling.cpp", "torch_ops.cpp")
 ]
 HEADERS = [NATIVE / "common.h"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # + cpu_isa.compiler_flags()
 
 
 def _torch_flags() -> list[str]:
@@ -67,7 +69,7 @@ def _cpu_flags() -> str:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
-    flags = FLAGS + _torch_flags()
+    flags = FLAGS + cpu_isa.compiler_flags() + _torch_flags()
     parts = [*texts, *flags, version, torch.__version__, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     # inductor's default folder, not its current one: the compile cache repoints TORCHINDUCTOR_CACHE_DIR at
@@ -107,6 +109,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("building the native CPU kernels failed, using the torch fallbacks: %s", detail[-2000:])
         return None
     lib.ce_amx_init.restype = ctypes.c_int
+    lib.ce_compiled_isa.restype = ctypes.c_int
     lib.ce_argmax.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
     lib.ce_argmax.restype = ctypes.c_int
     if hasattr(lib, "ce_linear_bf16"):  # built only where the compiler targets AMX
@@ -115,6 +118,15 @@ def library() -> ctypes.CDLL | None:
         lib.ce_pack_bf16_weight.argtypes = [_ptr, _ptr, _i64, _i64]
         lib.ce_linear_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _i64]
     return lib
+
+
+def compiled_isa() -> set[str] | None:
+    """The ISA extensions the loaded library was built with (None without the library)."""
+    lib = library()
+    if lib is None:
+        return None
+    mask = lib.ce_compiled_isa()
+    return {name for bit, name in enumerate(("avx512f", "avx512bf16", "amx_bf16")) if mask >> bit & 1}
 
 
 @functools.cache

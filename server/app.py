@@ -9,6 +9,9 @@ import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -61,10 +64,23 @@ def create_app(config: ServerConfig) -> Starlette:
     ]
     if config.debug:
         table.append(Route("/debug/integrity", routes.integrity, methods=["GET"]))
-    app = Starlette(routes=table, lifespan=lifespan)
+    app = Starlette(routes=table, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error})
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Unknown paths (404) and methods (405) in OpenAI's error shape, not Starlette's plain text."""
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    headers = exc.headers
+    if exc.status_code == 405 and headers and "Allow" in headers:
+        message += f" (allowed: {headers['Allow']})"
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    response = error_response(ProtocolError(message, status=exc.status_code, kind=kind))
+    response.headers.update(headers or {})
+    return response
 
 
 class ApiKeyMiddleware:

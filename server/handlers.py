@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from server.engine_client import EngineDead, EngineRejected, Overloaded
 from server.generation import Choice, Delta, Generation, plan, run
 from server.openai_format import dumps, sse, usage
-from server.protocol import GenerationRequest, ProtocolError, resolve_max_tokens
+from server.protocol import GenerationRequest, ProtocolError, check_text, resolve_max_tokens
 from server.sse import ClientGone, EventStream, unless_disconnected
 from server.state import ServerState
 
@@ -47,9 +47,11 @@ async def read_json(request: Request) -> object:
         if len(body) > limit:
             raise too_big
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise ProtocolError(f"the request body is not valid JSON: {str(e)[:200]}") from None
+    check_text(parsed)
+    return parsed
 
 
 def endpoint(name: str) -> Callable:
@@ -87,8 +89,17 @@ def tokenize_prompt(st: ServerState, prompt: str | list[int]) -> list[int]:
     return st.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
 
 
+def check_model(st: ServerState, model: str | None) -> None:
+    """404 in OpenAI's shape for a model this server does not serve (absent: the served one)."""
+    if model is not None and model not in st.model_names:
+        raise ProtocolError(f"the model '{model[:100]}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in st.model_names)}", "model", status=404,
+                            code="model_not_found")
+
+
 def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts: list[list[int]],
                 default_max_tokens: int | None) -> Generation:
+    check_model(st, req.model)
     params = [dataclasses.replace(req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits,
                                                                             default_max_tokens)) for ids in prompts]
     gen = plan(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params)

@@ -14,6 +14,20 @@ MAX_PROMPTS = 64
 MAX_STOPS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
+# The fields each body may carry. Any other field that is present (not null) is answered with a 400 naming
+# it: a field the server does not implement is never silently ignored. `user` is OpenAI's end-user id for
+# abuse monitoring, which asks for no behaviour.
+SAMPLING_FIELDS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n"})
+_COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "stream", "stream_options", "user"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "logprobs", "echo"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
+NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {"max_new_tokens", "max_tokens", "logprobs"}
+STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
+MESSAGE_FIELDS = frozenset({"role", "content"})
+
 Prompt = str | list[int]
 
 
@@ -58,6 +72,34 @@ class ChatRequest(GenerationRequest):
 
 
 # ---- field readers -------------------------------------------------------------------------------
+def check_fields(body: dict, allowed: frozenset[str], where: str = "") -> None:
+    """400 on the first present field that is not in `allowed` (null counts as absent)."""
+    for name, value in body.items():
+        if name not in allowed and value is not None:
+            field = f"{where}.{name}" if where else name
+            raise ProtocolError(f"'{field[:64]}' is not supported by this server", field[:64])
+
+
+def check_text(value: object, where: str = "") -> None:
+    """400 naming the first string (or object key) in a parsed JSON body that is not valid Unicode text: a
+    lone UTF-16 surrogate (JSON "\\ud800") decodes to a str that has no UTF-8 form, so no tokenizer,
+    detokenizer or stop-string match could handle it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError(f"'{where or 'body'}' is not valid text: it holds a lone UTF-16 surrogate",
+                                where or None) from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, (int, float)):
+                check_text(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, where or "body")
+            check_text(item, f"{where}.{key}" if where else key)
+
+
 def _type_name(value: object) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
             type(None): "null"}.get(type(value), type(value).__name__)
@@ -209,6 +251,7 @@ def _common(body: dict, limits: Limits, logprobs: int | None) -> dict:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ProtocolError("'stream_options' must be an object", "stream_options")
+    check_fields(options or {}, STREAM_OPTIONS_FIELDS, "stream_options")
     return dict(
         params=sampling_params(body, limits, logprobs),
         max_tokens=get_int(body, name, None, 0, 2**63),
@@ -228,9 +271,7 @@ def require_object(body: object) -> dict:
 # ---- endpoints -----------------------------------------------------------------------------------
 def parse_completion(body: object, limits: Limits) -> CompletionRequest:
     body = require_object(body)
-    for unsupported in ("suffix",):
-        if body.get(unsupported) is not None:
-            raise ProtocolError(f"'{unsupported}' is not supported", unsupported)
+    check_fields(body, COMPLETION_FIELDS)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     req = CompletionRequest(**_common(body, limits, logprobs), prompts=_prompts(body, limits),
@@ -266,13 +307,11 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
 
 def parse_chat(body: object, limits: Limits) -> ChatRequest:
     body = require_object(body)
+    check_fields(body, CHAT_FIELDS)
     want = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
         raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    for unsupported in ("tools", "functions"):
-        if body.get(unsupported):
-            raise ProtocolError(f"'{unsupported}' is not supported", unsupported)
     return ChatRequest(**_common(body, limits, (top or 0) if want else None), messages=_messages(body),
                        logprobs=want)
 
@@ -286,6 +325,7 @@ def _messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ProtocolError(f"'{where}' must be an object", where)
+        check_fields(m, MESSAGE_FIELDS, where)
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", f"{where}.role")
@@ -311,6 +351,7 @@ def _content(value: object, where: str, role: str) -> str:
 def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationRequest]:
     """`POST /generate`: {"text" | "input_ids", "sampling_params": {...}, "stream": bool}."""
     body = require_object(body)
+    check_fields(body, NATIVE_FIELDS)
     if body.get("text") is not None:
         prompt: Prompt = get_str(body, "text", "")
         if not prompt:
@@ -324,8 +365,10 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise ProtocolError("'sampling_params' must be an object", "sampling_params")
+    check_fields(sp, NATIVE_SAMPLING_FIELDS, "sampling_params")
     logprobs = get_int(sp, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
     req = GenerationRequest(params=sampling_params(sp, limits, logprobs), max_tokens=get_int(sp, name, None, 0, 2**63),
-                            max_tokens_param=name, stream=get_bool(body, "stream", False))
+                            max_tokens_param=name, stream=get_bool(body, "stream", False),
+                            model=get_str(body, "model", None))
     return prompt, req

@@ -13,6 +13,7 @@ from compiled_engine.tokenization import encode_chat
 from server.engine_client import EngineDead
 from server.generation import Delta
 from server.handlers import (
+    check_model,
     collect,
     endpoint,
     json_response,
@@ -29,6 +30,7 @@ from server.openai_format import CompletionLogprobs, TokenText, chat_logprobs, s
 from server.protocol import (
     ChatRequest,
     ProtocolError,
+    check_fields,
     get_bool,
     get_str,
     parse_chat,
@@ -38,6 +40,7 @@ from server.protocol import (
     token_ids,
 )
 
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -167,6 +170,8 @@ async def generate(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = require_object(await read_json(request))
+    check_fields(body, TOKENIZE_FIELDS)
+    check_model(st, get_str(body, "model", None))
     if body.get("messages") is not None:
         try:
             ids = encode_chat(st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages)
@@ -184,5 +189,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     st = state_of(request)
     body = require_object(await read_json(request))
+    check_fields(body, frozenset({"model", "tokens"}))
+    check_model(st, get_str(body, "model", None))
     ids = token_ids(body.get("tokens"), "tokens", st.limits.vocab_size)
     return json_response({"text": st.tokenizer.decode(ids)})

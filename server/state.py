@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.demo_model import DEMO_NAME
@@ -30,8 +31,14 @@ class ServerState:
     tokenizer: object
     limits: Limits
     metrics: Metrics
-    model_name: str
+    model_name: str  # the id /v1/models lists
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give: the served id and, for a path, its last component."""
+        tail = Path(self.model_name.rstrip("/")).name
+        return (self.model_name,) if tail in ("", self.model_name) else (self.model_name, tail)
 
     @property
     def is_demo(self) -> bool:

@@ -1,13 +1,18 @@
 """Without CUDA the Triton kernels run in the interpreter, which must be chosen before triton reads its
 settings: set here, before any test module or other conftest imports the engine (importing inductor reads
 them; a kernels-only conftest was too late when another test folder ran first). CI exports
-TRITON_INTERPRET=1 itself."""
+TRITON_INTERPRET=1 itself. The CPU ISA switch is applied here for the same reason."""
 
 import gc
 import os
 
 import pytest
-import torch
+
+from kernels import cpu_isa
+
+cpu_isa.apply()  # COMPILED_ENGINE_CPU_ISA, before torch first dispatches (see kernels/cpu_isa.py)
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -43,8 +43,10 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`, in rank order."""
+    """Concatenate every rank's `x` along `dim`, in rank order. Eager only: the runner gathers the logits
+    outside the compiled graphs (see `CompiledForward.__call__`)."""
     if _size == 1:
         return x
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, _group))
+    gathered = x.new_empty((_size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(gathered, x.contiguous(), group=_group)
     return torch.cat(gathered.chunk(_size, dim=0), dim=dim)

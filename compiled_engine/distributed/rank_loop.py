@@ -73,6 +73,7 @@ class Ready:
     num_pages: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    compile_summaries: tuple[str, ...]  # each rank's compile-cache report, in rank order
 
 
 @dataclass(slots=True)
@@ -119,10 +120,11 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
         from compiled_engine.startup import build_engine
 
         engine = build_engine(config)
+        summaries = _gather_strings(engine.compile_summary, control)
         if conn is not None:
             sched = engine.scheduler.config
             conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids,
-                               engine.vocab_size)])
+                               engine.vocab_size, summaries)])
         _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
         engine.shutdown()
     except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits
@@ -136,6 +138,17 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
             from compiled_engine.distributed.process_group import destroy_distributed
 
             destroy_distributed()
+
+
+def _gather_strings(text: str, control) -> tuple[str, ...]:
+    """Every rank's `text`, in rank order (over the control group; just ours with one rank)."""
+    if control is None:
+        return (text,)
+    import torch.distributed as dist
+
+    out: list[str | None] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(out, text, group=control)
+    return tuple(str(t) for t in out)
 
 
 def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:

@@ -43,6 +43,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tie_to is not None:
             self.weight = tie_to.weight
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the vocabulary: [N, rows_per_rank]."""
+        return linear(hidden, self.weight)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice, in rank order, without the padding rows: [N, vocab_size]."""
+        if self.tp_size == 1:
+            return local
+        return ps.all_gather(local, dim=-1)[:, : self.vocab_size]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ps.all_gather(linear(hidden, self.weight), dim=-1)
-        return logits[:, : self.vocab_size] if self.tp_size > 1 else logits
+        return self.gather_logits(self.local_logits(hidden))

@@ -160,5 +160,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This TP rank's vocabulary slice of the logits (what the compiled graphs return)."""
+        return self.lm_head.local_logits(hidden)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.gather_logits(local)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -93,6 +93,13 @@ class CompiledForward:
         return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's logits over the whole vocabulary. The graphs return each TP rank's slice; the vocab
+        all-gather runs outside them: its functional collective takes the process group as an `Any`
+        argument, which inductor's C++ wrapper cannot pass (compiling a TP graph raised
+        `arg type Any is not yet supported by custom_op_wrapper`)."""
+        return self.model.gather_logits(self._local_logits(inputs))
+
+    def _local_logits(self, inputs: StepInputs) -> torch.Tensor:
         if not self.enabled:
             return _logits(self.model, *_args(inputs))
         batch = inputs.rows.shape[0]
@@ -145,7 +152,7 @@ class CompiledForward:
 
 def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
     hidden = model(input_ids, positions, meta)
-    return model.compute_logits(hidden.index_select(0, logits_index))
+    return model.local_logits(hidden.index_select(0, logits_index))
 
 
 # Two entry points with their own code objects, so that dynamo keeps their graphs apart. The model is an

@@ -51,8 +51,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_index: torch.Tensor  # [N'] token index of each sampled row (padded to >= 2 for extend)
-    num_sampled: int  # the first num_sampled entries of logits_index are real
+    logits_index: torch.Tensor  # [N'] token index of each sampled request, in plan order, then padding
+    num_sampled: int  # the first num_sampled entries of logits_index (and rows of the logits) are real
     rows: torch.Tensor  # [B'] table row of each (padded) request
     sample_rows: list[int]  # table row of each sampled request, in plan order
     sample_next_pos: list[int]  # where each sampled token lands in the token table
@@ -85,12 +85,14 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, page_size: int, pad_to
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
+    # Logits row j is the j-th sampled request's (plan order; any request of a step may skip sampling,
+    # a 1-token non-final prefill chunk in a decode-shaped step included). The index is padded with the last
+    # token to a fixed width: every (padded) row of a decode step, so that a static graph keeps its shape,
+    # and >= 2 in an extend step, so that no dynamic dimension is 1.
     sampled = [i for i, r in enumerate(reqs) if r.sample]
     logits_index = [cu[i + 1] - 1 for i in sampled]
-    if not batch.is_decode:
-        logits_index += [cu[-1] - 1] * max(0, 2 - len(logits_index))
-    elif pad_to is not None:
-        logits_index = list(range(len(rows)))  # static shape: logits of every (padded) row
+    width = len(rows) if batch.is_decode else max(2, len(logits_index))
+    logits_index += [cu[-1] - 1] * (width - len(logits_index))
     device = tables.device
     t = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
     rows_t, pos_t = t(rows), t(positions)

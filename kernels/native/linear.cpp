@@ -124,6 +124,22 @@ void linear_bf16(const uint16_t* x, const uint16_t* packed, const uint16_t* bias
 
 extern "C" {
 
+// The ISA extensions this build targets (bit 0 AVX512F, bit 1 AVX512-BF16, bit 2 AMX-BF16): what
+// COMPILED_ENGINE_CPU_ISA left on (kernels/cpu_isa.py).
+int ce_compiled_isa() {
+    int mask = 0;
+#if defined(__AVX512F__)
+    mask |= 1;
+#endif
+#if defined(__AVX512BF16__)
+    mask |= 2;
+#endif
+#if defined(__AMX_BF16__)
+    mask |= 4;
+#endif
+    return mask;
+}
+
 // 0 when this build and this process can use AMX bf16 tiles (asks Linux for the tile state once).
 int ce_amx_init() {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)

@@ -153,6 +153,34 @@ LONG = "hello " * 3000
     ("/generate", {"sampling_params": {}}, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    # a lone UTF-16 surrogate in any text field (the JSON is valid; the text has no UTF-8 form)
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "a\\udfffb"]}', "prompt[1]"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["x", "\\ud800"]}', "stop[1]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "user": "\\ud83d"}', "user"),
+    ("/generate", '{"text": "\\ud800", "sampling_params": {}}', "text"),
+    ("/tokenize", '{"prompt": "\\udc00"}', "prompt"),
+    # fields that are not implemented are rejected, never ignored
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                              "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"},
+     "reasoning_effort"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 3}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {}}, "guided_json"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
 ])
 def test_400_names_the_field(http: httpx.Client, path: str, body: dict | str, param: str) -> None:
     r = http.post(path, content=body) if isinstance(body, str) else http.post(path, json=body)
@@ -165,6 +193,42 @@ def test_400_names_the_field(http: httpx.Client, path: str, body: dict | str, pa
 def test_malformed_bodies_are_400(http: httpx.Client, raw: bytes) -> None:
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert _error(r)["type"] == "invalid_request_error"
+
+
+def test_unset_optional_fields_are_accepted(http: httpx.Client) -> None:
+    """null is absent (OpenAI clients may send it), and `user` asks for no behaviour."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": None,
+            "tools": None, "user": "someone"}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/nothing-here", 404), ("POST", "/v2/completions", 404), ("GET", "/v1/completions", 405),
+    ("DELETE", "/v1/models", 405), ("PUT", "/generate", 405),
+])
+def test_unknown_paths_and_methods_answer_openai_errors(http: httpx.Client, method: str, path: str,
+                                                        status: int) -> None:
+    r = http.request(method, path)
+    assert r.headers["content-type"].startswith("application/json")
+    assert path in _error(r, status)["message"]
+    if status == 405:
+        assert "allow" in r.headers
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 2}}),
+    ("/tokenize", {"prompt": "hi"}),
+])
+def test_only_the_served_model_is_answered(http: httpx.Client, path: str, body: dict) -> None:
+    err = _error(http.post(path, json=body | {"model": "gpt-4o"}), 404)
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "gpt-4o" in err["message"]
+    served = http.get("/v1/models").json()["data"][0]["id"]
+    ok = http.post(path, json=body | {"model": served})
+    assert ok.status_code == 200, ok.text
+    if path.startswith("/v1/"):
+        assert ok.json()["model"] == served
 
 
 def test_server_is_clean_after_errors(http: httpx.Client) -> None:

@@ -1,0 +1,58 @@
+"""`COMPILED_ENGINE_CPU_ISA` caps every ISA choice on the CPU: our native kernels' build, oneDNN, ATen and
+inductor's vector ISA. Each level runs in a fresh process (the caps are read once per process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from kernels import cpu_isa
+
+PROBE = """
+import json
+import compiled_engine.llm, torch
+from torch._inductor import cpu_vec_isa
+from kernels import cpu_native
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "inductor": str(cpu_vec_isa.pick_vec_isa()),
+                  "native": sorted(cpu_native.compiled_isa() or []), "amx": cpu_native.amx_available()}))
+"""
+
+
+def probe(level: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env | {cpu_isa.ENV: level}, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the levels are x86's")
+
+
+def test_avx2_level_leaves_no_avx512_or_amx_anywhere() -> None:
+    got = probe("avx2")
+    assert got["aten"] in ("AVX2", "DEFAULT"), got
+    assert "512" not in got["inductor"] and "amx" not in got["inductor"].lower(), got
+    assert got["native"] == [] and not got["amx"], got
+
+
+def test_avx512_level_leaves_no_amx() -> None:
+    got = probe("avx512")
+    assert got["aten"] in ("AVX512", "AVX2", "DEFAULT"), got
+    assert "amx" not in got["inductor"].lower(), got
+    assert "amx_bf16" not in got["native"] and not got["amx"], got
+
+
+def test_native_level_is_at_least_as_capable() -> None:
+    assert set(probe("avx2")["native"]) <= set(probe("native")["native"])
+
+
+def test_an_unknown_level_is_a_clear_error() -> None:
+    env = os.environ | {cpu_isa.ENV: "sse9"}
+    out = subprocess.run([sys.executable, "-c", "import compiled_engine.llm"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "COMPILED_ENGINE_CPU_ISA='sse9': use one of native, avx512, avx2" in out.stderr

@@ -1,0 +1,55 @@
+"""The logits-row contract of `build_step_inputs`: logits row j belongs to the j-th sampling request of the
+plan, whatever the step's shape and wherever the non-sampling requests (prefill chunks) sit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs
+from compiled_engine.scheduler.plan import Batch, ReqStep, TokenWrite
+from compiled_engine.scheduler.sampling_params import SamplingParams
+
+SP = SamplingParams(max_tokens=4)
+
+
+def _tables() -> DeviceTables:
+    tables = DeviceTables(max_rows=4, max_context=16, device=torch.device("cpu"))
+    # token (row, position) = 100 * row + position: a gathered token says which row and position it came from
+    writes = tuple(TokenWrite(row, 0, tuple(100 * row + p for p in range(16))) for row in range(4))
+    tables.apply_writes(Batch(0, (), (), writes, False))
+    return tables
+
+
+def _sampled_tokens(batch: Batch, pad_to: int | None) -> list[int]:
+    """The input token at each logits row the runner keeps (a model whose logits are its input)."""
+    inputs = build_step_inputs(batch, _tables(), page_size=1, pad_to=pad_to)
+    assert inputs.logits_index.shape[0] >= inputs.num_sampled
+    return inputs.input_ids[inputs.logits_index[: inputs.num_sampled]].tolist()
+
+
+@pytest.mark.parametrize("pad_to", [None, 4, 8])
+def test_decode_shaped_step_with_a_chunk_before_a_decode(pad_to: int | None) -> None:
+    chunk = ReqStep("chunk", row=2, start=5, length=1, out_slots=(9,), sample=False, sampling=SP)
+    decode = ReqStep("decode", row=1, start=7, length=1, out_slots=(10,), sample=True, sampling=SP)
+    later = ReqStep("later", row=3, start=3, length=1, out_slots=(11,), sample=True, sampling=SP)
+    batch = Batch(1, (chunk, decode, later), (), (), is_decode=True)
+    assert _sampled_tokens(batch, pad_to) == [107, 303]
+
+
+def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
+    first = ReqStep("a", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=False, sampling=SP)
+    second = ReqStep("b", row=1, start=2, length=2, out_slots=(4, 5), sample=True, sampling=SP)
+    third = ReqStep("c", row=2, start=0, length=1, out_slots=(6,), sample=True, sampling=SP)
+    batch = Batch(1, (first, second, third), (), (), is_decode=False)
+    inputs = build_step_inputs(batch, _tables(), page_size=1, pad_to=None)
+    assert inputs.input_ids[inputs.logits_index[:2]].tolist() == [103, 200]
+    assert inputs.num_sampled == 2
+
+
+def test_padded_width_is_the_graph_shape() -> None:
+    """Static decode graphs see every padded row; extend graphs never see a dimension of 1."""
+    decode = ReqStep("d", row=0, start=4, length=1, out_slots=(1,), sample=True, sampling=SP)
+    assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 1, 4).logits_index.shape == (4,)
+    one = ReqStep("e", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=True, sampling=SP)
+    assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), 1, None).logits_index.shape == (2,)
