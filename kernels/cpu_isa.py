@@ -49,6 +49,32 @@ def apply() -> str:
     return name
 
 
+def levels_below_native() -> list[str]:
+    """The levels that change something on this CPU (an AMX machine: avx512 and avx2; an AVX512 one without
+    AMX: avx2; an AVX2-only or non-x86 one: none, it runs the portable paths natively)."""
+    if not _x86():
+        return []
+    flags = _cpu_flags()
+    below = []
+    if "amx_bf16" in flags:
+        below.append("avx512")
+    if "avx512f" in flags:
+        below.append("avx2")
+    return below
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def compiler_flags() -> list[str]:
     """Target flags of the native kernels at the requested level (x86 only: the -mno- flags are x86's)."""
     return ["-march=native", *(_GCC_FLAGS[level()] if _x86() else [])]
+

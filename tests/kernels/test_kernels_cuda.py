@@ -79,7 +79,9 @@ def test_store_kv() -> None:
 
 def test_decode_replays_in_a_cuda_graph() -> None:
     """No host reads: a captured decode step follows new lengths written into its input tensors."""
-    batch = _cuda(make_batch([40, 300, 1000, 7], [1] * 4, 8, 2, 128, 16, torch.bfloat16))
+    # Row 0 owns 48 slots and is captured at 40, so that its replay at 41 reads only slots it owns.
+    batch = _cuda(make_batch([48, 300, 1000, 7], [1] * 4, 8, 2, 128, 16, torch.bfloat16))
+    batch.seq_lens.copy_(torch.tensor([40, 300, 1000, 7], device="cuda"))
     args = batch.decode_args(0.1)
     ops.decode_attention(*args)
     torch.cuda.synchronize()
