@@ -14,6 +14,7 @@ import compiled_engine
 from compiled_engine.config import EngineConfig
 from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.runner.model_runner import RunnerConfig
+from kernels import cpu_isa
 
 # Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the files
 # it never reaches, so that editing a benchmark or the sampler keeps the cache.
@@ -32,7 +33,7 @@ SOURCE_SUFFIXES = frozenset({".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".
 class CacheKey:
     model_config: str  # sha256 of config.json
     dtype: str
-    device: str  # cpu | cuda:<capability>, with the CPU ISA or GPU name
+    device: str  # cpu | cuda:<capability>, with the CPU ISA (and the COMPILED_ENGINE_CPU_ISA level) or GPU name
     tp_size: int
     tp_rank: int
     buckets: tuple[int, ...]
@@ -96,7 +97,8 @@ def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"
-    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
+    # the COMPILED_ENGINE_CPU_ISA level too: ATen reports no AMX level, so `native` and `avx512` read alike
+    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}:isa-{cpu_isa.level()}"
 
 
 def _triton_version() -> str:

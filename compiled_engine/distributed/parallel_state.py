@@ -5,6 +5,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases (the GPU image's 2.11) lack it
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _group: dist.ProcessGroup | None = None
 _rank = 0
 _size = 1
@@ -48,5 +51,5 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _size == 1:
         return x
     gathered = x.new_empty((_size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(gathered, x.contiguous(), group=_group)
+    _all_gather_single(gathered, x.contiguous(), group=_group)
     return torch.cat(gathered.chunk(_size, dim=0), dim=dim)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.compile_cache import list_entries
 from tests.distributed.conftest import hf_greedy, ragged_prompts
 from tests.server.conftest import start_server
 
@@ -34,7 +35,7 @@ def warm_root(tmp_path_factory) -> str:
     lines = [line for line in out.stdout.splitlines() if line.startswith("rank ")]
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], out.stdout
     assert all("compile cache miss" in line for line in lines), out.stdout
-    assert len(list(Path(root).iterdir())) == 2, "one cache entry per rank"
+    assert len(list_entries(Path(root))) == 2, "one cache entry per rank"
     return str(root)
 
 
