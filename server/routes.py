@@ -173,6 +173,9 @@ async def tokenize(request: Request) -> Response:
     check_fields(body, TOKENIZE_FIELDS)
     check_model(st, get_str(body, "model", None))
     if body.get("messages") is not None:
+        if body.get("add_special_tokens") is not None:  # the chat template places the special tokens
+            raise ProtocolError("'add_special_tokens' applies to 'prompt' / 'text', not to 'messages'",
+                                "add_special_tokens")
         try:
             ids = encode_chat(st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages)
         except ValueError as e:

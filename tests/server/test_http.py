@@ -181,6 +181,8 @@ LONG = "hello " * 3000
     ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
     ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
     ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": False},
+     "add_special_tokens"),
 ])
 def test_400_names_the_field(http: httpx.Client, path: str, body: dict | str, param: str) -> None:
     r = http.post(path, content=body) if isinstance(body, str) else http.post(path, json=body)
