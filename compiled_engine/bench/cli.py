@@ -103,6 +103,10 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     for label, ratio in result.ratios().items():
         print(f"{result.runs[0].label} vs {label}: {ratio['throughput']:.2f}x output throughput, "
               f"{ratio['ttft_p50']:.2f}x lower median TTFT")
+    for run in result.runs[1:]:
+        agree = run.tokens_vs_base
+        print(f"{run.label}: greedy tokens identical to {result.runs[0].label}'s in {agree.identical} of "
+              f"{agree.requests} requests; {agree.common_prefix:.1%} of each output before a first difference")
     if args.json:
         write_json(args.json, "offline", result)
     if args.plot:

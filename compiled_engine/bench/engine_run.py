@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from compiled_engine.bench.datasets import BenchRequest, Session, rounds
+from compiled_engine.bench.datasets import BenchRequest, Session, all_requests, rounds
 from compiled_engine.bench.metrics import RequestTiming
 from compiled_engine.llm import LLM
 from compiled_engine.scheduler.sampling_params import SamplingParams
@@ -25,6 +25,7 @@ class EngineTimings:
     timings: list[RequestTiming]
     duration_s: float
     cache_hit_rate: float
+    outputs: dict[int, list[int]]  # index in `all_requests(sessions)` -> its generated tokens
 
 
 # KV pool of every bench engine unless --num-pages says otherwise: one fixed size (768 MiB on the bench
@@ -53,9 +54,12 @@ def run_rounds(llm: LLM, sessions: list[Session]) -> EngineTimings:
     """Greedy, EOS ignored, every request exactly its output length."""
     engine = llm.engine
     timings: list[RequestTiming] = []
+    index = {id(r): i for i, r in enumerate(all_requests(sessions))}
+    outputs: dict[int, list[int]] = {}
     t_start = time.perf_counter()
     for batch in rounds(sessions):
         by_rid: dict[str, RequestTiming] = {}
+        tokens: dict[str, list[int]] = {}
         last: dict[str, float] = {}
         sent = time.perf_counter()
         for req in batch:
@@ -63,6 +67,7 @@ def run_rounds(llm: LLM, sessions: list[Session]) -> EngineTimings:
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
             engine.add_request(rid, req.prompt_ids, params)
             by_rid[rid] = RequestTiming(prompt_len=len(req.prompt_ids))
+            tokens[rid] = outputs.setdefault(index[id(req)], [])
         timings.extend(by_rid.values())
         while engine.has_work():
             events = engine.step()
@@ -76,8 +81,9 @@ def run_rounds(llm: LLM, sessions: list[Session]) -> EngineTimings:
                         t.itl.append(now - last[ev.rid])
                     last[ev.rid] = now
                     t.output_len += 1
+                    tokens[ev.rid].append(ev.token)
                 if ev.finished:
                     t.latency = now - sent
                     t.success = True
     duration = time.perf_counter() - t_start
-    return EngineTimings(timings, duration, engine.scheduler.stats().cache_hit_rate)
+    return EngineTimings(timings, duration, engine.scheduler.stats().cache_hit_rate, outputs)

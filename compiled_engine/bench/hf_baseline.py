@@ -22,7 +22,8 @@ def load_hf_model(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
 
 
-def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> None:
+def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[int]]:
+    """Each request's first `output_len` generated tokens."""
     width = max(len(r.prompt_ids) for r in group)
     ids = torch.full((len(group), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(group), width), dtype=torch.long)
@@ -30,20 +31,26 @@ def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> None:
         ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
         mask[i, width - len(r.prompt_ids):] = 1
     new = max(r.output_len for r in group)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   pad_token_id=PAD_ID)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=PAD_ID)
+    return [row[width:width + r.output_len] for row, r in zip(out.tolist(), group, strict=True)]
 
 
-def run_hf(model: torch.nn.Module, sessions: list[Session], group_size: int = 16) -> tuple[list[RequestTiming], float]:
-    """Timings (latency only: `generate` does not stream) and the total duration."""
-    reqs = sorted(all_requests(sessions), key=lambda r: (r.output_len, len(r.prompt_ids)))
+def run_hf(model: torch.nn.Module, sessions: list[Session],
+           group_size: int = 16) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
+    """Timings (latency only: `generate` does not stream), the total duration, and each request's tokens (by
+    index in `all_requests(sessions)`)."""
+    ordered = all_requests(sessions)
+    order = sorted(range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids)))
+    reqs = [ordered[i] for i in order]
     timings = []
+    outputs: dict[int, list[int]] = {}
     with torch.inference_mode():
         _generate(model, [BenchRequest([5, 6, 7, 8], 2)])  # warm-up
         start = time.perf_counter()
         for i in range(0, len(reqs), group_size):
             group = reqs[i:i + group_size]
-            _generate(model, group)
+            outputs.update(zip(order[i:i + group_size], _generate(model, group), strict=True))
             done = time.perf_counter() - start
             timings.extend(RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True) for r in group)
-    return timings, time.perf_counter() - start
+    return timings, time.perf_counter() - start, outputs

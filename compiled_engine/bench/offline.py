@@ -28,10 +28,31 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
 
 
 @dataclass
+class TokenAgreement:
+    """A run's greedy tokens against the base run's (ours): requests with identical outputs, and the mean
+    fraction of each output before the first difference (bf16 near ties make some differ)."""
+
+    identical: int
+    requests: int
+    common_prefix: float
+
+
+@dataclass
 class OfflineRun:
     label: str
     summary: Summary
     cache_hit_rate: float | None = None
+    tokens_vs_base: TokenAgreement | None = None
+
+
+def token_agreement(base: dict[int, list[int]], other: dict[int, list[int]]) -> TokenAgreement:
+    fractions = []
+    for i, ours in base.items():
+        theirs = other.get(i, [])
+        same = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        fractions.append(same / len(ours) if ours else 1.0)
+    identical = sum(base[i] == other.get(i) for i in base)
+    return TokenAgreement(identical, len(base), sum(fractions) / len(fractions) if fractions else 1.0)
 
 
 @dataclass
@@ -55,20 +76,21 @@ class OfflineResult:
         return out
 
 
-def engine_run(model_dir: str, sessions: list[Session], label: str, settings: dict) -> OfflineRun:
+def engine_run(model_dir: str, sessions: list[Session], label: str,
+               settings: dict) -> tuple[OfflineRun, dict[int, list[int]]]:
     llm = build_llm(model_dir, **settings)
     try:
         t = run_rounds(llm, sessions)
     finally:
         close_llm(llm)
-    return OfflineRun(label, summarize(t.timings, t.duration_s), t.cache_hit_rate)
+    return OfflineRun(label, summarize(t.timings, t.duration_s), t.cache_hit_rate), t.outputs
 
 
-def hf_run(model_dir: str, sessions: list[Session]) -> OfflineRun:
+def hf_run(model_dir: str, sessions: list[Session]) -> tuple[OfflineRun, dict[int, list[int]]]:
     from compiled_engine.bench.hf_baseline import load_hf_model, run_hf
 
-    timings, duration = run_hf(load_hf_model(model_dir), sessions)
-    return OfflineRun("transformers generate", summarize(timings, duration))
+    timings, duration, outputs = run_hf(load_hf_model(model_dir), sessions)
+    return OfflineRun("transformers generate", summarize(timings, duration)), outputs
 
 
 def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare: list[str],
@@ -77,16 +99,22 @@ def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare
     shared machine hits every variant alike); each variant keeps its fastest run (best of `repeats`)."""
     base_label = "compiled-engine" + (" (eager)" if settings.get("enforce_eager") else "")
     best: dict[str, OfflineRun] = {}
+    base_outputs: dict[int, list[int]] = {}
     for _ in range(repeats):
         for name in [None, *compare]:
             if name is None:
-                run = engine_run(model_dir, sessions, base_label, settings)
+                run, outputs = engine_run(model_dir, sessions, base_label, settings)
+                base_outputs = outputs
             elif name == "hf":
-                run = hf_run(model_dir, sessions)
+                run, outputs = hf_run(model_dir, sessions)
             else:
                 label, changes = _variant(name, settings)
-                run = engine_run(model_dir, sessions, label, {**settings, **changes})
-            log(f"{run.label}: {run.summary.output_throughput:.1f} output tok/s")
+                run, outputs = engine_run(model_dir, sessions, label, {**settings, **changes})
+            if name is not None:
+                run.tokens_vs_base = token_agreement(base_outputs, outputs)
+            agree = run.tokens_vs_base
+            same = f"; tokens identical to ours in {agree.identical}/{agree.requests} requests" if agree else ""
+            log(f"{run.label}: {run.summary.output_throughput:.1f} output tok/s{same}")
             if run.label not in best or run.summary.output_throughput > best[run.label].summary.output_throughput:
                 best[run.label] = run
     return list(best.values())

@@ -24,6 +24,8 @@ def test_offline_random_with_baselines_writes_json_and_plot(tmp_path, capsys) ->
         assert (s["completed"], s["failed"], s["input_tokens"], s["output_tokens"]) == (4, 0, 64, 16)
         assert s["output_throughput"] > 0
     assert runs[0]["summary"]["ttft_s"]["p50"] > 0
+    # fp32 greedy: transformers (left-padded batches) generates exactly our tokens
+    assert runs[1]["tokens_vs_base"] == {"identical": 4, "requests": 4, "common_prefix": 1.0}
     assert (tmp_path / "plots" / "offline_random.png").stat().st_size > 0
     printed = capsys.readouterr()
     assert "vs transformers generate" in printed.out
