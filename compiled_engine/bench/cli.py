@@ -20,7 +20,7 @@ from compiled_engine.bench.datasets import (
 from compiled_engine.bench.models import BENCH_NAME, resolve_bench_model
 from compiled_engine.bench.report import table, write_json
 
-COMPARE_CHOICES = ("hf", "naive", "overlap", "eager")  # hf: transformers generate
+COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager")  # hf: transformers generate
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_OUTPUT = {"random": "64:256", "prefix": "32"}
 
@@ -218,7 +218,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=BENCH_NAME, help=model_help)
     _add_dataset_args(p, num_prompts=64)
     p.add_argument("--compare", action="append", choices=COMPARE_CHOICES,
-                   help="also run: hf (transformers generate), naive (prefix cache), overlap (toggled), eager")
+                   help="also run: hf (transformers generate in the checkpoint's dtype), hf-fp32 (in fp32: its "
+                   "best on CPUs without a bf16 GEMM), naive (prefix cache), overlap (toggled), eager")
     p.add_argument("--repeats", type=int, default=1,
                    help="run our engine and every comparison this many times, alternating; each keeps its best")
     p.add_argument("--enforce-eager", action="store_true")

@@ -16,10 +16,10 @@ from compiled_engine.bench.metrics import RequestTiming
 PAD_ID = 0
 
 
-def load_hf_model(model_dir: str) -> torch.nn.Module:
+def load_hf_model(model_dir: str, dtype: str = "auto") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[int]]:

@@ -86,11 +86,12 @@ def engine_run(model_dir: str, sessions: list[Session], label: str,
     return OfflineRun(label, summarize(t.timings, t.duration_s), t.cache_hit_rate), t.outputs
 
 
-def hf_run(model_dir: str, sessions: list[Session]) -> tuple[OfflineRun, dict[int, list[int]]]:
+def hf_run(model_dir: str, sessions: list[Session], dtype: str = "auto") -> tuple[OfflineRun, dict[int, list[int]]]:
     from compiled_engine.bench.hf_baseline import load_hf_model, run_hf
 
-    timings, duration, outputs = run_hf(load_hf_model(model_dir), sessions)
-    return OfflineRun("transformers generate", summarize(timings, duration)), outputs
+    timings, duration, outputs = run_hf(load_hf_model(model_dir, dtype), sessions)
+    label = "transformers generate" + ("" if dtype == "auto" else f" ({dtype})")
+    return OfflineRun(label, summarize(timings, duration)), outputs
 
 
 def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare: list[str],
@@ -105,8 +106,8 @@ def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare
             if name is None:
                 run, outputs = engine_run(model_dir, sessions, base_label, settings)
                 base_outputs = outputs
-            elif name == "hf":
-                run, outputs = hf_run(model_dir, sessions)
+            elif name in ("hf", "hf-fp32"):
+                run, outputs = hf_run(model_dir, sessions, "auto" if name == "hf" else "float32")
             else:
                 label, changes = _variant(name, settings)
                 run, outputs = engine_run(model_dir, sessions, label, {**settings, **changes})

@@ -54,7 +54,34 @@ def test_amx_kernel_takes_strided_inputs() -> None:
     w = torch.randn(64, 64, generator=gen).bfloat16()
     _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)  # the C++ kernel, when the library loaded
     _assert_within_bf16_rounding(torch.ops.kernels.cpu_linear_torch(x, w), x, w, None)  # the Python one
-    assert getattr(w, cpu_linear._ATTR)[1], "expected the AMX layout for K % 32 == 0"
+    assert getattr(w, cpu_linear._ATTR)[1] == "amx", "expected the AMX layout for K % 32 == 0"
+
+
+def _expected_kind(k: int) -> str:
+    if cpu_native.amx_available() and k % 32 == 0:
+        return "amx"
+    return "onednn" if cpu_linear.onednn_bf16_available() else "fp32"
+
+
+@pytest.mark.parametrize("k", [64, 40])
+def test_the_route_follows_the_cpu(k: int) -> None:
+    """AMX where the CPU has it, else oneDNN's packed bf16, else an fp32 copy (AVX2-only x86, ARM)."""
+    w = torch.randn(24, k).bfloat16()
+    x = torch.randn(5, k).bfloat16()
+    _assert_within_bf16_rounding(torch.ops.kernels.cpu_linear_torch(x, w), x, w, None)
+    assert getattr(w, cpu_linear._ATTR)[1] == _expected_kind(k)
+
+
+def test_fp32_route_wherever_it_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_native, "pack_bf16_weight", lambda w: None)
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_available", lambda: False)
+    w = torch.randn(48, 64).bfloat16()
+    b = torch.randn(48).bfloat16()
+    x = torch.randn(3, 7, 64).bfloat16()
+    out = cpu_linear.packed_linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 7, 48)
+    _assert_within_bf16_rounding(out, x, w, b)
+    assert getattr(w, cpu_linear._ATTR)[1] == "fp32"
 
 
 def test_input_width_not_a_multiple_of_32_is_left_to_onednn() -> None:
@@ -102,7 +129,6 @@ def test_frozen_graphs_leave_bf16_linears_to_inductor() -> None:
             torch.compile(lambda x: linear(x, w), backend=backend, fullgraph=True)(x)
         return {str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"}
 
-    # without a packed kernel here (AVX2-only x86, ARM), F.linear serves bf16 too
-    assert any("cpu_linear" in t for t in targets(False)) == cpu_linear.packing_available()
+    assert any("cpu_linear" in t for t in targets(False))
     frozen = targets(True)
     assert not any("cpu_linear" in t for t in frozen) and any("linear" in t for t in frozen)
