@@ -27,7 +27,8 @@ def step() -> None:  # ~12-48 MB intermediates, each freed once the next exists 
     for n in (4, 1, 2, 1):
         h = torch.cat([h[:, :768]] * n, dim=1).relu_()
 
-step()
+for _ in range(6):  # glibc's heap settles over the first few steps (small allocations land between big ones)
+    step()
 before = minor_faults()
 for _ in range(3):
     step()
@@ -47,9 +48,8 @@ def test_kept_memory_avoids_most_page_faults_of_a_repeated_step() -> None:
     if kept == "unsupported":
         pytest.skip("malloc is not glibc's")
     default = int(_faults_per_step("default"))
-    assert default > 10_000  # each step faults in tens of MB of fresh pages by default
-    # measured: most of them on the Xeon of earlier sessions, 55-60% on an AMD EPYC (Zen 3, glibc 2.36)
-    assert int(kept) < 0.75 * default
+    assert default > 5_000  # by default each step faults in tens of MB of fresh pages (48 MB mmapped anew)
+    assert int(kept) < default / 10
 
 
 def test_build_engine_keeps_freed_memory_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
