@@ -63,7 +63,7 @@ class Engine:
         self._worker = ThreadPoolExecutor(1, "forward", initializer=init) if config.overlap else None
         self.steps = 0
         self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
-        self.compile_summary = "eager: no graphs compiled"  # the compile cache's report, set by build_engine
+        self.compile_summary = ""  # the compile cache's report (or that the engine is eager), set by build_engine
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:

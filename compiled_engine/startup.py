@@ -107,17 +107,17 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     ), device)
     log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
              config.page_size)
+    compile_summary = "eager: no graphs compiled"
     if not config.enforce_eager:
         runner.forward.set_compile_mode(config.compile_mode)
         key = cache_key(config, model_dir, model.dtype, device, runner.config)
         root = default_root(config.compile_cache_dir)
         folder = CacheEntry(root, key.digest).precompiled_dir
-        report = compile_with_cache(key, root, lambda: warm_up(runner, progress, folder))
+        compile_summary = compile_with_cache(key, root, lambda: warm_up(runner, progress, folder)).summary()
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
-    if not config.enforce_eager:
-        engine.compile_summary = report.summary()
+    engine.compile_summary = compile_summary
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
     # otherwise re-scan ~470k objects (torch, transformers, the graphs): ~0.46 s pauses in the middle of
     # serving on the bench model. `Engine.shutdown` gives them back.

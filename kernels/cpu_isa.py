@@ -8,8 +8,8 @@ A level caps, it never adds: `avx512` on an AVX2-only CPU runs AVX2. It reaches 
 code by ISA: our native kernels (`-mno-...` on top of `-march=native`: the C++ takes its non-AMX /
 non-AVX512 branches), oneDNN (`ONEDNN_MAX_CPU_ISA`, read at its first use) and ATen's kernels plus
 inductor's generated C++ (`ATEN_CPU_CAPABILITY`, read by ATen once and by inductor at each compile). This
-module imports no torch: `apply()` must run before torch first dispatches (`tests/conftest.py` and the CLI
-call it first thing); a variable the user set stays as set.
+module imports no torch: `apply()` must run before torch first dispatches (importing `kernels` runs it, and
+`tests/conftest.py` imports it before torch); a variable the user set stays as set.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
-def apply() -> str:
-    """Export the oneDNN / ATen caps of the requested level (before torch first runs); returns the level."""
-    name = level()
+def apply() -> None:
+    """Export the oneDNN / ATen caps of the requested level (before torch first runs)."""
     if _x86():
-        for var, value in _ENV_CAPS[name].items():
+        for var, value in _ENV_CAPS[level()].items():
             os.environ.setdefault(var, value)
-    return name
 
 
 def levels_below_native() -> list[str]:
@@ -54,7 +52,7 @@ def levels_below_native() -> list[str]:
     AMX: avx2; an AVX2-only or non-x86 one: none, it runs the portable paths natively)."""
     if not _x86():
         return []
-    flags = _cpu_flags()
+    flags = cpu_flags()
     below = []
     if "amx_bf16" in flags:
         below.append("avx512")
@@ -63,7 +61,8 @@ def levels_below_native() -> list[str]:
     return below
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

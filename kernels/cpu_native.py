@@ -56,21 +56,12 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
     flags = FLAGS + cpu_isa.compiler_flags() + _torch_flags()
-    parts = [*texts, *flags, version, torch.__version__, _cpu_flags()]
+    cpu = " ".join(sorted(cpu_isa.cpu_flags())) or platform.processor()
+    parts = [*texts, *flags, version, torch.__version__, cpu]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     # inductor's default folder, not its current one: the compile cache repoints TORCHINDUCTOR_CACHE_DIR at
     # each entry, and processes started from there (TP ranks) would build the library once per entry
