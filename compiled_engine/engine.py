@@ -13,6 +13,7 @@ import gc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from compiled_engine.runner.step_inputs import StepInputs
 from compiled_engine.scheduler.plan import Batch
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler, check_ids
+
+if TYPE_CHECKING:
+    from compiled_engine.compile_cache.session import CompileReport
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,11 @@ class Engine:
         self._worker = ThreadPoolExecutor(1, "forward", initializer=init) if config.overlap else None
         self.steps = 0
         self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
-        self.compile_summary = ""  # the compile cache's report (or that the engine is eager), set by build_engine
+        self.compile_report: CompileReport | None = None  # set by build_engine (None: eager)
+
+    @property
+    def compile_summary(self) -> str:
+        return self.compile_report.summary() if self.compile_report is not None else "eager: no graphs compiled"
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.demo_model import resolve_model
+from compiled_engine.model_names import resolve_model
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import IncrementalDetokenizer, Prompt, encode_prompt, load_tokenizer

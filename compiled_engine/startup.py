@@ -15,9 +15,11 @@ import torch
 
 from compiled_engine.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
 from compiled_engine.config import EngineConfig
-from compiled_engine.demo_model import resolve_model
+from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.engine import Engine
+from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
+from compiled_engine.model_names import resolve_model
 from compiled_engine.models.loader import load_model
 from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
@@ -57,29 +59,33 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def size_kv_pool(config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device) -> int:
-    """Pages for the KV pool: `num_pages` if given, else a fraction of free memory, capped at what
-    `max_running` full-length requests could use."""
+    """Pages for the KV pool: `num_pages` if given, else a fraction of memory, capped at what `max_running`
+    full-length requests could use. The pool size shapes the compiled graphs (and so the compile-cache key),
+    so it must not move between starts: on the CPU it is a fraction of total memory (of available memory only
+    when that is less), rounded down to a power of two; sized from available memory, it flipped between two
+    powers of two from one start to the next where the fraction sat near one, and every flip recompiled."""
     if config.num_pages is not None:
         return config.num_pages
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        fraction = config.mem_fraction or 0.8
+        budget = torch.cuda.mem_get_info(device)[0] * (config.mem_fraction or 0.8)
     else:
-        free = _available_host_memory()
-        fraction = config.mem_fraction or 0.25
-    by_memory = int(free * fraction) // kv_bytes_per_token(model) // config.page_size
-    # Rounded down to a power of two: the pool size shapes the compiled graphs (and so the compile-cache
-    # key), and free memory differs a little on every start.
+        total, available = _host_memory()
+        budget = min(total * (config.mem_fraction or 0.25), available * 0.9)
+    by_memory = int(budget) // kv_bytes_per_token(model) // config.page_size
     by_memory = 1 << max(1, by_memory.bit_length() - 1)
     return max(2, min(by_memory, -(-config.max_running * max_context // config.page_size) + 1))
 
 
-def _available_host_memory() -> int:
+def _host_memory() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes."""
+    info: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            name, value = line.split(":", 1)
+            info[name] = int(value.split()[0]) * 1024
+    page = os.sysconf("SC_PAGE_SIZE")
+    return (info.get("MemTotal", page * os.sysconf("SC_PHYS_PAGES")),
+            info.get("MemAvailable", page * os.sysconf("SC_AVPHYS_PAGES")))
 
 
 def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
@@ -95,7 +101,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     if config.buckets is not None:
         buckets = sorted(config.buckets)
     else:
-        max_bucket = config.max_bucket or (config.max_running if device.type == "cuda" else 32)
+        max_bucket = config.max_bucket if config.max_bucket is not None else (
+            config.max_running if device.type == "cuda" else 1)
         buckets = default_buckets(min(max_bucket, config.max_running))
     scheduler = Scheduler(SchedulerConfig(
         num_pages=num_pages, page_size=config.page_size, max_running=config.max_running, max_context=max_context,
@@ -107,17 +114,22 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     ), device)
     log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
              config.page_size)
-    compile_summary = "eager: no graphs compiled"
+    report = None
     if not config.enforce_eager:
         runner.forward.set_compile_mode(config.compile_mode)
-        key = cache_key(config, model_dir, model.dtype, device, runner.config)
+        key = cache_key(config, hf_config, model.dtype, device, runner.config)
         root = default_root(config.compile_cache_dir)
         folder = CacheEntry(root, key.digest).precompiled_dir
-        compile_summary = compile_with_cache(key, root, lambda: warm_up(runner, progress, folder)).summary()
+        bar = progress or (GraphBar() if ps.get_tp_rank() == 0 else None)
+        try:
+            report = compile_with_cache(key, root, lambda: warm_up(runner, bar, folder))
+        finally:
+            if bar is not None:
+                bar.close()
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
-    engine.compile_summary = compile_summary
+    engine.compile_report = report
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
     # otherwise re-scan ~470k objects (torch, transformers, the graphs): ~0.46 s pauses in the middle of
     # serving on the bench model. `Engine.shutdown` gives them back.
@@ -136,9 +148,11 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
     t0 = time.perf_counter()
     params = SamplingParams()
     fwd = runner.forward
-    # The dynamic-batch decode graph, for decode batches larger than the largest bucket.
-    beyond = max(fwd.buckets) + 1 if fwd.buckets and max(fwd.buckets) < runner.config.max_rows else None
-    total = 2 + len(fwd.buckets) + (beyond is not None)
+    # The dynamic-batch decode graph, for decode batches larger than the largest bucket (every batch without
+    # buckets); traced at two rows at least, so that the batch dimension stays a symbol.
+    largest = max(fwd.buckets, default=0)
+    beyond = max(largest + 1, 2) if largest < runner.config.max_rows else None
+    total = 1 + len(fwd.buckets) + (beyond is not None)
 
     def tick(graph: str) -> None:
         if progress is not None:
@@ -149,14 +163,14 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
         return Batch(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)
 
     def decode_inputs(n: int) -> StepInputs:
-        tick(f"decode {n}")
+        tick("decode, any batch" if n == beyond else f"decode, batch {n}")
         return build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n)
 
     fwd.precompiled_dir = precompiled_dir
     try:
         with torch.inference_mode():
+            tick("prefill")
             for lengths in ([3, 5], [2, 1, 4]):
-                tick(f"extend {lengths}")
                 fwd(build_step_inputs(batch(lengths, False), runner.tables, runner.config.page_size, None))
             if runner.device.type == "cuda":
                 fwd.capture_cuda_graphs(decode_inputs)

@@ -53,22 +53,14 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def warm_up_cache(config: EngineConfig) -> int:
-    from compiled_engine.compile_cache import CacheEntry, cache_key
-    from compiled_engine.demo_model import resolve_model
     from compiled_engine.startup import build_engine
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("compiled_engine.compile_cache").setLevel(logging.INFO)
     if config.tp_size > 1:
         return _warm_up_ranks(config)
-    bar = GraphBar()
-    try:
-        engine = build_engine(config, progress=bar)
-    finally:
-        bar.close()
-    key = cache_key(config, resolve_model(config.model), engine.model.dtype, engine.runner.device,
-                    engine.runner.config)
-    entry = CacheEntry(Path(config.compile_cache_dir), key.digest)
+    engine = build_engine(config)
+    entry = engine.compile_report.entry
     print(f"{entry.digest}  {_mb(entry.size())}  {entry.path}")
     return 0
 
@@ -85,27 +77,6 @@ def _warm_up_ranks(config: EngineConfig) -> int:
     finally:
         handle.shutdown()
     return 0
-
-
-class GraphBar:
-    """A tqdm bar over the warm-up's graphs, fed by `warm_up`'s progress callback."""
-
-    def __init__(self) -> None:
-        self.bar = None
-
-    def __call__(self, graph: str, total: int) -> None:
-        from tqdm import tqdm
-
-        if self.bar is None:
-            self.bar = tqdm(total=total, unit="graph", desc="compiling")
-        else:
-            self.bar.update(1)
-        self.bar.set_postfix_str(graph)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.update(self.bar.total - self.bar.n)
-            self.bar.close()
 
 
 def list_cache(root: Path) -> int:

@@ -15,8 +15,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME, resolve_model
+from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME
 from compiled_engine.distributed.launcher import EngineHandle, launch
+from compiled_engine.model_names import resolve_model
+from compiled_engine.models.loader import load_config
 from compiled_engine.tokenization import load_tokenizer
 from server import routes
 from server.engine_client import EngineClient
@@ -29,13 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
-    from transformers import AutoConfig
-
     model_dir = resolve_model(config.engine.model)
     if config.engine.model == DEMO_NAME:
         log.warning("model: %s", DEMO_LABEL)
     tokenizer = load_tokenizer(model_dir)
-    vocab = getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None) or len(tokenizer)
+    vocab = getattr(load_config(model_dir), "vocab_size", None) or len(tokenizer)
     handle = launch(config.engine)
     return tokenizer, Limits(handle.ready.max_context, vocab), handle
 

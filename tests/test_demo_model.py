@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.demo_model import DEMO_CONFIG, demo_model_dir, resolve_model
+from compiled_engine.demo_model import DEMO_CONFIG, demo_model_dir
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -57,8 +57,3 @@ def test_tokenizer_round_trips_text(demo: Path, text: str) -> None:
 
     tok = AutoTokenizer.from_pretrained(demo)
     assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
-
-
-def test_resolve_model_rejects_a_folder_without_config(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        resolve_model(str(tmp_path))

@@ -15,12 +15,12 @@ from pathlib import Path
 from compiled_engine.demo_model import (
     DEMO_CONFIG,
     cache_root,
-    cached_checkpoint,
+    cached_folder,
     demo_model_dir,
     dump_json,
     random_llama_weights,
-    resolve_model,
 )
+from compiled_engine.model_names import resolve_model
 
 BENCH_NAME = "bench"
 BENCH_DIR_NAME = "bench-llama-768"
@@ -41,11 +41,11 @@ _CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors
 
 def bench_model_dir(root: Path | None = None) -> Path:
     """Path of the bench checkpoint, creating it on first use."""
-    return cached_checkpoint((root or cache_root()) / BENCH_DIR_NAME, write_bench_model)
+    return cached_folder((root or cache_root()) / BENCH_DIR_NAME, write_bench_model)
 
 
 def resolve_bench_model(model: str) -> str:
-    """`bench` -> the bench checkpoint; otherwise as `--model` everywhere else ('demo' or a directory)."""
+    """`bench` -> the bench checkpoint; otherwise as `--model` everywhere else."""
     return str(bench_model_dir()) if model == BENCH_NAME else resolve_model(model)
 
 

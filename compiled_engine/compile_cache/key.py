@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 import compiled_engine
 from compiled_engine.config import EngineConfig
@@ -24,14 +25,15 @@ TRACED_SOURCES: tuple[Path, ...] = (
     _PACKAGE_ROOT / "distributed" / "parallel_state.py",
     _PACKAGE_ROOT.parent / "kernels",
 )
-UNTRACED = frozenset({"bench.py", "reference.py", "loader.py", "weight_utils.py", "sampler.py", "buckets.py"})
+UNTRACED = frozenset({"bench.py", "reference.py", "loader.py", "gguf_checkpoint.py", "errors.py", "weight_utils.py",
+                      "sampler.py", "buckets.py"})
 # Source files by suffix: Python, and native code built into the kernels (e.g. kernels/*.cpp).
 SOURCE_SUFFIXES = frozenset({".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"})
 
 
 @dataclass(frozen=True)
 class CacheKey:
-    model_config: str  # sha256 of config.json
+    model_config: str  # sha256 of the model's config
     dtype: str
     device: str  # cpu | cuda:<capability>, with the CPU ISA (and the COMPILED_ENGINE_CPU_ISA level) or GPU name
     tp_size: int
@@ -56,12 +58,12 @@ class CacheKey:
         return asdict(self)
 
 
-def cache_key(config: EngineConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+def cache_key(config: EngineConfig, model_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
               runner: RunnerConfig) -> CacheKey:
     """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype); the
     rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
     return CacheKey(
-        model_config=model_config_hash(model_dir),
+        model_config=model_config_hash(model_config),
         dtype=str(dtype).removeprefix("torch."),
         device=device_kind(device),
         tp_size=config.tp_size,
@@ -79,8 +81,10 @@ def cache_key(config: EngineConfig, model_dir: str | Path, dtype: torch.dtype, d
     )
 
 
-def model_config_hash(model_dir: str | Path) -> str:
-    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+def model_config_hash(config: PretrainedConfig) -> str:
+    """The model's config, less where it was read from and which transformers version wrote it."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def source_hash(roots: tuple[Path, ...]) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from compiled_engine.compile_cache import vec_isa
-from compiled_engine.compile_cache.entry import CacheEntry
+from compiled_engine.compile_cache.entry import CacheEntry, list_entries
 from compiled_engine.compile_cache.key import CacheKey
 from compiled_engine.demo_model import cache_root
 from compiled_engine.runner import precompiled
@@ -77,6 +77,9 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
             log.warning("compile cache %s: %s; rebuilding it", entry.digest, problem)
             entry.wipe()
             rebuilt = problem
+        if problem is not None:
+            log.warning("compiling the model's graphs for this machine and settings (%s). A one-time cost: later "
+                        "starts load them from %s", rebuilt or miss_reason(root, key), entry.path)
         use_entry(entry)
         if problem is None and key.device.startswith("cpu"):
             vec_isa.reuse(entry)
@@ -94,6 +97,25 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
     report = CompileReport(status, entry, compile_s, counts, rebuilt)
     log.info("%s", report.summary())
     return report
+
+
+def miss_reason(root: Path, key: CacheKey) -> str:
+    """Why no entry serves `key`: the key fields in which the nearest complete entry differs."""
+    fields = key.fields()
+    nearest: tuple[int, str, list[str]] | None = None
+    for other in list_entries(root):
+        theirs = (other.read_manifest() or {}).get("key")
+        if other.digest == key.digest or not isinstance(theirs, dict):
+            continue
+        diff = [f"{name} {theirs.get(name)!r} -> {value!r}" for name, value in fields.items()
+                if theirs.get(name) != value]
+        if nearest is None or len(diff) < nearest[0]:
+            nearest = (len(diff), other.digest, diff)
+    if nearest is None:
+        return f"the cache {root} holds no entry yet"
+    if any(d.startswith("model_config ") for d in nearest[2]):
+        return "no entry for this model yet"
+    return f"the nearest entry, {nearest[1]}, differs in " + "; ".join(nearest[2])
 
 
 def use_entry(entry: CacheEntry) -> None:

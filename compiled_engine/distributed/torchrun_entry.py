@@ -21,9 +21,9 @@ import sys
 from typing import TextIO
 
 from compiled_engine.cli import add_engine_args, engine_config
-from compiled_engine.demo_model import resolve_model
 from compiled_engine.distributed.rank_loop import Add, RankSpec, RequestError, Shutdown, serve_rank
 from compiled_engine.engine import TokenOutput
+from compiled_engine.model_names import resolve_model
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.tokenization import encode_prompt, load_tokenizer
 

@@ -40,17 +40,18 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden states [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D] with the rotary applied."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # its own tensor, not a view of the projection: a compile region may not return aliased outputs
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim).clone()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return q, k, v
 
 
 class DecoderMLP(nn.Module):
@@ -76,17 +77,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, opts: DecoderOptions) -> None:
@@ -100,11 +90,33 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
+        """Each layer is two compile regions around its attention op; the norm that ends a layer's region
+        is the next layer's input norm (the last one: the final norm)."""
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            q, k, v = attention_inputs(layer.self_attn, positions, x)
+            out = layer.self_attn.attn(q, k, v, meta)
+            x, residual = layer_outputs(layer, out, residual, next_norm)
         return x
+
+
+# Regional compilation: dynamo traces each of these once per graph as a subgraph, inductor compiles it once and
+# every layer calls the same code, so compile time does not grow with depth. The attention op between them
+# stays outside: it writes the KV cache, and a compile region may not mutate its inputs.
+@torch.compiler.nested_compile_region
+def attention_inputs(attn: DecoderAttention, positions: torch.Tensor, x: torch.Tensor):
+    return attn.qkv(positions, x)
+
+
+@torch.compiler.nested_compile_region
+def layer_outputs(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm):
+    """Attention output [T, H, D] -> (the next layer's normed input, the residual stream)."""
+    attn = layer.self_attn
+    x, residual = layer.post_attention_layernorm(attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim)),
+                                                 residual)
+    return next_norm(layer.mlp(x), residual)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

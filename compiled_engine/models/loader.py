@@ -1,11 +1,12 @@
-"""Building a model from a local Hugging Face checkpoint directory.
+"""Building a model from a local checkpoint: a Hugging Face checkpoint directory or a GGUF file.
 
     model, config = load_model("/path/to/checkpoint", dtype="auto", device="cpu", load_format="auto")
 
 Weights stream tensor by tensor from the `*.safetensors` file(s) (`model.safetensors.index.json` when
-sharded); each tensor is narrowed to this TP rank's part before it is read, so peak host memory stays
-about one tensor above the model. Every problem with the checkpoint is a `CheckpointError` (a
-`ValueError`) naming the file, tensor or architecture at fault.
+sharded; each tensor is narrowed to this TP rank's part before it is read, so peak host memory stays
+about one tensor above the model) or from the GGUF file (each tensor dequantized in turn,
+`models.gguf_checkpoint`). Every problem with the checkpoint is a `CheckpointError` (a `ValueError`)
+naming the file, tensor or architecture at fault.
 """
 
 import contextlib
@@ -19,16 +20,14 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from compiled_engine.layers.weight_utils import default_weight_loader
+from compiled_engine.layers.weight_utils import WeightSource, default_weight_loader
+from compiled_engine.models.errors import CheckpointError
+from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 from compiled_engine.models.registry import UnsupportedArchitectureError, get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint entries that are derived buffers, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
@@ -66,10 +65,7 @@ def load_model(
     deterministic random weights (from `seed`) instead of reading the checkpoint."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}; use auto, safetensors or dummy")
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot read the config of {model_dir}: {e}") from e
+    config = load_config(model_dir)
     try:
         model_cls = get_model_class(getattr(config, "architectures", None))
     except UnsupportedArchitectureError as e:
@@ -81,6 +77,16 @@ def load_model(
     else:
         load_weights(model, model_dir, tied=getattr(config, "tie_word_embeddings", False))
     return model.eval(), config
+
+
+def load_config(model_path: str) -> PretrainedConfig:
+    """The Hugging Face config of a checkpoint directory, or the one a GGUF file's metadata gives."""
+    if is_gguf(model_path):
+        return open_gguf(model_path).config()
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read the config of {model_path}: {e}") from e
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
@@ -138,33 +144,43 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
-def load_weights(model: nn.Module, model_dir: str, tied: bool = False) -> None:
-    packed = getattr(model, "packed_modules", {})
-    params = dict(model.named_parameters())
-    expected = expected_checkpoint_names(model)
-    loaded: set[str] = set()
-    files = checkpoint_files(model_dir)
-    for path in tqdm(files, desc="Loading safetensors", unit="file"):
+def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, str, WeightSource]]:
+    """(file, tensor name, tensor or lazy slice) for every tensor of the checkpoint."""
+    if is_gguf(model_path):
+        checkpoint = open_gguf(model_path)
+        for name, tensor in tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="Loading GGUF",
+                                 unit="tensor"):
+            yield model_path, name, tensor
+        return
+    for path in tqdm(checkpoint_files(model_path), desc="Loading safetensors", unit="file"):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error type for corrupt headers
             raise CheckpointError(f"{path}: cannot open safetensors file ({e})") from e
         with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                pname, shard_id = _target(name, packed)
-                if name not in expected or pname not in params:
-                    raise CheckpointError(f"{path}: unexpected tensor {name!r} for {type(model).__name__}")
-                param = params[pname]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                try:
-                    src = f.get_slice(name)
-                    loader(param, src, shard_id)
-                except Exception as e:
-                    raise CheckpointError(f"{path}: tensor {name!r}: {e}") from e
-                loaded.add(name)
+                yield path, name, f.get_slice(name)
+
+
+def load_weights(model: nn.Module, model_path: str, tied: bool = False) -> None:
+    packed = getattr(model, "packed_modules", {})
+    params = dict(model.named_parameters())
+    expected = expected_checkpoint_names(model)
+    loaded: set[str] = set()
+    for path, name, src in checkpoint_tensors(model_path):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        pname, shard_id = _target(name, packed)
+        if name not in expected or pname not in params:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for {type(model).__name__}")
+        param = params[pname]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, src, shard_id)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tensor {name!r}: {e}") from e
+        loaded.add(name)
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise CheckpointError(f"{model_dir}: missing tensors {shown}")
+        raise CheckpointError(f"{model_path}: missing tensors {shown}")

@@ -1,7 +1,8 @@
 """The model forward as compiled graphs: one static-shape graph per decode bucket (captured as a CUDA
 graph on a GPU), one dynamic-token-count graph for prefill / mixed steps, and one dynamic-batch decode graph
-for decode batches larger than the largest bucket. Attention is an opaque custom op, so the graphs split
-there.
+for decode batches larger than the largest bucket. Inside each graph every decoder layer calls the same two
+compiled regions (`models.llama`), so compiling costs about one layer, not the model's depth; the attention
+ops between them are opaque custom ops.
 During the warm-up each graph is loaded precompiled from the compile cache, or compiled ahead of time and
 saved there (`runner.precompiled`); without a cache folder, or if that fails, torch.compile compiles lazily."""
 
@@ -17,6 +18,7 @@ import torch._inductor.config as inductor_config
 from compiled_engine.config import COMPILE_MODE_NAMES
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner import precompiled
+from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.step_inputs import StepInputs
 
 # One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
@@ -46,10 +48,10 @@ COMPILE_MODES: dict[str, dict[str, bool]] = {
 }
 assert tuple(COMPILE_MODES) == COMPILE_MODE_NAMES
 
-# Inductor options of every CPU mode. A decode step at batch 1 is mostly per-op overhead on small models:
-# the C++ wrapper calls the kernels and ops without the Python wrapper's per-line cost, and no shape
-# asserts run per buffer (demo decode step 1.39 -> 1.22 ms, `python -m compiled_engine.bench_decode`).
-CPU_OPTIONS: dict[str, bool] = {"cpp_wrapper": True, "size_asserts": False}
+# Inductor options of every CPU mode: no shape asserts per buffer. (Inductor's C++ wrapper, which calls the
+# kernels without the Python wrapper's per-line cost, cannot call a compile region: `invoke_subgraph` has no
+# C++ wrapper codegen. The regions are worth far more: docs/benchmarks.md, "Cold start".)
+CPU_OPTIONS: dict[str, bool] = {"size_asserts": False}
 
 
 class CompiledForward:
@@ -91,6 +93,14 @@ class CompiledForward:
 
     def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
         return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
+
+    def decode_rows(self, n: int) -> int:
+        """Rows a decode batch of `n` runs as: its bucket, else `n` in the shape-generic decode graph, at least
+        2 there (dynamo specializes a dimension of size 1, so one row would compile a graph of its own)."""
+        bucket = next_bucket(self.buckets, n)
+        if bucket is not None:
+            return bucket
+        return max(n, 2) if self.enabled else n
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         """The step's logits over the whole vocabulary. The graphs return each TP rank's slice; the vocab

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.compiled_forward import CompiledForward
 from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.step_inputs import DeviceTables, StepInputs, build_step_inputs
@@ -53,7 +52,7 @@ class ModelRunner:
         # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must agree.
         with torch.inference_mode():
             self.tables.apply_writes(batch)
-            pad_to = next_bucket(self.forward.buckets, len(batch.reqs)) if batch.is_decode else None
+            pad_to = self.forward.decode_rows(len(batch.reqs)) if batch.is_decode else None
             inputs = build_step_inputs(batch, self.tables, self.config.page_size, pad_to)
             logits = self.forward(inputs)[: inputs.num_sampled]
             if not inputs.num_sampled:

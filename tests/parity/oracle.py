@@ -5,6 +5,7 @@ with it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,12 +18,20 @@ class Reference:
     logprobs: torch.Tensor  # [steps, vocab] fp32 log-softmax of each step's logits
 
 
+def hf_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model of a checkpoint directory or a GGUF file (which it dequantizes to fp32 first)."""
+    from transformers import AutoModelForCausalLM
+
+    where = Path(path)
+    if where.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
 def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[Reference]:
     """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens would
     mask EOS, while the engine's ignore_eos still picks it when it is the argmax)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_model(path, torch.float32)
     refs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -40,9 +49,7 @@ def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list
 def hf_bf16_error(path: str, prompts: list[list[int]], refs: list[Reference], top: int) -> float:
     """How far transformers' own bf16 run is from its fp32 run: the largest |log-prob difference| over fp32's
     `top` most likely tokens at every step, teacher-forced on fp32's tokens."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = hf_model(path, torch.bfloat16)
     worst = 0.0
     with torch.inference_mode():
         for prompt, ref in zip(prompts, refs, strict=True):

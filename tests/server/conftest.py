@@ -41,7 +41,7 @@ class RunningServer:
         assert not any(p.is_alive() for p in procs), "engine rank processes outlived the server"
 
 
-def start_server(**overrides) -> RunningServer:
+def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
     engine = EngineConfig(**(ENGINE | overrides.pop("engine", {})))
     port = free_port()
     app = create_app(ServerConfig(engine=engine, **overrides))
@@ -49,7 +49,7 @@ def start_server(**overrides) -> RunningServer:
                                    timeout_graceful_shutdown=5), announce=False)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + start_timeout_s
     while not server.started:
         assert thread.is_alive(), "the server failed to start (see the log)"
         assert time.monotonic() < deadline, "the server did not start in time"

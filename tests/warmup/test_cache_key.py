@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from compiled_engine.compile_cache import key as key_mod
-from compiled_engine.compile_cache.key import cache_key
+from compiled_engine.compile_cache.entry import CacheEntry
+from compiled_engine.compile_cache.key import CacheKey, cache_key
+from compiled_engine.compile_cache.session import miss_reason
 from compiled_engine.config import EngineConfig
 from compiled_engine.demo_model import DEMO_CONFIG
+from compiled_engine.models.loader import load_config
 from compiled_engine.runner.model_runner import RunnerConfig
 
 CPU = torch.device("cpu")
@@ -33,7 +36,12 @@ def model_dir(tmp_path: Path) -> Path:
 
 def digest(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.float32,
            runner: RunnerConfig = RUNNER) -> str:
-    return cache_key(config, model_dir, dtype, CPU, runner).digest
+    return key_of(config, model_dir, dtype, runner).digest
+
+
+def key_of(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.float32,
+           runner: RunnerConfig = RUNNER) -> CacheKey:
+    return cache_key(config, load_config(str(model_dir)), dtype, CPU, runner)
 
 
 def test_model_config_and_dtype_change_the_key(model_dir: Path, tmp_path: Path) -> None:
@@ -93,3 +101,22 @@ def test_a_native_kernel_source_edit_changes_the_key(model_dir: Path, tmp_path: 
     (kernels / "native").mkdir()
     (kernels / "native" / "attention.cpp").write_text("int attend() { return 0; }\n")
     assert digest(EngineConfig(), model_dir) != base
+
+
+def test_the_same_config_in_another_folder_keys_alike(model_dir: Path, tmp_path: Path) -> None:
+    assert digest(EngineConfig(), write_config(tmp_path / "elsewhere")) == digest(EngineConfig(), model_dir)
+
+
+def test_a_miss_names_what_differs_from_the_nearest_entry(model_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    assert "holds no entry" in miss_reason(root, key_of(EngineConfig(), model_dir))
+    for runner in (RUNNER, dataclasses.replace(RUNNER, num_pages=128, max_rows=8)):
+        key = key_of(EngineConfig(), model_dir, runner=runner)
+        entry = CacheEntry(root, key.digest)
+        entry.path.mkdir(parents=True)
+        entry.write_manifest(key, 1.0)
+    wanted = key_of(EngineConfig(), model_dir, runner=dataclasses.replace(RUNNER, num_pages=256))
+    reason = miss_reason(root, wanted)
+    assert "num_pages 64 -> 256" in reason and "max_running" not in reason, reason
+    other_model = key_of(EngineConfig(), write_config(tmp_path / "deeper", num_hidden_layers=5))
+    assert miss_reason(root, other_model) == "no entry for this model yet"
