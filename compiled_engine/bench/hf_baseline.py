@@ -7,19 +7,26 @@ groups, left-padded, greedy, every row generating the group's longest output (`m
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
 from compiled_engine.bench.datasets import BenchRequest, Session, all_requests
 from compiled_engine.bench.metrics import RequestTiming
+from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 
 PAD_ID = 0
 
 
-def load_hf_model(model_dir: str, dtype: str = "auto") -> torch.nn.Module:
+def load_hf_model(model_path: str, dtype: str = "auto") -> torch.nn.Module:
+    """transformers' model of a checkpoint directory, or of a GGUF file (`auto`: the dtype our engine picks)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if is_gguf(model_path):
+        where = Path(model_path)
+        dtype = open_gguf(where).config_dict["torch_dtype"] if dtype == "auto" else dtype
+        return AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
 
 
 def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[int]]:
