@@ -46,8 +46,10 @@ def _prepared(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
         kind = "amx"
         if copy is None and onednn_bf16_available():
             kind, copy = "onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        elif copy is None and torch.backends.mkldnn.is_available():
+            kind, copy = "fp32", torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), 1)
         elif copy is None:
-            kind, copy = "fp32", weight.detach().float()
+            kind, copy = "fp32-blas", weight.detach().float()
         setattr(weight, _ATTR, (weight._version, kind, copy))
     return kind, copy
 
@@ -58,7 +60,11 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     kind, copy = _prepared(weight)
     if kind == "amx":
         return cpu_native.linear_bf16(x, copy, bias, weight.shape[0])
-    if kind == "fp32":
+    if kind == "fp32-blas":
         return F.linear(x.float(), copy, None if bias is None else bias.float()).to(torch.bfloat16)
+    if kind == "fp32":
+        rows = x.reshape(-1, x.shape[-1]).float()
+        out = torch.ops.mkldnn._linear_pointwise(rows, copy, None if bias is None else bias.float(), "none", [], "")
+        return out.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0])
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), copy, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])

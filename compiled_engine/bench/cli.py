@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 from pathlib import Path
@@ -44,7 +43,9 @@ def _tokenizer(model_dir: str):
 def prompt_vocab(model_dir: str, tokenizer) -> int:
     """Random prompt ids stay below both the tokenizer's and the model's vocabulary."""
     size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else len(tokenizer)
-    return min(size, json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    from compiled_engine.models.loader import load_config
+
+    return min(size, load_config(model_dir).vocab_size)
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int) -> None:

@@ -3,6 +3,7 @@ classify the start (hit / partial / miss) from torch's cache counters, and seal 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -101,7 +102,7 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
 
 def miss_reason(root: Path, key: CacheKey) -> str:
     """Why no entry serves `key`: the key fields in which the nearest complete entry differs."""
-    fields = key.fields()
+    fields = json.loads(json.dumps(key.fields()))  # as a manifest holds them (tuples are lists there)
     nearest: tuple[int, str, list[str]] | None = None
     for other in list_entries(root):
         theirs = (other.read_manifest() or {}).get("key")

@@ -120,3 +120,19 @@ def test_a_miss_names_what_differs_from_the_nearest_entry(model_dir: Path, tmp_p
     assert "num_pages 64 -> 256" in reason and "max_running" not in reason, reason
     other_model = key_of(EngineConfig(), write_config(tmp_path / "deeper", num_hidden_layers=5))
     assert miss_reason(root, other_model) == "no entry for this model yet"
+
+
+def test_the_cpu_kv_pool_does_not_follow_free_memory(monkeypatch) -> None:
+    """The pool's size is in the key: sized from available memory, a 24 GiB machine's SmolLM2 pool flipped
+    between 2^17 and 2^18 pages as other processes took or released a few hundred MB, and every flip recompiled."""
+    from compiled_engine import startup
+
+    model = type("Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16})()
+    config = EngineConfig(max_running=256)
+    pages = set()
+    for available in (24.6e9, 24.0e9, 22.0e9):
+        monkeypatch.setattr(startup, "_host_memory", lambda a=available: (25.28e9, a))
+        pages.add(startup.size_kv_pool(config, model, 8192, CPU))
+    assert pages == {1 << 18}
+    monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 2.0e9))  # a busy machine: what is there
+    assert startup.size_kv_pool(config, model, 8192, CPU) == 1 << 16
