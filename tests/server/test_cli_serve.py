@@ -33,7 +33,8 @@ def _alive(pid: int) -> bool:
 def test_serve_prints_url_serves_and_exits_cleanly_on_sigterm() -> None:
     port = free_port()
     cli = Path(sys.executable).with_name("compiled-engine")
-    proc = subprocess.Popen([str(cli), "serve", "--port", str(port), "--enforce-eager", "--num-pages", "1024",
+    proc = subprocess.Popen([str(cli), "serve", "--model", "demo", "--port", str(port), "--enforce-eager",
+                             "--num-pages", "1024",
                              "--max-running", "8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -67,7 +68,8 @@ def test_serve_prints_url_serves_and_exits_cleanly_on_sigterm() -> None:
 
 def test_chat_streams_replies_and_handles_commands() -> None:
     cli = Path(sys.executable).with_name("compiled-engine")
-    out = subprocess.run([str(cli), "chat", "--enforce-eager", "--num-pages", "512", "--max-running", "2",
+    out = subprocess.run([str(cli), "chat", "--model", "demo", "--enforce-eager", "--num-pages", "512",
+                          "--max-running", "2",
                           "--max-tokens", "4"], input="hi\n/reset\nhello there\n/exit\nnever read\n",
                          capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
