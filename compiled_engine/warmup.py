@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
-from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME
+from compiled_engine.model_names import default_model
 from compiled_engine.runner.buckets import parse_buckets
 
 
 def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("warmup", help="compile every graph ahead of time into the compile cache (--list, --clear)")
-    p.add_argument("--model", default=DEMO_NAME, help=f"local Hugging Face checkpoint directory, or 'demo': the "
-                   f"{DEMO_LABEL}")
+    p.add_argument("--model", default=None, help="as serve's --model, and the same default (smollm2, else the demo)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto")
@@ -45,7 +44,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     if args.clear is not None:
         return clear_cache(root, args.clear)
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format, page_size=args.page_size,
+        model=args.model or default_model(), dtype=args.dtype, device=args.device, load_format=args.load_format,
+        page_size=args.page_size,
         num_pages=args.num_pages, max_running=args.max_running, max_context=args.max_context, buckets=args.buckets,
         max_bucket=args.max_bucket, tp_size=args.tp, compile_mode=args.compile_mode, compile_cache_dir=str(root),
     )

@@ -29,8 +29,8 @@ SETTINGS = dict(num_pages=1024, max_running=8, chunk_budget=64)
 def warm_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("compile-cache")
     out = subprocess.run(
-        [sys.executable, "-m", "compiled_engine.cli", "warmup", "--tp", "2", "--num-pages", "1024", "--max-running",
-         "8", "--cache-dir", str(root)], capture_output=True, text=True, timeout=900)
+        [sys.executable, "-m", "compiled_engine.cli", "warmup", "--model", "demo", "--tp", "2", "--num-pages",
+         "1024", "--max-running", "8", "--cache-dir", str(root)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("rank ")]
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], out.stdout
