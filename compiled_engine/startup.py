@@ -159,7 +159,9 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
             progress(graph, total)
 
     def batch(lengths: list[int], decode: bool) -> Batch:
-        reqs = tuple(ReqStep(f"warmup-{i}", i, 0, n, (-1,) * n, True, params) for i, n in enumerate(lengths))
+        # rows are shared when the pool has fewer (harmless: these steps write nowhere)
+        reqs = tuple(ReqStep(f"warmup-{i}", i % runner.config.max_rows, 0, n, (-1,) * n, True, params)
+                     for i, n in enumerate(lengths))
         return Batch(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)
 
     def decode_inputs(n: int) -> StepInputs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 from pathlib import Path
@@ -43,6 +44,9 @@ def _tokenizer(model_dir: str):
 def prompt_vocab(model_dir: str, tokenizer) -> int:
     """Random prompt ids stay below both the tokenizer's and the model's vocabulary."""
     size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else len(tokenizer)
+    config = Path(model_dir) / "config.json"
+    if config.is_file():  # a checkpoint directory: no torch import (the serve client's case)
+        return min(size, json.loads(config.read_text())["vocab_size"])
     from compiled_engine.models.loader import load_config
 
     return min(size, load_config(model_dir).vocab_size)
