@@ -25,7 +25,7 @@ serve: $(STAMP)
 # (none on a CPU without AVX512: it runs the portable paths natively).
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
-	for isa in $$($(PY) -c 'from kernels import cpu_isa; print(*cpu_isa.levels_below_native())'); do \
+	for isa in $$($(PY) -c 'from kernels.cpu import isa; print(*isa.levels_below_native())'); do \
 	  echo "== parity tests with COMPILED_ENGINE_CPU_ISA=$$isa"; \
 	  COMPILED_ENGINE_CPU_ISA=$$isa $(PY) -m pytest -q -m parity $(PYTEST_ARGS) tests/parity || exit 1; \
 	done

@@ -1,5 +1,5 @@
 import sys
 
-from compiled_engine.cli import main
+from compiled_engine.apps.cli import main
 
 sys.exit(main())

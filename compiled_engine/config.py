@@ -35,6 +35,6 @@ class EngineConfig:
     tp_size: int = 1
     tp_debug: bool = False  # check every step's plan + tokens agree across TP ranks (or COMPILED_ENGINE_TP_DEBUG=1)
     rank_timeout_s: float = 300.0  # a TP rank with no loop iteration for this long is hung: the engine fails
-    compile_cache_dir: str | None = None  # None: <cache_root()>/compile (see compiled_engine.compile_cache)
+    compile_cache_dir: str | None = None  # None: <cache_root()>/compile (see compiled_engine.runner.compile_cache)
     compile_mode: str = "default"  # CPU inductor options: one of COMPILE_MODE_NAMES
     extra: dict = field(default_factory=dict)

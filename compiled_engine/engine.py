@@ -26,7 +26,7 @@ from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler, check_ids
 
 if TYPE_CHECKING:
-    from compiled_engine.compile_cache.session import CompileReport
+    from compiled_engine.runner.compile_cache.session import CompileReport
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.model_names import resolve_model
+from compiled_engine.models.names import resolve_model
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import IncrementalDetokenizer, Prompt, encode_prompt, load_tokenizer
@@ -52,7 +52,7 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.tokenizer = load_tokenizer(resolve_model(model))
         if self.config.tp_size > 1:
-            from compiled_engine.distributed.remote_engine import RemoteEngine
+            from compiled_engine.ranks.remote_engine import RemoteEngine
 
             self.engine = RemoteEngine(self.config)
             weakref.finalize(self, self.engine.shutdown)

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
 from compiled_engine.config import EngineConfig
-from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.engine import Engine
 from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
-from compiled_engine.model_names import resolve_model
 from compiled_engine.models.loader import load_model
+from compiled_engine.models.names import resolve_model
+from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.buckets import default_buckets
+from compiled_engine.runner.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
 from compiled_engine.scheduler.config import SchedulerConfig
@@ -166,14 +166,14 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
 
     def decode_inputs(n: int) -> StepInputs:
         tick("decode, any batch" if n == beyond else f"decode, batch {n}")
-        return build_step_inputs(batch([1] * n, True), runner.tables, runner.config.page_size, n)
+        return build_step_inputs(batch([1] * n, True), runner.tables, n)
 
     fwd.precompiled_dir = precompiled_dir
     try:
         with torch.inference_mode():
             tick("prefill")
             for lengths in ([3, 5], [2, 1, 4]):
-                fwd(build_step_inputs(batch(lengths, False), runner.tables, runner.config.page_size, None))
+                fwd(build_step_inputs(batch(lengths, False), runner.tables, None))
             if runner.device.type == "cuda":
                 fwd.capture_cuda_graphs(decode_inputs)
             else:

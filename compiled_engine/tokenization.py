@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compiled_engine.demo_model import cache_root, cached_folder
+from compiled_engine.models.demo import cache_root, cached_folder
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 
 Prompt = str | list[int] | list[dict]

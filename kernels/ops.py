@@ -1,103 +1,113 @@
-"""The attention, KV-store and CPU linear ops (`torch.ops.kernels.*`): Triton on CUDA; on the CPU the
-native kernels of `cpu_native` where they apply, torch otherwise. When the native library loads, its C++
-kernels serve the CPU (a compiled graph calls them without entering Python: ~20 us saved per call) and
-hand what they decline to `kernels::<op>_torch`, the torch implementations below; without the library
-those serve the CPU directly.
+"""The kernel ops (`torch.ops.kernels.*`): the only way the engine reaches a kernel.
+
+Each op has one schema and, per device, one implementation:
+    CUDA  the Triton kernels of `kernels.triton` (attention, KV store); torch for linear and argmax
+    CPU   the native C++ kernels of `kernels.cpu` where they load, registered by the library itself
+          (native/torch_ops.cpp); they hand what they decline to `kernels::<op>_portable`
+    else  the portable torch implementations of `kernels.portable` (CompositeExplicitAutograd: every device
+          without its own kernel, the CPU too when the native library is not there)
 
 Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined with
-`torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose
-Python wrapper costs ~30 us per call of a mutating op: more than the CPU decode attention itself.
-The Triton module is imported on first CUDA use only, so that tests can set TRITON_INTERPRET before
-anything decorates a kernel.
+`torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose Python
+wrapper costs more per call of a mutating op than the CPU decode attention itself (docs/benchmarks.md).
+The native library is built and loaded on the first CPU use (`load_cpu_kernels`; at import on a machine
+without CUDA), and the Triton module is imported on the first CUDA call, so that tests can set
+TRITON_INTERPRET before anything decorates a kernel.
 """
 
-import torch
+from __future__ import annotations
 
-from kernels import cpu_attention, cpu_linear, cpu_native
+import functools
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+
+from kernels.cpu import build, isa
+from kernels.portable import attention as portable_attention
+from kernels.portable import linear as portable_linear
 
 _lib = torch.library.Library("kernels", "DEF")
 _SCHEMAS = {
     "store_kv": "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()",
     "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
-    "int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor",
+    "int sliding_window=0, float soft_cap=0.0) -> Tensor",
     "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
-    "Tensor seq_lens, float scale, int page_size, int sliding_window=0, float soft_cap=0.0) -> Tensor",
-    "cpu_linear": "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0) -> Tensor",
+    "linear": "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    "argmax": "(Tensor x) -> Tensor",
+}
+_PORTABLE = {
+    "store_kv": portable_attention.store_kv,
+    "decode_attention": portable_attention.decode_attention,
+    "extend_attention": portable_attention.extend_attention,
+    "linear": portable_linear.linear,
+    "argmax": lambda x: torch.argmax(x, dim=-1),
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
-    _lib.define(_name + "_torch" + _schema)  # the CPU torch implementation, where the C++ kernels decline
+    _lib.define(_name + "_portable" + _schema)  # what the native kernels hand on for inputs they decline
+    _lib.impl(_name, _PORTABLE[_name], "CompositeExplicitAutograd")
+    _lib.impl(_name + "_portable", _PORTABLE[_name], "CompositeExplicitAutograd")
 
 store_kv = torch.ops.kernels.store_kv.default
 """store_kv(k_cache, v_cache, k, v, slots): write k, v [T, Hkv, D] into the caches [S, Hkv, D] at `slots`
 [T] int64; slots < 0 are skipped."""
 
 decode_attention = torch.ops.kernels.decode_attention.default
-"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
-soft_cap=0.0): one new query per row, q [B, H, D] -> [B, H, D]; rows with seq_len 0 give zeros."""
+"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0): one
+new query per row, q [B, H, D] -> [B, H, D]; page_table [B, W] holds raw KV slots; rows with seq_len 0 give
+zeros."""
 
 extend_attention = torch.ops.kernels.extend_attention.default
-"""extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
-sliding_window=0, soft_cap=0.0): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries
-cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included)."""
+"""extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
+soft_cap=0.0): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries cu_q_lens[b]:cu_q_lens[b+1]
+are its last positions and attend causally to the whole row (prefix included)."""
 
-linear = torch.ops.kernels.cpu_linear.default
-"""cpu_linear(x, weight, bias=None): `F.linear` for CPU bf16 weights, on weights packed once for the AMX
-kernel or oneDNN (`kernels.cpu_linear`)."""
-
-
-def _decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
-                          soft_cap=0.0):
-    return cpu_attention.decode_attention_cpu(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
-                                              soft_cap)
+argmax = torch.ops.kernels.argmax.default
+"""argmax(x [R, V]) -> [R] int64: `torch.argmax(x, -1)` (the first maximum, or the first NaN)."""
 
 
-def _extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
-                          sliding_window=0, soft_cap=0.0):
-    return cpu_attention.extend_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
-                                              sliding_window, soft_cap)
+@torch.compiler.assume_constant_result
+def _packed_linears() -> bool:
+    """Whether CPU bf16 linears take the op: always, unless a graph is being frozen (inductor's freezing
+    packs constant weights itself, and max-autotune then picks its own GEMM templates: an opaque op would
+    hide the linears from both). A constant to torch.compile, read while tracing."""
+    return not inductor_config.freezing
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`; CPU bf16 weights go through `kernels::linear` (a copy of the weight prepared once for
+    the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch."""
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_linears():
+        return torch.ops.kernels.linear.default(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
-    from kernels import triton_attention
+    from kernels.triton import attention
 
-    triton_attention.store_kv_triton(k_cache, v_cache, k, v, slots)
+    attention.store_kv_triton(k_cache, v_cache, k, v, slots)
 
 
-def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0,
+def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0):
+    from kernels.triton import attention
+
+    return attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
+                                             soft_cap)
+
+
+def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
                            soft_cap=0.0):
-    from kernels import triton_attention
+    from kernels.triton import attention
 
-    return triton_attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, page_size,
-                                                    sliding_window, soft_cap)
-
-
-def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size,
-                           sliding_window=0, soft_cap=0.0):
-    from kernels import triton_attention
-
-    return triton_attention.extend_attention_triton(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
-                                                    page_size, sliding_window, soft_cap)
+    return attention.extend_attention_triton(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
+                                             sliding_window, soft_cap)
 
 
-# Loading the native library registers its C++ CPU kernels for the four ops (kernels/native/torch_ops.cpp):
-# graphs then call them without entering Python. Without it, the Python implementations serve the CPU.
-_cpp_kernels = cpu_native.library() is not None
-for _name, _cpu in (
-    ("store_kv", cpu_attention.store_kv_cpu),
-    ("decode_attention", _decode_attention_cpu),
-    ("extend_attention", _extend_attention_cpu),
-    ("cpu_linear", cpu_linear.packed_linear),
-):
-    _lib.impl(_name + "_torch", _cpu, "CPU")
-    if not _cpp_kernels:
-        _lib.impl(_name, _cpu, "CPU")
-for _name, _cuda in (
-    ("store_kv", _store_kv_cuda),
-    ("decode_attention", _decode_attention_cuda),
-    ("extend_attention", _extend_attention_cuda),
-):
-    _lib.impl(_name, _cuda, "CUDA")
+_lib.impl("store_kv", _store_kv_cuda, "CUDA")
+_lib.impl("decode_attention", _decode_attention_cuda, "CUDA")
+_lib.impl("extend_attention", _extend_attention_cuda, "CUDA")
 
 
 @torch.library.register_fake("kernels::store_kv")
@@ -106,15 +116,46 @@ def _(k_cache, v_cache, k, v, slots) -> None:
 
 
 @torch.library.register_fake("kernels::decode_attention")
-def _(q, k_cache, v_cache, page_table, seq_lens, scale, page_size, sliding_window=0, soft_cap=0.0):
+def _(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0):
     return torch.empty_like(q)
 
 
 @torch.library.register_fake("kernels::extend_attention")
-def _(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, page_size, sliding_window=0, soft_cap=0.0):
+def _(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0, soft_cap=0.0):
     return torch.empty_like(q)
 
 
-@torch.library.register_fake("kernels::cpu_linear")
+@torch.library.register_fake("kernels::linear")
 def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("kernels::argmax")
+def _(x):
+    return x.new_empty(x.shape[:-1], dtype=torch.int64)
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build and load the native CPU kernels (once per process): True when they now serve the CPU, False
+    when the portable implementations do (no compiler, `COMPILED_ENGINE_NATIVE=0`, a failed build)."""
+    return build.load()
+
+
+def isa_level() -> str:
+    """The `COMPILED_ENGINE_CPU_ISA` level in force (`kernels.cpu.isa`): part of what compiled code depends on."""
+    return isa.level()
+
+
+def native_isa() -> set[str] | None:
+    """The ISA extensions the native kernels were built with (None when they are not loaded)."""
+    return build.compiled_isa() if load_cpu_kernels() else None
+
+
+def amx_available() -> bool:
+    """Whether the AMX bf16 kernels (linear, extend attention) run here."""
+    return load_cpu_kernels() and build.amx_available()
+
+
+if not torch.cuda.is_available():
+    load_cpu_kernels()

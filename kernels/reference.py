@@ -48,7 +48,6 @@ def decode_attention_reference(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    page_size: int,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
@@ -70,7 +69,6 @@ def extend_attention_reference(
     cu_q_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    page_size: int,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
 ) -> torch.Tensor:

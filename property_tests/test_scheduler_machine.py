@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from compiled_engine.scheduler import Batch, RequestRejected, SamplingParams, Scheduler, SchedulerConfig
-from compiled_engine.scheduler.fake_executor import FakeExecutor, reference_output
+from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
 EOS = (0, 1)

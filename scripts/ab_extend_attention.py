@@ -1,7 +1,7 @@
-"""Time two versions of kernels/native/extend_attention.cpp side by side, in one process.
+"""Time two versions of kernels/cpu/native/extend_attention.cpp side by side, in one process.
 
-    git show HEAD~1:kernels/native/extend_attention.cpp > /tmp/old.cpp
-    .venv/bin/python scripts/ab_extend_attention.py /tmp/old.cpp kernels/native/extend_attention.cpp
+    git show HEAD~1:kernels/cpu/native/extend_attention.cpp > /tmp/old.cpp
+    .venv/bin/python scripts/ab_extend_attention.py /tmp/old.cpp kernels/cpu/native/extend_attention.cpp
 
 Each source is built `--copies` times (separate libraries, so separate buffer addresses) and the calls of
 all builds alternate, per call, on the bench model's attention shapes (12 heads, 4 KV heads, D 64) and one
@@ -27,14 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 from kernel_batches import PagedBatch, make_batch  # noqa: E402
 
-from kernels import cpu_native  # noqa: E402
+from kernels import ops  # noqa: E402
+from kernels.cpu import build as native_build  # noqa: E402
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def build(source: Path, out: Path) -> ctypes.CDLL:
     """`source` alone (it needs no torch headers) with the native library's flags."""
-    subprocess.run(["g++", *cpu_native.FLAGS, f"-I{cpu_native.NATIVE}", str(source), "-o", str(out)], check=True)
+    subprocess.run(["g++", *native_build.FLAGS, f"-I{native_build.NATIVE}", str(source), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     lib.ce_extend_attention_bf16.argtypes = [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float]
     lib.ce_extend_attention_bf16.restype = ctypes.c_int
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("new", type=Path)
     parser.add_argument("--copies", type=int, default=3)
     args = parser.parse_args()
-    if not cpu_native.amx_available():  # also asks Linux for the AMX tile state
+    if not ops.amx_available():  # also asks Linux for the AMX tile state
         print("no AMX bf16 here: the extend kernel is not built")
         return 1
     torch.set_num_threads(2)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import gguf
 
-from compiled_engine.demo_model import cache_root
-from compiled_engine.model_names import smollm2_path
+from compiled_engine.models.demo import cache_root
+from compiled_engine.models.names import smollm2_path
 
 # Runs inside the llama.cpp venv: load the file, time a prefill and a greedy decode, print JSON.
 LLAMA_SIDE = r"""

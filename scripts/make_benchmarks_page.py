@@ -71,7 +71,7 @@ def run_step(name: str) -> None:
 @contextlib.contextmanager
 def servers() -> Iterator[None]:
     """The radix and naive servers on the bench model, on loopback, stopped on exit."""
-    from compiled_engine.bench.models import bench_model_dir
+    from compiled_engine.apps.bench.models import bench_model_dir
 
     model = str(bench_model_dir())
     graphs = ["--enforce-eager"] if SERVE_GRAPHS == "eager" else []
@@ -261,7 +261,7 @@ def render() -> str:
                   f"{machine['torch_threads']} threads, Python {machine['python']}. The cores are shared with "
                   "other work, so absolute numbers are noisy: every claim below is a ratio of runs made one after "
                   "the other in the same process (offline) or the same client run (online).", ""]
-    lines += ["Model: the bench checkpoint (`compiled_engine/bench/models.py`): a random Llama, hidden 768, "
+    lines += ["Model: the bench checkpoint (`compiled_engine/apps/bench/models.py`): a random Llama, hidden 768, "
               "12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 32000, bf16 (~122M parameters), loaded by "
               "our engine and by transformers alike. KV pool: 65536 one-token pages.", "",
               "### Targets", ""]

@@ -15,10 +15,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from compiled_engine.bench.datasets import PrefixShape, prefix_dataset
-from compiled_engine.bench.engine_run import build_llm, close_llm, run_rounds
-from compiled_engine.bench.metrics import summarize
-from compiled_engine.bench.models import bench_model_dir
+from compiled_engine.apps.bench.datasets import PrefixShape, prefix_dataset
+from compiled_engine.apps.bench.engine_run import build_llm, close_llm, run_rounds
+from compiled_engine.apps.bench.metrics import summarize
+from compiled_engine.apps.bench.models import bench_model_dir
 
 SMALL = PrefixShape(system_len=1024, num_shared=16, num_chats=4, turns=3)  # the benchmarks page's online shape
 

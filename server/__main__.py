@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from compiled_engine.cli import add_serve_args, engine_config
+from compiled_engine.engine_args import engine_config
+from server.args import add_serve_args
 from server.serve import serve
 from server.state import ServerConfig
 

@@ -15,10 +15,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from compiled_engine.demo_model import DEMO_LABEL, DEMO_NAME
-from compiled_engine.distributed.launcher import EngineHandle, launch
-from compiled_engine.model_names import resolve_model
+from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.loader import load_config
+from compiled_engine.models.names import resolve_model
+from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
 from server import routes
 from server.engine_client import EngineClient

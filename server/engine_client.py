@@ -14,8 +14,9 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from compiled_engine.distributed.launcher import EngineHandle
-from compiled_engine.distributed.rank_loop import (
+from compiled_engine.engine import TokenOutput
+from compiled_engine.ranks.launcher import EngineHandle
+from compiled_engine.ranks.messages import (
     Abort,
     Add,
     Fatal,
@@ -24,7 +25,6 @@ from compiled_engine.distributed.rank_loop import (
     StatsReply,
     StatsRequest,
 )
-from compiled_engine.engine import TokenOutput
 from compiled_engine.scheduler.sampling_params import SamplingParams
 
 

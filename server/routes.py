@@ -8,7 +8,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from compiled_engine.demo_model import DEMO_LABEL
+from compiled_engine.models.demo import DEMO_LABEL
 from compiled_engine.tokenization import encode_chat
 from server.engine_client import EngineDead
 from server.generation import Delta

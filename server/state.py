@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.demo_model import DEMO_NAME
+from compiled_engine.models.demo import DEMO_NAME
 from server.engine_client import EngineClient
 from server.metrics import Metrics
 from server.protocol import Limits

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from kernels import cpu_isa
+from kernels.cpu import isa as cpu_isa
 
-cpu_isa.apply()  # COMPILED_ENGINE_CPU_ISA, before torch first dispatches (see kernels/cpu_isa.py)
+cpu_isa.apply()  # COMPILED_ENGINE_CPU_ISA, before torch first dispatches (see kernels/cpu/isa.py)
 
 import torch  # noqa: E402
 

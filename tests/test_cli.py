@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from compiled_engine.demo_model import demo_model_dir
+from compiled_engine.models.demo import demo_model_dir
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -28,7 +28,7 @@ def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:
 def test_compile_mode_reaches_the_engine_config() -> None:
     import argparse
 
-    from compiled_engine.cli import add_engine_args, engine_config
+    from compiled_engine.engine_args import add_engine_args, engine_config
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

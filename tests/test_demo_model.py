@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.demo_model import DEMO_CONFIG, demo_model_dir
+from compiled_engine.models.demo import DEMO_CONFIG, demo_model_dir
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -1,50 +1,51 @@
-"""The layering in DESIGN.md: imports point down (server -> compiled_engine -> kernels) and the
-scheduler core is pure standard library."""
+"""The layering of docs/architecture.md: the import-linter contracts of pyproject.toml (each layer imports
+only the layers below it; the scheduler core is pure Python; kernels are reached through `kernels.ops`),
+the scheduler's standard-library-only rule, and no module importing another package's private names."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("compiled_engine", "server", "kernels")
 
 
-def imported_top_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in ast.walk(tree):
+def test_import_linter_contracts_hold() -> None:
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert lint is not None, "import-linter is part of the test requirements (requirements.txt)"
+    out = subprocess.run([lint, "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+def test_the_contracts_list_no_exceptions() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "ignore_imports" not in text and "unmatched_ignore_imports_alerting" not in text
+
+
+def _imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every absolute import in `path`."""
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            found.extend((alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
-
-
-def offenders(folder: str, allowed) -> list[str]:
-    found = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        bad = sorted(m for m in imported_top_modules(path) if not allowed(m))
-        if bad:
-            found.append(f"{path.relative_to(ROOT)} imports {', '.join(bad)}")
+            found.extend((node.module, alias.name) for alias in node.names)
     return found
 
 
 def test_scheduler_imports_only_the_standard_library() -> None:
-    stdlib = sys.stdlib_module_names
-    bad = offenders("compiled_engine/scheduler", lambda m: m in stdlib or m == "compiled_engine")
-    assert not bad, "compiled_engine.scheduler must stay stdlib-only:\n" + "\n".join(bad)
-
-
-def test_scheduler_relative_imports_stay_inside_the_package() -> None:
+    bad = []
     for path in sorted((ROOT / "compiled_engine/scheduler").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            module = node.module if isinstance(node, ast.ImportFrom) else None
-            if module and module.startswith("compiled_engine."):
-                assert module.startswith("compiled_engine.scheduler"), f"{path}: imports {module}"
+        for module, _ in _imports(path):
+            top = module.split(".")[0]
+            if top not in sys.stdlib_module_names and not module.startswith("compiled_engine.scheduler"):
+                bad.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not bad, "compiled_engine.scheduler must stay stdlib-only:\n" + "\n".join(bad)
 
 
 def test_importing_the_scheduler_loads_neither_torch_nor_numpy() -> None:
@@ -59,10 +60,22 @@ def test_importing_the_scheduler_loads_neither_torch_nor_numpy() -> None:
     assert out.stdout.strip() == "", f"importing compiled_engine.scheduler loaded: {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize(
-    ("folder", "forbidden"),
-    [("kernels", {"compiled_engine", "server"}), ("compiled_engine", {"server"})],
-)
-def test_imports_point_down(folder: str, forbidden: set[str]) -> None:
-    bad = offenders(folder, lambda m: m not in forbidden)
-    assert not bad, "imports must point down (server -> compiled_engine -> kernels):\n" + "\n".join(bad)
+def _package_of(module: str) -> str:
+    """The folder a module belongs to: `compiled_engine.runner.sampler` -> `compiled_engine.runner`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def test_no_module_imports_a_private_name_of_another_package() -> None:
+    bad = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            here = _package_of(".".join(path.relative_to(ROOT).with_suffix("").parts))
+            for module, name in _imports(path):
+                if module.split(".")[0] not in PACKAGES:
+                    continue
+                private = any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+                private |= name is not None and name.startswith("_") and not name.startswith("__")
+                if private and _package_of(module) != here:
+                    bad.append(f"{path.relative_to(ROOT)}: from {module} import {name}")
+    assert not bad, "private names stay inside their package:\n" + "\n".join(bad)

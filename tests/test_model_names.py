@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine import model_names
-from compiled_engine.model_names import default_model, resolve_model, smollm2_path
+from compiled_engine.models import names as model_names
+from compiled_engine.models.names import default_model, resolve_model, smollm2_path
 
 
 def test_smollm2_is_the_installed_wheels_gguf_file() -> None:

@@ -23,7 +23,6 @@ class AttentionMetadata:
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     cu_q_lens: torch.Tensor
-    page_size: int
     is_decode: bool
 
 
@@ -50,7 +49,6 @@ class Attention(nn.Module):
                 meta.page_table,
                 meta.seq_lens,
                 self.scale,
-                meta.page_size,
                 self.sliding_window,
             )
         return ops.extend_attention(
@@ -61,6 +59,5 @@ class Attention(nn.Module):
             meta.cu_q_lens,
             meta.seq_lens,
             self.scale,
-            meta.page_size,
             self.sliding_window,
         )

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_engine.distributed import parallel_state as ps
-from compiled_engine.layers.linear import linear
 from compiled_engine.layers.weight_utils import WeightSource, check_shape, narrow
+from compiled_engine.parallel import parallel_state as ps
+from kernels import ops
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the vocabulary: [N, rows_per_rank]."""
-        return linear(hidden, self.weight)
+        return ops.linear(hidden, self.weight)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's slice, in rank order, without the padding rows: [N, vocab_size]."""

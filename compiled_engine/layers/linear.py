@@ -5,26 +5,17 @@ the input features and sums the partial products with one all-reduce.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.layers.weight_utils import WeightSource, check_shape, narrow
-from kernels import cpu_linear, ops
+from compiled_engine.parallel import parallel_state as ps
+from kernels import ops
 
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {d}")
     return n // d
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, except CPU bf16 weights go through `kernels::cpu_linear` (weights packed once: the AMX
-    kernel, else oneDNN; see `kernels.cpu_linear`)."""
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_linear.packing_available():
-        return ops.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class _Linear(nn.Module):
@@ -53,7 +44,7 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(narrow(src, 0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -117,5 +108,5 @@ class RowParallelLinear(_Linear):
         param.data.copy_(narrow(src, 1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(linear(x, self.weight))
+        y = ps.all_reduce(ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

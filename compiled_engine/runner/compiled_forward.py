@@ -31,16 +31,17 @@ torch._dynamo.config.specialize_float = True
 
 
 # `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in the
-# default mode, then captures CUDA graphs). Measured with `python -m compiled_engine.bench_decode`:
-#   default    generated C++ for the pointwise ops; linears call torch's GEMM (fp32) or `kernels::cpu_linear`
-#              (bf16: the AMX kernel on weights packed once). Precompiled and cached: warm starts are fast.
+# default mode, then captures CUDA graphs). Compared with `python -m compiled_engine.apps.bench.decode_step`
+# (docs/benchmarks.md):
+#   default    generated C++ for the pointwise ops; linears call torch's GEMM (fp32) or `kernels::linear`
+#              (bf16: weights prepared once for the CPU's fastest GEMM). Precompiled and cached: warm starts
+#              are fast.
 #   freezing   weights become graph constants and inductor packs the linears itself (so bf16 linears stay
-#              plain matmuls in these graphs, see `kernels.cpu_linear.packing_available`), constant
-#              folding. Bypasses the FX graph cache and is never precompiled (every start compiles), each
-#              graph holds its own packed copy of the linear weights, and tiny fp32 GEMVs get slower.
-#   max-autotune-freezing   freezing + inductor's C++ GEMM templates (AMX), benchmarked at compile time. On
-#              the bf16 bench model: batch-1 decode 98 tok/s vs 86 in default mode (model step), prefill
-#              6,200 vs 5,500 tok/s, for ~21 s (decode) / 31 s (extend) of compile per graph on every start.
+#              plain matmuls in these graphs, see `kernels.ops.linear`), constant folding. Bypasses the FX
+#              graph cache and is never precompiled (every start compiles), each graph holds its own packed
+#              copy of the linear weights, and tiny fp32 GEMVs get slower.
+#   max-autotune-freezing   freezing + inductor's C++ GEMM templates (AMX), benchmarked at compile time:
+#              the fastest bf16 steps on AMX, for a long compile of every graph on every start.
 COMPILE_MODES: dict[str, dict[str, bool]] = {
     "default": {},
     "freezing": {"freezing": True},

@@ -53,7 +53,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.tables.apply_writes(batch)
             pad_to = self.forward.decode_rows(len(batch.reqs)) if batch.is_decode else None
-            inputs = build_step_inputs(batch, self.tables, self.config.page_size, pad_to)
+            inputs = build_step_inputs(batch, self.tables, pad_to)
             logits = self.forward(inputs)[: inputs.num_sampled]
             if not inputs.num_sampled:
                 return StepOutput(tokens=[])

@@ -58,7 +58,7 @@ class StepInputs:
     sample_next_pos: list[int]  # where each sampled token lands in the token table
 
 
-def build_step_inputs(batch: Batch, tables: DeviceTables, page_size: int, pad_to: int | None) -> StepInputs:
+def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None) -> StepInputs:
     """Tensors for one step. `pad_to`: the decode bucket size (decode batches only)."""
     reqs = batch.reqs
     pad = tables.pad_row
@@ -102,7 +102,6 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, page_size: int, pad_to
         page_table=tables.slots.index_select(0, rows_t),
         seq_lens=t(seq_lens, torch.int32),
         cu_q_lens=t(cu, torch.int32),
-        page_size=page_size,
         is_decode=batch.is_decode,
     )
     sample_rows = [reqs[i].row for i in sampled]

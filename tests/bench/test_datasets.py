@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from compiled_engine.bench.datasets import (
+from compiled_engine.apps.bench.datasets import (
     FIRST_ID,
     LengthRange,
     PrefixShape,

@@ -8,8 +8,8 @@ import statistics
 
 import numpy as np
 
-from compiled_engine.bench.metrics import RequestTiming, percentile, summarize
-from compiled_engine.bench.serve_run import arrival_times
+from compiled_engine.apps.bench.metrics import RequestTiming, percentile, summarize
+from compiled_engine.apps.bench.serve_run import arrival_times
 
 
 def test_percentile_matches_numpy() -> None:

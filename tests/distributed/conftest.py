@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_engine.demo_model import demo_model_dir
+from compiled_engine.models.demo import demo_model_dir
 from tests.models._model_utils import make_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from compiled_engine.distributed.digest import LedgerDivergence, check_digests, ledger_digest
-from compiled_engine.distributed.monitor import describe_exit
 from compiled_engine.engine import TokenOutput
+from compiled_engine.ranks.digest import LedgerDivergence, check_digests, ledger_digest
+from compiled_engine.ranks.monitor import describe_exit
 from compiled_engine.scheduler.plan import Batch, ReqStep
 from compiled_engine.scheduler.sampling_params import SamplingParams
 

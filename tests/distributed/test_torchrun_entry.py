@@ -1,4 +1,4 @@
-"""`torchrun -m compiled_engine.distributed.torchrun_entry`: two ranks from torchrun's environment
+"""`torchrun -m compiled_engine.apps.torchrun_entry`: two ranks from torchrun's environment
 (env:// rendezvous, no launcher) answer a JSONL file as one rank does."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_two_torchrun_ranks_answer_a_jsonl_file(tmp_path: Path, demo_dir: str) -
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts)
                                        + json.dumps({"prompt": "Hello", "params": {"max_tokens": 3}}) + "\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "compiled_engine.distributed.torchrun_entry", "--model", demo_dir, "--enforce-eager",
+           "-m", "compiled_engine.apps.torchrun_entry", "--model", demo_dir, "--enforce-eager",
            "--num-pages", "512", "--max-running", "8", "--max-tokens", "6", "--prompts", str(tmp_path / "in.jsonl"),
            "--output", str(tmp_path / "out.jsonl")]
     env = os.environ | {"COMPILED_ENGINE_TP_DEBUG": "1"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.compile_cache import list_entries
+from compiled_engine.runner.compile_cache import list_entries
 from tests.distributed.conftest import hf_greedy, ragged_prompts
 from tests.server.conftest import start_server
 
@@ -29,7 +29,7 @@ SETTINGS = dict(num_pages=1024, max_running=8, chunk_budget=64)
 def warm_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("compile-cache")
     out = subprocess.run(
-        [sys.executable, "-m", "compiled_engine.cli", "warmup", "--model", "demo", "--tp", "2", "--num-pages",
+        [sys.executable, "-m", "compiled_engine.apps.cli", "warmup", "--model", "demo", "--tp", "2", "--num-pages",
          "1024", "--max-running", "8", "--cache-dir", str(root)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("rank ")]

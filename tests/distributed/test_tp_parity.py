@@ -12,7 +12,7 @@ import time
 import pytest
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.distributed.launcher import EngineFailure
+from compiled_engine.ranks.launcher import EngineFailure
 from tests.distributed.conftest import hf_greedy, ragged_prompts
 
 pytestmark = pytest.mark.slow

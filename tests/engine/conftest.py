@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from compiled_engine.demo_model import demo_model_dir
+from compiled_engine.models.demo import demo_model_dir
 
 NEW_TOKENS = 12
 

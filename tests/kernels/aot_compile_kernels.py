@@ -4,9 +4,9 @@ process with TRITON_INTERPRET unset, since the interpreter replaces the kernels 
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels.triton_decode import decode_merge_kernel, decode_split_kernel
-from kernels.triton_extend import extend_kernel
-from kernels.triton_store import store_kv_kernel
+from kernels.triton.decode import decode_merge_kernel, decode_split_kernel
+from kernels.triton.extend import extend_kernel
+from kernels.triton.store import store_kv_kernel
 
 FLOATS = ("scale", "soft_cap")
 

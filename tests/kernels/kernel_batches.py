@@ -16,7 +16,7 @@ class PagedBatch:
     page_size: int
 
     def decode_args(self, scale: float) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, self.page_table, self.seq_lens, scale, self.page_size)
+        return (self.q, self.k_cache, self.v_cache, self.page_table, self.seq_lens, scale)
 
     def extend_args(self, scale: float) -> tuple:
         return (
@@ -27,7 +27,6 @@ class PagedBatch:
             self.cu_q_lens,
             self.seq_lens,
             scale,
-            self.page_size,
         )
 
 

@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from kernels import cpu_isa
+from kernels.cpu import isa as cpu_isa
 
 PROBE = """
 import json
 import compiled_engine.llm, torch
 from torch._inductor import cpu_vec_isa
-from kernels import cpu_native
+from kernels import ops
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "inductor": str(cpu_vec_isa.pick_vec_isa()),
-                  "native": sorted(cpu_native.compiled_isa() or []), "amx": cpu_native.amx_available()}))
+                  "native": sorted(ops.native_isa() or []), "amx": ops.amx_available()}))
 """
 
 

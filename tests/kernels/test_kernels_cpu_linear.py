@@ -1,11 +1,11 @@
-"""`kernels::cpu_linear`: bf16 weights packed once (the AMX kernel where the CPU has it, else oneDNN),
-against fp32 math and torch's own linear."""
+"""`kernels::linear`: bf16 weights prepared once (the AMX kernel where the CPU has it, else oneDNN's packed
+bf16 or fp32 layouts), against fp32 math and torch's own linear."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear, cpu_native, ops
+from kernels import ops
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def _assert_within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Te
     assert (out.float() - expected).abs().max() <= max(2 * torch_error, 1e-2 * expected.abs().max())
 
 
-amx_only = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX bf16 on this CPU / build")
+amx_only = pytest.mark.skipif(not ops.amx_available(), reason="no AMX bf16 on this CPU / build")
 
 
 @amx_only
@@ -42,50 +42,16 @@ def test_amx_kernel_row_blocks_and_column_tail(rows: int) -> None:
     x = torch.randn(rows, 128, generator=gen).bfloat16()
     w = torch.randn(72, 128, generator=gen).bfloat16()
     b = torch.randn(72, generator=gen).bfloat16()
-    packed = cpu_native.pack_bf16_weight(w)
-    assert packed is not None and packed.numel() == 128 * 128  # two panels of 64 columns
-    _assert_within_bf16_rounding(cpu_native.linear_bf16(x, packed, b, 72), x, w, b)
+    _assert_within_bf16_rounding(ops.linear(x, w, b), x, w, b)
 
 
-@amx_only
-def test_amx_kernel_takes_strided_inputs() -> None:
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 6, generator=gen).bfloat16().t()  # [6, 64], not contiguous
-    w = torch.randn(64, 64, generator=gen).bfloat16()
+@pytest.mark.parametrize("k", [64, 40])  # AMX takes K % 32 == 0; 40 goes to oneDNN's layouts there
+def test_strided_inputs_and_every_route(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(k, 6, generator=gen).bfloat16().t()  # [6, k], not contiguous
+    w = torch.randn(24, k, generator=gen).bfloat16()
     _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)  # the C++ kernel, when the library loaded
-    _assert_within_bf16_rounding(torch.ops.kernels.cpu_linear_torch(x, w), x, w, None)  # the Python one
-    assert getattr(w, cpu_linear._ATTR)[1] == "amx", "expected the AMX layout for K % 32 == 0"
-
-
-def _expected_kind(k: int) -> str:
-    if cpu_native.amx_available() and k % 32 == 0:
-        return "amx"
-    return "onednn" if cpu_linear.onednn_bf16_available() else "fp32"
-
-
-@pytest.mark.parametrize("k", [64, 40])
-def test_the_route_follows_the_cpu(k: int) -> None:
-    """AMX where the CPU has it, else oneDNN's packed bf16, else an fp32 copy (AVX2-only x86, ARM)."""
-    w = torch.randn(24, k).bfloat16()
-    x = torch.randn(5, k).bfloat16()
-    _assert_within_bf16_rounding(torch.ops.kernels.cpu_linear_torch(x, w), x, w, None)
-    assert getattr(w, cpu_linear._ATTR)[1] == _expected_kind(k)
-
-
-def test_fp32_route_wherever_it_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_native, "pack_bf16_weight", lambda w: None)
-    monkeypatch.setattr(cpu_linear, "onednn_bf16_available", lambda: False)
-    w = torch.randn(48, 64).bfloat16()
-    b = torch.randn(48).bfloat16()
-    x = torch.randn(3, 7, 64).bfloat16()
-    out = cpu_linear.packed_linear(x, w, b)
-    assert out.dtype == torch.bfloat16 and out.shape == (3, 7, 48)
-    _assert_within_bf16_rounding(out, x, w, b)
-    assert getattr(w, cpu_linear._ATTR)[1] == "fp32"
-
-
-def test_input_width_not_a_multiple_of_32_is_left_to_onednn() -> None:
-    assert cpu_native.pack_bf16_weight(torch.randn(8, 40).bfloat16()) is None
+    _assert_within_bf16_rounding(torch.ops.kernels.linear_portable(x, w), x, w, None)  # torch's own
 
 
 def test_weight_changed_in_place_is_repacked() -> None:
@@ -96,6 +62,16 @@ def test_weight_changed_in_place_is_repacked() -> None:
     torch.testing.assert_close(ops.linear(x, w), -first)
 
 
+def test_a_new_weight_at_a_freed_weights_address_is_not_confused_with_it() -> None:
+    """The prepared copies are keyed by the weight's storage object: a freed weight's entry must not serve a
+    new weight, even where the allocator hands out the same address."""
+    x = torch.randn(3, 64).bfloat16()
+    for seed in range(4):
+        w = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)
+        del w
+
+
 def test_fp32_is_torch_linear() -> None:
     x, w = torch.randn(3, 32), torch.randn(8, 32)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
@@ -103,10 +79,8 @@ def test_fp32_is_torch_linear() -> None:
 
 def test_bf16_linear_layer_compiles_as_one_graph() -> None:
     """The packing decision is a constant to torch.compile, so a bf16 model compiles without graph breaks."""
-    from compiled_engine.layers.linear import linear
-
     w = torch.randn(32, 64).bfloat16()
-    fn = torch.compile(lambda x: linear(x, w) * 2, fullgraph=True)
+    fn = torch.compile(lambda x: ops.linear(x, w) * 2, fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
     torch.testing.assert_close(fn(x), F.linear(x, w) * 2, atol=2e-2, rtol=2e-2)
 
@@ -117,8 +91,6 @@ def test_frozen_graphs_leave_bf16_linears_to_inductor() -> None:
     import torch._inductor.config as inductor_config
     from torch._dynamo.testing import EagerAndRecordGraphs
 
-    from compiled_engine.layers.linear import linear
-
     w = torch.randn(32, 64).bfloat16()
     x = torch.randn(2, 64).bfloat16()
 
@@ -126,9 +98,9 @@ def test_frozen_graphs_leave_bf16_linears_to_inductor() -> None:
         torch._dynamo.reset()
         backend = EagerAndRecordGraphs()
         with inductor_config.patch(freezing=freezing):
-            torch.compile(lambda x: linear(x, w), backend=backend, fullgraph=True)(x)
+            torch.compile(lambda x: ops.linear(x, w), backend=backend, fullgraph=True)(x)
         return {str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"}
 
-    assert any("cpu_linear" in t for t in targets(False))
+    assert any("kernels.linear" in t for t in targets(False))
     frozen = targets(True)
-    assert not any("cpu_linear" in t for t in frozen) and any("linear" in t for t in frozen)
+    assert not any("kernels.linear" in t for t in frozen) and any("linear" in t for t in frozen)

@@ -1,15 +1,17 @@
-"""The native CPU kernels (kernels/native/*.cpp) against the torch fallbacks and fp32 references, and the
-fallback when no native library can be built."""
+"""The native CPU kernels (kernels/cpu/native/*.cpp, through the kernels:: ops) against the portable torch
+implementations and fp32 references, and the portable path when no native library can be built."""
 
 import pytest
 import torch
 from kernel_batches import make_batch
 
-from kernels import cpu_attention, cpu_native, ops, reference
+from kernels import ops, reference
+from kernels.cpu import build
+from kernels.portable import attention as portable_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
-pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: the torch fallback is used")
+pytestmark = pytest.mark.skipif(not ops.load_cpu_kernels(), reason="no C++ compiler: the portable ops serve the CPU")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -20,14 +22,14 @@ def test_decode_matches_torch_fallback(dtype, head_dim, group, sliding_window, s
     batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 4, dtype, seed=head_dim + group)
     args = (*batch.decode_args(head_dim**-0.5)[:5], head_dim**-0.5)
     native = ops.decode_attention(*batch.decode_args(head_dim**-0.5), sliding_window, soft_cap)  # the C++ kernel
-    fallback = cpu_attention.decode_attention_cpu(*args, sliding_window, soft_cap)
+    fallback = portable_attention.decode_attention(*args, sliding_window, soft_cap)
     expected = reference.decode_attention_reference(*batch.decode_args(head_dim**-0.5), sliding_window, soft_cap)
     torch.testing.assert_close(native.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(native.float(), fallback.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(native[0], torch.zeros_like(native[0])) and torch.equal(native[-1], torch.zeros_like(native[-1]))
 
 
-amx_only = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX bf16 on this CPU / build")
+amx_only = pytest.mark.skipif(not ops.amx_available(), reason="no AMX bf16 on this CPU / build")
 
 
 @amx_only
@@ -58,7 +60,7 @@ def test_extend_matches_reference(head_dim: int, group: int) -> None:
     scale = head_dim**-0.5
     native = ops.extend_attention(*batch.extend_args(scale))  # the C++ kernel
     expected = reference.extend_attention_reference(*batch.extend_args(scale))
-    fallback = cpu_attention.extend_attention_cpu(*batch.extend_args(scale)[:6], scale)
+    fallback = portable_attention.extend_attention(*batch.extend_args(scale)[:6], scale)
     torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(native.float(), fallback.float(), atol=2e-2, rtol=2e-2)
 
@@ -127,16 +129,15 @@ def test_store_kv_rejects_out_of_range_slots_and_writes_nothing() -> None:
     assert not k_cache.any() and not v_cache.any()
 
 
-def test_ops_fall_back_to_torch_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_portable_ops_agree_with_the_native_ones() -> None:
     batch = make_batch([5, 40, 0], [1, 1, 1], 4, 2, 64, 4, seed=3)
     with_native = ops.decode_attention(*batch.decode_args(0.125))  # the C++ kernel
-    monkeypatch.setattr(cpu_native, "library", lambda: None)
-    without = torch.ops.kernels.decode_attention_torch(*batch.decode_args(0.125))  # the op without the library
-    torch.testing.assert_close(without, with_native, atol=2e-5, rtol=2e-5)
+    portable = torch.ops.kernels.decode_attention_portable(*batch.decode_args(0.125))  # what serves without it
+    torch.testing.assert_close(portable, with_native, atol=2e-5, rtol=2e-5)
 
 
 def test_cpp_kernels_hand_what_they_decline_to_the_torch_ops() -> None:
-    """Strided caches (decode, store) and a soft cap (extend) go from the C++ kernels to kernels::*_torch."""
+    """Strided caches (decode, store) and a soft cap (extend) go from the C++ kernels to kernels::*_portable."""
     batch = make_batch([5, 40], [1, 1], 4, 2, 64, 4, torch.bfloat16, seed=4)
     wide_k, wide_v = (torch.cat([c, torch.zeros_like(c)], dim=-1) for c in (batch.k_cache, batch.v_cache))
     k_view, v_view = wide_k[..., :64], wide_v[..., :64]  # the same caches, not contiguous
@@ -153,14 +154,16 @@ def test_cpp_kernels_hand_what_they_decline_to_the_torch_ops() -> None:
 
 
 def test_failed_build_gives_no_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build.load` is what `ops.load_cpu_kernels` runs once; a compiler that fails gives False (the
+    portable ops keep serving), and the cached library stays loaded."""
     monkeypatch.setenv("CXX", "/bin/false")
-    cpu_native.library.cache_clear()
+    build.load.cache_clear()
     try:
-        assert cpu_native.library() is None
+        assert build.load() is False
     finally:
         monkeypatch.undo()
-        cpu_native.library.cache_clear()
-    assert cpu_native.library() is not None
+        build.load.cache_clear()
+    assert ops.load_cpu_kernels()
 
 
 def test_store_kv_from_token_strided_views() -> None:
@@ -203,10 +206,11 @@ def test_argmax_matches_torch_with_ties_nans_and_strides(dtype: torch.dtype, voc
     x[4, vocab - 1] = float("nan")
     x[5, vocab // 3] = float("nan")
     x[5, 0] = float("inf")
-    torch.testing.assert_close(cpu_native.argmax(x), x.argmax(dim=-1), rtol=0, atol=0)
+    torch.testing.assert_close(ops.argmax(x), x.argmax(dim=-1), rtol=0, atol=0)
 
 
-def test_argmax_declines_what_it_does_not_cover() -> None:
-    assert cpu_native.argmax(torch.randn(2, 3, 4)) is None  # not 2-D
-    assert cpu_native.argmax(torch.randn(2, 5, dtype=torch.float64)) is None
-    assert cpu_native.argmax(torch.randn(2, 0)) is None
+def test_argmax_hands_what_it_does_not_cover_to_torch() -> None:
+    for x in (torch.randn(2, 3, 4), torch.randn(2, 5, dtype=torch.float64)):  # not 2-D; float64
+        assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    with pytest.raises(IndexError):  # an empty row has no argmax: torch's error, not a crash
+        ops.argmax(torch.randn(2, 0))

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_batches import make_batch
 
-from kernels import cpu_attention, ops, reference
+from kernels import ops, reference
+from kernels.portable import attention as cpu_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

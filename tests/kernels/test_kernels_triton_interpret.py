@@ -22,7 +22,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module")
 def triton_attention():
-    from kernels import triton_attention
+    from kernels.triton import attention as triton_attention
 
     return triton_attention
 

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from compiled_engine.demo_model import _SPM_FILE, CHAT_TEMPLATE, DEMO_CONFIG
+from compiled_engine.models.demo import _SPM_FILE, CHAT_TEMPLATE, DEMO_CONFIG
 
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 TOKENIZER_VOCAB = DEMO_CONFIG["vocab_size"]

@@ -92,7 +92,6 @@ def step(model: torch.nn.Module, kv: PagedKV, chunks: list[list[int]], starts: l
         page_table=kv.page_table[: len(chunks)].contiguous(),
         seq_lens=(torch.tensor(starts) + q_lens).to(torch.int32),
         cu_q_lens=torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32),
-        page_size=kv.page_size,
         is_decode=all(len(c) == 1 for c in chunks),
     )
     return model.compute_logits(model(ids, positions, meta)).float()

@@ -15,8 +15,8 @@ from _gguf_utils import TOKENIZER_VOCAB, write_gguf
 from _model_utils import make_checkpoint
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.model_names import resolve_model
 from compiled_engine.models.loader import CheckpointError, load_model
+from compiled_engine.models.names import resolve_model
 from compiled_engine.tokenization import load_tokenizer
 
 Q = gguf.GGMLQuantizationType

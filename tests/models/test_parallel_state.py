@@ -1,6 +1,6 @@
 import torch
 
-from compiled_engine.distributed import parallel_state as ps
+from compiled_engine.parallel import parallel_state as ps
 
 
 def test_single_rank_defaults_are_no_ops() -> None:

@@ -4,8 +4,8 @@ import torch
 import torch.multiprocessing as mp
 from _model_utils import PagedKV, free_port, greedy, init_gloo, make_checkpoint, step
 
-from compiled_engine.distributed import parallel_state as ps
 from compiled_engine.models.loader import load_model
+from compiled_engine.parallel import parallel_state as ps
 
 PROMPTS = [list(range(3, 30)), [400, 401, 499, 250, 251, 9, 8, 7]]
 NEW_TOKENS = 16

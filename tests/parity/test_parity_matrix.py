@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.demo_model import demo_model_dir
-from compiled_engine.model_names import resolve_model, smollm2_path
+from compiled_engine.models.demo import demo_model_dir
+from compiled_engine.models.names import resolve_model, smollm2_path
 from compiled_engine.tokenization import encode_chat, load_tokenizer
 from tests.models._model_utils import make_checkpoint
 from tests.parity.oracle import Agreement, compare, hf_bf16_error, hf_fp32_greedy

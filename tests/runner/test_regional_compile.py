@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import metrics
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.demo_model import demo_model_dir
+from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.runner import precompiled
 from tests.models._model_utils import hf_greedy, hf_model, make_checkpoint
 

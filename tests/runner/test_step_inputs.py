@@ -23,7 +23,7 @@ def _tables() -> DeviceTables:
 
 def _sampled_tokens(batch: Batch, pad_to: int | None) -> list[int]:
     """The input token at each logits row the runner keeps (a model whose logits are its input)."""
-    inputs = build_step_inputs(batch, _tables(), page_size=1, pad_to=pad_to)
+    inputs = build_step_inputs(batch, _tables(), pad_to=pad_to)
     assert inputs.logits_index.shape[0] >= inputs.num_sampled
     return inputs.input_ids[inputs.logits_index[: inputs.num_sampled]].tolist()
 
@@ -42,7 +42,7 @@ def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
     second = ReqStep("b", row=1, start=2, length=2, out_slots=(4, 5), sample=True, sampling=SP)
     third = ReqStep("c", row=2, start=0, length=1, out_slots=(6,), sample=True, sampling=SP)
     batch = Batch(1, (first, second, third), (), (), is_decode=False)
-    inputs = build_step_inputs(batch, _tables(), page_size=1, pad_to=None)
+    inputs = build_step_inputs(batch, _tables(), pad_to=None)
     assert inputs.input_ids[inputs.logits_index[:2]].tolist() == [103, 200]
     assert inputs.num_sampled == 2
 
@@ -50,6 +50,6 @@ def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
 def test_padded_width_is_the_graph_shape() -> None:
     """Static decode graphs see every padded row; extend graphs never see a dimension of 1."""
     decode = ReqStep("d", row=0, start=4, length=1, out_slots=(1,), sample=True, sampling=SP)
-    assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 1, 4).logits_index.shape == (4,)
+    assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 4).logits_index.shape == (4,)
     one = ReqStep("e", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=True, sampling=SP)
-    assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), 1, None).logits_index.shape == (2,)
+    assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), None).logits_index.shape == (2,)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from compiled_engine.scheduler import Batch, RequestRejected, SamplingParams, Scheduler, SchedulerConfig, Status
-from compiled_engine.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
+from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
 
 VOCAB = 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,7 +279,7 @@ def test_naive_cache_reuses_nothing():
 def _plans_script() -> str:
     return (
         "from compiled_engine.scheduler import *\n"
-        "from compiled_engine.scheduler.fake_executor import FakeExecutor\n"
+        "from tests.scheduler.fake_executor import FakeExecutor\n"
         "cfg = SchedulerConfig(num_pages=10, page_size=2, max_running=3, max_context=32, chunk_budget=5)\n"
         "s = Scheduler(cfg); x = FakeExecutor(cfg)\n"
         "for i in range(8): s.add_request(f'req-{i}', [i % 3 + 2] * 4 + [i], SamplingParams(max_tokens=6))\n"

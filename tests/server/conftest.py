@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.distributed.launcher import free_port
+from compiled_engine.ranks.launcher import free_port
 from server.app import create_app
 from server.serve import Server
 from server.state import ServerConfig

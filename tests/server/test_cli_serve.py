@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from compiled_engine.distributed.launcher import free_port
+from compiled_engine.ranks.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

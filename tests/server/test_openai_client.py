@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from compiled_engine.demo_model import DEMO_LABEL
+from compiled_engine.models.demo import DEMO_LABEL
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_engine.compile_cache import key as key_mod
-from compiled_engine.compile_cache.entry import CacheEntry
-from compiled_engine.compile_cache.key import CacheKey, cache_key
-from compiled_engine.compile_cache.session import miss_reason
 from compiled_engine.config import EngineConfig
-from compiled_engine.demo_model import DEMO_CONFIG
+from compiled_engine.models.demo import DEMO_CONFIG
 from compiled_engine.models.loader import load_config
+from compiled_engine.runner.compile_cache import key as key_mod
+from compiled_engine.runner.compile_cache.entry import CacheEntry
+from compiled_engine.runner.compile_cache.key import CacheKey, cache_key
+from compiled_engine.runner.compile_cache.session import miss_reason
 from compiled_engine.runner.model_runner import RunnerConfig
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import pytest
 import torch._inductor.config as inductor_config
 from torch._inductor import cpu_vec_isa
 
-from compiled_engine.compile_cache import CacheEntry, vec_isa
+from compiled_engine.runner.compile_cache import CacheEntry, vec_isa
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.compile_cache import list_entries
-from compiled_engine.demo_model import DEMO_CONFIG
+from compiled_engine.models.demo import DEMO_CONFIG
+from compiled_engine.runner.compile_cache import list_entries
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,9 @@ TINY = DEMO_CONFIG | {"hidden_size": 64, "intermediate_size": 128, "num_hidden_l
                       "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 256}
 SHAPE = ["--buckets", "1,2", "--max-running", "4", "--num-pages", "64", "--load-format", "dummy"]
 
-PIN_SOURCES = "import compiled_engine.compile_cache.key as k; k.TRACED_SOURCES = ()\n"
+PIN_SOURCES = "import compiled_engine.runner.compile_cache.key as k; k.TRACED_SOURCES = ()\n"
 
-WARMUP = PIN_SOURCES + "import sys; from compiled_engine.cli import main; sys.exit(main(sys.argv[1:]))\n"
+WARMUP = PIN_SOURCES + "import sys; from compiled_engine.apps.cli import main; sys.exit(main(sys.argv[1:]))\n"
 
 START = PIN_SOURCES + """
 import json, logging, sys

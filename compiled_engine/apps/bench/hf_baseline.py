@@ -1,0 +1,63 @@
+"""The transformers baseline: its best `generate` variant measured on this machine (plain eager
+generate; its static-cache + compile path was slower). Requests are sorted by output length and run in
+groups, left-padded, greedy, every row generating the group's longest output (`min_new_tokens` =
+`max_new_tokens`). Only the requested output tokens are counted, so the token counts match our engine's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from compiled_engine.apps.bench.datasets import BenchRequest, Session, all_requests
+from compiled_engine.apps.bench.metrics import RequestTiming
+from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
+
+PAD_ID = 0
+
+
+def load_hf_model(model_path: str, dtype: str = "auto") -> torch.nn.Module:
+    """transformers' model of a checkpoint directory, or of a GGUF file (`auto`: the dtype our engine picks)."""
+    from transformers import AutoModelForCausalLM
+
+    if is_gguf(model_path):
+        where = Path(model_path)
+        dtype = open_gguf(where).config_dict["torch_dtype"] if dtype == "auto" else dtype
+        return AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+
+
+def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[int]]:
+    """Each request's first `output_len` generated tokens."""
+    width = max(len(r.prompt_ids) for r in group)
+    ids = torch.full((len(group), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(group), width), dtype=torch.long)
+    for i, r in enumerate(group):
+        ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids):] = 1
+    new = max(r.output_len for r in group)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=PAD_ID)
+    return [row[width:width + r.output_len] for row, r in zip(out.tolist(), group, strict=True)]
+
+
+def run_hf(model: torch.nn.Module, sessions: list[Session],
+           group_size: int = 16) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
+    """Timings (latency only: `generate` does not stream), the total duration, and each request's tokens (by
+    index in `all_requests(sessions)`)."""
+    ordered = all_requests(sessions)
+    order = sorted(range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids)))
+    reqs = [ordered[i] for i in order]
+    timings = []
+    outputs: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        _generate(model, [BenchRequest([5, 6, 7, 8], 2)])  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(reqs), group_size):
+            group = reqs[i:i + group_size]
+            outputs.update(zip(order[i:i + group_size], _generate(model, group), strict=True))
+            done = time.perf_counter() - start
+            timings.extend(RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True) for r in group)
+    return timings, time.perf_counter() - start, outputs

@@ -1,0 +1,58 @@
+"""CPU cost of ``schedule()`` + ``commit()`` per decode step: ``python -m compiled_engine.apps.bench.scheduler_step``.
+
+The model is left out: each step "samples" a constant token, so only the ledger is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.scheduler import Scheduler
+
+
+def bench_decode(running: int, page_size: int, steps: int, prompt_len: int = 128) -> float:
+    """Mean seconds of schedule() + commit() per decode step with ``running`` requests."""
+    cfg = SchedulerConfig(
+        num_pages=2 + running * (prompt_len + steps + 2 * page_size) // page_size,
+        page_size=page_size,
+        max_running=running,
+        max_context=prompt_len + steps + 8,
+        chunk_budget=running * prompt_len,
+    )
+    sched = Scheduler(cfg)
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    for i in range(running):
+        sched.add_request(f"r{i}", [i % 1000 + 1] + [7] * (prompt_len - 1), params)
+    batch = sched.schedule()  # one prefill step admits everyone
+    assert batch is not None and len(batch.reqs) == running
+    sched.commit(batch, [3] * running)
+    total = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        assert batch is not None and batch.is_decode
+        t1 = time.perf_counter()
+        tokens = [3] * len(batch.reqs)  # the "model" (not timed)
+        t2 = time.perf_counter()
+        sched.commit(batch, tokens)
+        total += (t1 - t0) + (time.perf_counter() - t2)
+    return total / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    bench_decode(8, 1, 50)  # warm up
+    print(f"{'running':>8} {'page':>5} {'us/step':>10} {'us/req/step':>12}")
+    for page_size in (1, 16):
+        for running in (1, 64, 256):
+            per_step = bench_decode(running, page_size, args.steps) * 1e6
+            print(f"{running:>8} {page_size:>5} {per_step:>10.1f} {per_step / running:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

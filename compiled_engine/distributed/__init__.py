@@ -1,1 +1,0 @@
-"""torch.distributed state shared by the TP ranks."""

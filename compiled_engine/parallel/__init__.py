@@ -1,0 +1,1 @@
+"""Process groups and the TP ranks' parallel state (below the layers that shard weights)."""

@@ -1,0 +1,1 @@
+"""The TP rank processes: wire messages, the rank loop, the launcher and its monitor, the remote engine."""

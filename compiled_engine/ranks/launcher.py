@@ -1,0 +1,131 @@
+"""Starting the engine rank processes (spawn), waiting until rank 0 is ready, watching them (a dead or
+hung rank kills the rest: see monitor.py), and stopping them."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import torch.multiprocessing as mp
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.ranks.messages import Fatal, Ready, Shutdown
+from compiled_engine.ranks.monitor import RankMonitor
+from compiled_engine.ranks.rank_loop import RankSpec, run_rank
+
+EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineFailure(RuntimeError):
+    """A rank died, hung or failed: the engine is gone."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EngineHandle:
+    """The running ranks: `conn` is the private channel to rank 0 (inputs in, event lists out)."""
+
+    conn: Connection
+    procs: list[BaseProcess]
+    ready: Ready
+    monitor: RankMonitor
+
+    def is_alive(self) -> bool:
+        return self.monitor.failure is None and all(p.is_alive() for p in self.procs)
+
+    @property
+    def failure(self) -> str | None:
+        return self.monitor.failure
+
+    def explain(self, seen: str) -> str:
+        """The reason the engine is gone, for a reader that saw `seen` (a Fatal or the channel's end):
+        the monitor's diagnosis (which rank, how) first, once it has one."""
+        if not self.monitor.stopping:
+            self.monitor.failed.wait(EXPLAIN_WAIT_S)
+        return seen if self.monitor.failure is None else f"{self.monitor.failure} ({seen})"
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.monitor.stop()
+        _stop(self.conn, self.procs, timeout_s)
+
+
+def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle:
+    """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError otherwise)."""
+    ctx = mp.get_context("spawn")
+    world = config.tp_size
+    init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""  # the launcher's ranks share one host
+    server_end, rank_end = ctx.Pipe(duplex=True)
+    heartbeats = ctx.RawArray("d", world)
+    procs: list[BaseProcess] = []
+    for rank in range(world):
+        conn = rank_end if rank == 0 else None
+        spec = RankSpec(rank, world, init_method, config, heartbeats=heartbeats)
+        p = ctx.Process(target=run_rank, args=(spec, conn), name=f"engine-rank-{rank}")
+        p.start()
+        procs.append(p)
+    rank_end.close()
+    try:
+        ready = _wait_ready(server_end, procs, ready_timeout_s)
+    except BaseException:
+        _stop(server_end, procs, timeout_s=2.0)
+        raise
+    heartbeats[:] = [time.monotonic()] * world
+    # One rank has no peer to wait on: only its exit is watched (a long CPU step is not a hang).
+    monitor = RankMonitor(procs, heartbeats if world > 1 else (), config.rank_timeout_s)
+    monitor.start()
+    return EngineHandle(server_end, procs, ready, monitor)
+
+
+def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) -> Ready:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                events = conn.recv()
+            except EOFError:
+                raise EngineStartError("engine rank 0 exited during start-up (see its log above)") from None
+            for ev in events:
+                if isinstance(ev, Ready):
+                    return ev
+                if isinstance(ev, Fatal):
+                    raise EngineStartError(ev.message)
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
+    raise EngineStartError(f"the engine did not start within {timeout_s:.0f}s")
+
+
+def _stop(conn: Connection, procs: list[BaseProcess], timeout_s: float) -> None:
+    """Ask rank 0 to stop (it forwards the stop to every rank), join, then terminate and kill leftovers."""
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(Shutdown())
+    _join_all(procs, timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    _join_all(procs, 3.0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(3.0)
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def _join_all(procs: list[BaseProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,68 @@
+"""The wire types between the server (or `RemoteEngine`) and engine rank 0, over the launcher's channel.
+A client may send several inputs as one list: they then reach the same engine step together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiled_engine.scheduler.sampling_params import SamplingParams
+
+
+# ---- server -> rank 0 ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class Add:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Abort:
+    rid: str
+
+
+@dataclass(slots=True)
+class Finish:
+    rid: str
+    reason: str = "stop"
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    """Answered by rank 0 alone (read-only): a ping, metrics and the ledger's integrity."""
+
+    token: int
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# ---- rank 0 -> server ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class Ready:
+    max_context: int
+    capacity_tokens: int
+    num_pages: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    compile_summaries: tuple[str, ...]  # each rank's compile-cache report, in rank order
+
+
+@dataclass(slots=True)
+class RequestError:
+    rid: str
+    message: str
+
+
+@dataclass(slots=True)
+class StatsReply:
+    token: int
+    stats: dict  # SchedulerStats fields + total_pages, idle, steps
+    integrity_error: str | None
+
+
+@dataclass(slots=True)
+class Fatal:
+    message: str

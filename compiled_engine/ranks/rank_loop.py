@@ -1,0 +1,196 @@
+"""The main loop of one engine rank process.
+
+Rank 0 drains its private channel (a `multiprocessing` Connection from the launcher), forwards every
+input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo control
+group), so each rank's scheduler consumes the same inputs at the same step, then every rank applies the
+inputs and steps. Rank 0 sends each step's events back over the channel as one list. Each iteration
+stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode, checks that every
+rank planned and sampled the same (see digest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
+from compiled_engine.ranks.messages import (
+    Abort,
+    Add,
+    Fatal,
+    Finish,
+    Ready,
+    RequestError,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
+# A collective waiting this long fails (start-up skew between ranks must fit; the launcher's monitor
+# detects hangs sooner, from heartbeats: EngineConfig.rank_timeout_s).
+MIN_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+@dataclass(slots=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    init_method: str  # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
+    config: EngineConfig
+    local_rank: int | None = None  # None: `rank` (one host)
+    local_world_size: int | None = None  # None: `world_size`
+    heartbeats: Sequence[float] | None = None  # shared with the launcher's monitor: each rank's latest iteration
+
+
+def run_rank(spec: RankSpec, conn: Connection | None) -> None:
+    """Process entry point of a launcher-spawned rank. `conn` is the launcher's channel on rank 0."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops the ranks in order
+    serve_rank(spec, conn)
+
+
+def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
+    """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on `conn`
+    (rank 0) and end the process with exit code 1."""
+    try:
+        config, control = _init_distributed(spec)
+        from compiled_engine.startup import build_engine
+
+        engine = build_engine(config)
+        summaries = _gather_strings(engine.compile_summary, control)
+        if conn is not None:
+            sched = engine.scheduler.config
+            conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids,
+                               engine.vocab_size, summaries)])
+        _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
+        engine.shutdown()
+    except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits
+        log.error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send([Fatal(f"engine rank {spec.rank} failed: {type(e).__name__}: {e}")])
+        raise SystemExit(1) from None
+    finally:
+        if spec.world_size > 1:
+            from compiled_engine.parallel.process_group import destroy_distributed
+
+            destroy_distributed()
+
+
+def _gather_strings(text: str, control) -> tuple[str, ...]:
+    """Every rank's `text`, in rank order (over the control group; just ours with one rank)."""
+    if control is None:
+        return (text,)
+    import torch.distributed as dist
+
+    out: list[str | None] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(out, text, group=control)
+    return tuple(str(t) for t in out)
+
+
+def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
+    """The rank's config (its own CUDA device) and the control group (None with one rank)."""
+    from compiled_engine.startup import resolve_device
+
+    config = spec.config
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", spec.rank if spec.local_rank is None else spec.local_rank)
+        config = dataclasses.replace(config, device=str(device))
+    if spec.world_size == 1:
+        return config, None
+    from compiled_engine.parallel.process_group import init_distributed
+
+    timeout_s = max(config.rank_timeout_s, MIN_COLLECTIVE_TIMEOUT_S)
+    control = init_distributed(spec.rank, spec.world_size, spec.init_method, device, timeout_s,
+                               spec.local_world_size or spec.world_size)
+    return config, control
+
+
+def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
+    while True:
+        if spec.heartbeats is not None:
+            spec.heartbeats[spec.rank] = time.monotonic()
+        inputs, local = _receive(spec, conn, engine.has_work(), control)
+        events: list = []
+        stop = False
+        for msg in inputs:
+            if isinstance(msg, Shutdown):
+                stop = True
+            else:
+                _apply(engine, msg, events)
+        if stop:
+            return
+        stepped = engine.has_work()
+        if stepped:
+            events.extend(engine.step())
+        if debug:
+            batch = engine.last_batch if stepped else None
+            compare_across_ranks(engine.steps, ledger_digest(engine.steps, batch, events), control)
+        for req in local:
+            events.append(_stats(engine, req))
+        if conn is not None and events:
+            conn.send(events)
+
+
+def _receive(spec: RankSpec, conn: Connection | None, busy: bool, control) -> tuple[list, list[StatsRequest]]:
+    """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same order."""
+    inputs: list = []
+    local: list[StatsRequest] = []
+    if conn is not None:
+        timeout = 0.0 if busy else IDLE_POLL_S
+        while conn.poll(timeout):
+            for msg in _as_list(conn.recv()):
+                (local if isinstance(msg, StatsRequest) else inputs).append(msg)
+            timeout = 0.0
+    if control is not None:
+        import torch.distributed as dist
+
+        box = [inputs]
+        dist.broadcast_object_list(box, src=0, group=control)
+        inputs = box[0]
+    return inputs, local
+
+
+def _as_list(received: object) -> list:
+    """A client may send several inputs as one list: they then reach the same step together."""
+    return received if isinstance(received, list) else [received]
+
+
+def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
+    if isinstance(msg, Add):
+        try:
+            engine.add_request(msg.rid, msg.prompt_ids, msg.params)
+        except ValueError as e:  # RequestRejected and bad parameters: answer that request only
+            events.append(RequestError(msg.rid, str(e)))
+    elif isinstance(msg, Abort):
+        engine.abort(msg.rid)
+    elif isinstance(msg, Finish):
+        engine.finish(msg.rid, msg.reason)
+    else:
+        raise TypeError(f"unknown engine input {msg!r}")
+
+
+def _stats(engine, req: StatsRequest) -> StatsReply:
+    sched = engine.scheduler
+    stats = asdict(sched.stats()) | {"total_pages": sched.allocator.total, "idle": not engine.has_work(),
+                                     "steps": engine.steps}
+    try:
+        sched.check_integrity()
+        error = None
+    except AssertionError as e:
+        error = str(e) or "integrity check failed"
+    return StatsReply(req.token, stats, error)

@@ -1,0 +1,122 @@
+"""The TP engine (ranks spawned by the launcher) driven synchronously through rank 0's channel, with the
+calls `LLM` makes on an in-process `Engine`: add_request, abort, finish, has_work, step, shutdown."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine import TokenOutput
+from compiled_engine.ranks.launcher import EngineFailure, launch
+from compiled_engine.ranks.messages import (
+    Abort,
+    Add,
+    Fatal,
+    Finish,
+    RequestError,
+    StatsReply,
+    StatsRequest,
+)
+from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.scheduler import SchedulerStats, check_ids, check_prompt
+
+POLL_S = 0.5  # how often a blocked step() checks that the ranks are alive
+
+
+class RemoteEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.handle = launch(config)
+        self.eos_token_ids = self.handle.ready.eos_token_ids
+        self.scheduler = _RemoteScheduler(self)
+        self._live: dict[str, None] = {}  # requests added and not yet finished, aborted or rejected
+        self._outbox: list = []  # inputs sent as one message before the next receive: they share a step
+        self._backlog: list = []  # events received while waiting for a stats reply
+        self._tokens = itertools.count()
+        self._closed = False
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
+        params.validate()
+        ready = self.handle.ready
+        check_prompt(rid, prompt_ids, ready.max_context, ready.capacity_tokens)
+        check_ids(rid, prompt_ids, params.stop_token_ids, params.seed, ready.vocab_size)
+        self._outbox.append(Add(rid, list(prompt_ids), params))
+        self._live[rid] = None
+
+    def abort(self, rid: str) -> None:
+        if rid in self._live:
+            del self._live[rid]
+            self._outbox.append(Abort(rid))
+
+    def finish(self, rid: str, reason: str = "stop") -> None:
+        if rid in self._live:
+            del self._live[rid]
+            self._outbox.append(Finish(rid, reason))
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[TokenOutput]:
+        """The next events of live requests (blocks until there are some, or nothing is live)."""
+        while self._live:
+            batch = self._backlog or self._recv()
+            self._backlog = []
+            out = [ev for ev in batch if self._accept(ev)]
+            if out:
+                return out
+        return []
+
+    def stats(self) -> dict:
+        token = next(self._tokens)
+        self._outbox.append(StatsRequest(token))
+        while True:
+            events = self._recv()
+            reply = next((ev for ev in events if isinstance(ev, StatsReply) and ev.token == token), None)
+            self._backlog.extend(ev for ev in events if not isinstance(ev, StatsReply))
+            if reply is not None:
+                return reply.stats
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.handle.shutdown()
+
+    def _accept(self, ev: object) -> bool:
+        if isinstance(ev, Fatal):
+            raise EngineFailure(self.handle.explain(ev.message))
+        if isinstance(ev, RequestError) and ev.rid in self._live:
+            del self._live[ev.rid]
+            raise ValueError(ev.message)
+        if not isinstance(ev, TokenOutput) or ev.rid not in self._live:
+            return False  # a late event of a request that was finished or aborted here
+        if ev.finished:
+            del self._live[ev.rid]
+        return True
+
+    def _recv(self) -> list:
+        if self._closed:
+            raise EngineFailure("the engine was shut down")
+        conn = self.handle.conn
+        try:
+            if self._outbox:
+                conn.send(self._outbox)
+                self._outbox = []
+            while not conn.poll(POLL_S):
+                if not self.handle.is_alive():
+                    raise EngineFailure(self.handle.explain("an engine rank is gone"))
+            return conn.recv()
+        except (EOFError, OSError, ValueError):
+            raise EngineFailure(self.handle.explain("the channel to engine rank 0 closed")) from None
+
+
+class _RemoteScheduler:
+    """`engine.scheduler.stats()` for callers written against the in-process engine (bench)."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    def stats(self) -> SchedulerStats:
+        stats = self._engine.stats()
+        return SchedulerStats(**{f.name: stats[f.name] for f in fields(SchedulerStats)})

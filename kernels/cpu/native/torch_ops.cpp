@@ -1,0 +1,289 @@
+// The CPU kernels of the kernels:: ops (kernels/ops.py holds the schemas), registered with torch's dispatcher
+// when kernels/cpu/build.py loads this library: the only binding of the native code. Compiled graphs then
+// call them without entering Python. Inputs the native kernels do not cover go on to the ops' portable torch
+// implementations, which kernels/ops.py registers as kernels::<op>_portable.
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/argmax.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+extern "C" {
+int ce_amx_init();
+int ce_compiled_isa();
+int ce_argmax(int dt, const void* x, int64_t rows, int64_t n, int64_t row_stride, int64_t* out);
+int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                        int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t S, float scale, int64_t window, float soft_cap);
+int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, int64_t k_stride, int64_t v_stride,
+                    const int64_t* slots, int64_t T, int64_t row, int64_t elem, int64_t S);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+int64_t ce_packed_bf16_size(int64_t N, int64_t K);
+void ce_pack_bf16_weight(const void* w, void* out, int64_t N, int64_t K);
+void ce_linear_bf16(const void* x, const void* packed, const void* bias, void* out, int64_t M, int64_t N, int64_t K);
+int ce_extend_attention_bf16(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                             const int32_t* table, int64_t table_stride, const int32_t* cu_q_lens,
+                             const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                             int64_t S, float scale);
+int ce_decode_shared_prefix_bf16(const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                                 int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H,
+                                 int64_t Hkv, int64_t D, int64_t S, float scale);
+#endif
+}
+
+namespace {
+
+int dtype_code(at::ScalarType t) {
+    switch (t) {
+        case at::kFloat: return 0;
+        case at::kBFloat16: return 1;
+        case at::kHalf: return 2;
+        default: return -1;
+    }
+}
+
+// The portable implementation of an op (kernels::<op>_portable), for the inputs the native kernels decline.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> torch_op(const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+bool amx_ready() {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    static const bool ready = ce_amx_init() == 0;
+    return ready;
+#else
+    return false;
+#endif
+}
+
+// x [T, Hkv, D] with each token's block contiguous (any token stride).
+bool token_rows(const at::Tensor& x) { return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2); }
+
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+    const bool native = k_cache.is_contiguous() && v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type() &&
+                        v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type();
+    if (!native) {
+        static const auto op = torch_op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kernels::store_kv_portable");
+        return op.call(k_cache, v_cache, k, v, slots);
+    }
+    const at::Tensor kr = token_rows(k) ? k : k.contiguous(), vr = token_rows(v) ? v : v.contiguous();
+    const at::Tensor s = slots.to(at::kLong).contiguous();
+    const int64_t bad = ce_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), kr.data_ptr(), vr.data_ptr(), kr.stride(0),
+                                    vr.stride(0), s.data_ptr<int64_t>(), s.numel(), k_cache.stride(0),
+                                    k_cache.element_size(), k_cache.size(0));
+    TORCH_CHECK_INDEX(bad == 0, "store_kv: ", bad, " slot(s) out of range for a cache of ", k_cache.size(0), " slots");
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                            double soft_cap) {
+    const int code = dtype_code(q.scalar_type());
+    if (code < 0 || k_cache.scalar_type() != q.scalar_type() || v_cache.scalar_type() != q.scalar_type() ||
+        !k_cache.is_contiguous() || !v_cache.is_contiguous()) {
+        static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, double, int64_t, double)>("kernels::decode_attention_portable");
+        return op.call(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap);
+    }
+    const at::Tensor qc = q.contiguous(), table = page_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
+    at::Tensor out = at::empty_like(qc);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    // Rows sharing a cached prefix (radix hits): the shared blocks once for all of them, on AMX.
+    if (code == 1 && sliding_window <= 0 && soft_cap <= 0 && amx_ready() &&
+        ce_decode_shared_prefix_bf16(qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
+                                     table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1),
+                                     k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale)) == 0)
+        return out;
+#endif
+    ce_decode_attention(code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
+                        table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1),
+                        k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale), sliding_window,
+                        static_cast<float>(soft_cap));
+    return out;
+}
+
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
+                            double scale, int64_t sliding_window, double soft_cap) {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    const bool native = sliding_window <= 0 && soft_cap <= 0 && q.size(-1) % 64 == 0 && amx_ready() &&
+                        q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                        v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous();
+    if (native) {
+        const at::Tensor qc = token_rows(q) ? q : q.contiguous();
+        const at::Tensor table = page_table.to(at::kInt).contiguous(), cu = cu_q_lens.to(at::kInt).contiguous(),
+                         lens = seq_lens.to(at::kInt).contiguous();
+        at::Tensor out = at::empty(qc.sizes(), qc.options());
+        const int64_t covered = cu.data_ptr<int32_t>()[cu.numel() - 1];
+        if (covered < qc.size(0)) out.narrow(0, covered, qc.size(0) - covered).zero_();  // rows of no request
+        const int bad = ce_extend_attention_bf16(qc.data_ptr(), qc.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                                 table.data_ptr<int32_t>(), table.stride(0), cu.data_ptr<int32_t>(),
+                                                 lens.data_ptr<int32_t>(), out.data_ptr(), lens.numel(), qc.size(1),
+                                                 k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale));
+        if (bad == 0) return out;
+    }
+#endif
+    static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, double, int64_t, double)>(
+        "kernels::extend_attention_portable");
+    return op.call(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap);
+}
+
+// ---- linear --------------------------------------------------------------------------------------------
+// torch's plain bf16 linear re-packs the weight into oneDNN's blocked layout on every call, and where the CPU
+// has no bf16 GEMM (AVX2-only x86, most ARM) it runs a slow generic loop. So each bf16 weight gets a copy
+// made once, by what the CPU has:
+//     amx          the panel layout of linear.cpp's AMX kernel (K % 32 == 0)
+//     onednn_bf16  oneDNN's own packed layout (what inductor's freezing makes): AVX512-BW/VL/DQ or AVX-NE-CONVERT
+//     onednn_fp32  an fp32 copy in oneDNN's packed layout: the product runs in fp32 on upcast inputs and is
+//                  rounded to bf16, several times faster there than the bf16 loop (docs/benchmarks.md)
+//     blas_fp32    a plain fp32 copy for torch's fp32 GEMM, where oneDNN is not built in
+// The copies live here, keyed by the weight's TensorImpl, redone after an in-place change (version counter);
+// entries of freed weights are dropped when a new weight is prepared. Memory: the bf16 weights twice over,
+// three times with an fp32 copy.
+enum class Kind : int { amx = 0, onednn_bf16 = 1, onednn_fp32 = 2, blas_fp32 = 3 };
+
+struct Prepared {
+    Kind kind;
+    at::Tensor copy;
+};
+
+struct CacheEntry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> weight;
+    int64_t version;
+    Prepared prepared;
+};
+
+const auto& reorder_op() {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                               .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+    return op;
+}
+
+at::Tensor onednn_linear(const at::Tensor& rows, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                                 c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                                 std::optional<c10::string_view>)>();
+    return op.call(rows, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+bool onednn_bf16() {
+    static const bool supported = [] {
+        if (!at::hasMKLDNN()) return false;
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
+                                   .typed<bool()>();
+        return op.call();
+    }();
+    return supported;
+}
+
+Prepared prepare(const at::Tensor& weight) {
+    const at::Tensor w = weight.detach().contiguous();
+    const int64_t N = w.size(0), K = w.size(1);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (amx_ready() && K % 32 == 0) {
+        at::Tensor packed = at::empty({ce_packed_bf16_size(N, K)}, w.options());
+        ce_pack_bf16_weight(w.data_ptr(), packed.data_ptr(), N, K);
+        return {Kind::amx, packed};
+    }
+#endif
+    (void)N;
+    (void)K;
+    if (onednn_bf16()) return {Kind::onednn_bf16, reorder_op().call(w, 1)};
+    if (at::hasMKLDNN()) return {Kind::onednn_fp32, reorder_op().call(w.to(at::kFloat), 1)};
+    return {Kind::blas_fp32, w.to(at::kFloat)};
+}
+
+// The prepared copy of a bf16 weight (the one cache of them).
+Prepared prepared_weight(const at::Tensor& weight) {
+    static std::mutex mutex;
+    static std::unordered_map<const c10::TensorImpl*, CacheEntry> cache;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
+    const int64_t version = weight.is_inference() ? -1 : static_cast<int64_t>(weight._version());
+    auto it = cache.find(key);
+    if (it != cache.end() && !it->second.weight.expired() && it->second.version == version) return it->second.prepared;
+    for (auto e = cache.begin(); e != cache.end();) e = e->second.weight.expired() ? cache.erase(e) : std::next(e);
+    Prepared prepared = prepare(weight);
+    cache.insert_or_assign(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), version,
+                                           prepared});
+    return prepared;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    const int64_t K = x.size(-1);
+    const bool bf16 = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                      weight.size(1) == K && (!bias.has_value() || bias->scalar_type() == at::kBFloat16);
+    if (!bf16) return at::linear(x, weight, bias);
+    const int64_t N = weight.size(0);
+    const Prepared p = prepared_weight(weight);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    const at::Tensor rows = x.reshape({-1, K}).contiguous();
+    switch (p.kind) {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        case Kind::amx: {
+            // Big GEMMs go to torch's own (oneDNN on AMX), which blocks them better than the panel kernel
+            // (docs/benchmarks.md, "CPU bf16 linear, big GEMMs"); the panel kernel keeps up to 512 rows.
+            const int64_t M = rows.size(0);
+            if (M >= 2048 || (M >= 768 && N >= 1024)) return at::linear(x, weight, bias);
+            at::Tensor out = at::empty({M, N}, x.options());
+            const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+            if (M > 0)
+                ce_linear_bf16(rows.data_ptr(), p.copy.data_ptr(), b.defined() ? b.data_ptr() : nullptr, out.data_ptr(),
+                               M, N, K);
+            return out.view(shape);
+        }
+#endif
+        case Kind::onednn_bf16:
+            return onednn_linear(rows, p.copy, bias).view(shape);
+        case Kind::onednn_fp32: {
+            const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+            return onednn_linear(rows.to(at::kFloat), p.copy, b).to(at::kBFloat16).view(shape);
+        }
+        default: {
+            const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+            return at::linear(rows.to(at::kFloat), p.copy, b).to(at::kBFloat16).view(shape);
+        }
+    }
+}
+
+// ---- greedy argmax ----------------------------------------------------------------------------------------
+at::Tensor argmax(const at::Tensor& x) {
+    const int code = dtype_code(x.scalar_type());
+    if (code < 0 || x.dim() != 2 || x.size(1) == 0) return at::argmax(x, -1);
+    const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();
+    at::Tensor out = at::empty({rows.size(0)}, x.options().dtype(at::kLong));
+    ce_argmax(code, rows.data_ptr(), rows.size(0), rows.size(1), rows.stride(0), out.data_ptr<int64_t>());
+    return out;
+}
+
+// Bits: 0 AVX512F, 1 AVX512-BF16, 2 AMX-BF16 (what this build targets: what COMPILED_ENGINE_CPU_ISA left
+// on), 3 AMX tiles granted to this process (the AMX kernels run).
+int64_t native_isa() { return ce_compiled_isa() | (amx_ready() ? 8 : 0); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) { m.def("native_isa() -> int", &native_isa); }
+
+TORCH_LIBRARY_IMPL(kernels, CPU, m) {
+    m.impl("store_kv", store_kv);
+    m.impl("decode_attention", decode_attention);
+    m.impl("extend_attention", extend_attention);
+    m.impl("linear", linear);
+    m.impl("argmax", argmax);
+}

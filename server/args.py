@@ -1,0 +1,16 @@
+"""The server's command-line flags (`compiled-engine serve`, `python -m server`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from compiled_engine.engine_args import add_engine_args
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
+    p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
