@@ -23,7 +23,7 @@ from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.runner.step_inputs import StepInputs
 from compiled_engine.scheduler.plan import Batch
 from compiled_engine.scheduler.sampling_params import SamplingParams
-from compiled_engine.scheduler.scheduler import Scheduler, check_ids
+from compiled_engine.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from compiled_engine.runner.compile_cache.session import CompileReport
@@ -76,12 +76,10 @@ class Engine:
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError (RequestRejected) with a clear message if it can never run."""
-        params.validate()
-        check_ids(rid, prompt_ids, params.stop_token_ids, params.seed, self.vocab_size)
+        self.scheduler.add_request(rid, prompt_ids, params)  # validates it
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        self.scheduler.add_request(rid, list(prompt_ids), params)
         banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
         self._live[rid] = _Live(len(prompt_ids), params, generator, banned)
 

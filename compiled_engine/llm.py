@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -10,7 +9,8 @@ from tqdm import tqdm
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.names import resolve_model
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.output_stream import OutputStream
+from compiled_engine.scheduler.sampling_params import SamplingParams, expand_n
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import IncrementalDetokenizer, Prompt, encode_prompt, load_tokenizer
 
@@ -68,21 +68,16 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         results: list[RequestOutput] = []
-        streams: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        streams: dict[str, OutputStream] = {}
         try:
             for prompt, p in zip(prompts, params_list):
                 ids = encode_prompt(self.tokenizer, prompt)
-                result = RequestOutput(prompt_token_ids=ids)
-                for i in range(p.n):
-                    sub = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                results.append(RequestOutput(prompt_token_ids=ids))
+                for sample in expand_n(p):
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
-                    self.engine.add_request(rid, ids, sub)
-                    out = CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None,
-                                           [] if p.logprobs else None)
-                    result.outputs.append(out)
-                    streams[rid] = (out, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop)))
-                results.append(result)
+                    self.engine.add_request(rid, ids, sample)
+                    streams[rid] = OutputStream(rid, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop)))
         except Exception:
             for rid in streams:  # a bad prompt rejects the whole call, and leaves nothing queued
                 self.engine.abort(rid)
@@ -91,23 +86,20 @@ class LLM:
         bar = tqdm(total=len(streams), desc="generate", disable=not show)
         while self.engine.has_work():
             for ev in self.engine.step():
-                out, detok = streams[ev.rid]
-                if ev.token is not None and not detok.stopped:
-                    out.token_ids.append(ev.token)
-                    detok.add(ev.token)
-                    if out.logprobs is not None:
-                        out.logprobs.append(ev.logprob)
-                    if out.top_logprobs is not None:
-                        out.top_logprobs.append(ev.top_logprobs or [])
-                    if detok.stopped and not ev.finished:
-                        self.engine.finish(ev.rid, "stop")
-                        out.finish_reason = "stop"
-                        bar.update()
-                if ev.finished and out.finish_reason is None:
-                    detok.flush()
-                    out.finish_reason = ev.finish_reason
+                stream = streams[ev.rid]
+                was_open = stream.finish_reason is None
+                _, stopped = stream.apply(ev)
+                if stopped:
+                    self.engine.finish(ev.rid, "stop")
+                if was_open and stream.finish_reason is not None:
                     bar.update()
         bar.close()
-        for out, detok in streams.values():
-            out.text = detok.text
+        ordered = iter(streams.values())
+        for result, p in zip(results, params_list):
+            for i in range(p.n):
+                stream = next(ordered)
+                result.outputs.append(CompletionOutput(
+                    i, stream.text, stream.token_ids, stream.finish_reason,
+                    stream.logprobs if p.logprobs is not None else None, stream.top_logprobs if p.logprobs else None,
+                ))
         return results

@@ -107,6 +107,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     scheduler = Scheduler(SchedulerConfig(
         num_pages=num_pages, page_size=config.page_size, max_running=config.max_running, max_context=max_context,
         chunk_budget=config.chunk_budget, mixed=config.mixed, prefix_cache=config.prefix_cache, eos_token_ids=eos,
+        vocab_size=hf_config.vocab_size,
     ))
     runner = ModelRunner(model, RunnerConfig(
         max_rows=config.max_running, max_context=max_context, page_size=config.page_size, num_pages=num_pages,

@@ -141,13 +141,13 @@ class EngineClient:
             self._die(f"the engine channel is closed ({e})")
             raise EngineDead(self.dead_reason) from None
 
-    async def stats(self, timeout_s: float) -> StatsReply:
-        """A round trip to rank 0 (also the health ping)."""
+    async def stats(self, timeout_s: float, check_integrity: bool = False) -> StatsReply:
+        """A round trip to rank 0 (also the health ping); `check_integrity` adds the ledger's full check."""
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = fut
         try:
-            self.send(StatsRequest(token))
+            self.send(StatsRequest(token, check_integrity))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._stats_waiters.pop(token, None)

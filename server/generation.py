@@ -3,15 +3,14 @@ into per-choice deltas (stop strings cut here, then the engine is told to finish
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from compiled_engine.engine import TokenOutput
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.output_stream import OutputStream
+from compiled_engine.scheduler.sampling_params import SamplingParams, expand_n
 from compiled_engine.tokenization import IncrementalDetokenizer
-from server.engine_client import EngineClient, RequestGroup, SubRequest
+from server.engine_client import EngineClient, SubRequest
 from server.metrics import Metrics
 
 
@@ -28,15 +27,9 @@ class Delta:
 
 
 @dataclass
-class Choice:
-    index: int
-    rid: str
-    prompt_ids: list[int]
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
+class Choice(OutputStream):
+    index: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
     start: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     _sent_tokens: int = 0
@@ -66,14 +59,14 @@ class Generation:
 
 
 def plan(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
-    """Expand prompts x n into sub-requests (sample i of a seeded request uses seed + i)."""
+    """Expand prompts x n into sub-requests (`expand_n`)."""
     choices, subs = [], []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-        for i in range(p.n):
-            seed = None if p.seed is None else (p.seed + i) % 2**63
-            sub = SubRequest(f"{request_id}-{j * p.n + i}", ids, dataclasses.replace(p, n=1, seed=seed))
+        for i, sample in enumerate(expand_n(p)):
+            sub = SubRequest(f"{request_id}-{j * p.n + i}", ids, sample)
             subs.append(sub)
-            choices.append(Choice(len(choices), sub.rid, ids, IncrementalDetokenizer(tokenizer, ids, p.stop)))
+            detok = IncrementalDetokenizer(tokenizer, ids, p.stop)
+            choices.append(Choice(sub.rid, detok, index=len(choices), prompt_ids=ids))
     return Generation(request_id, choices, subs, [len(ids) for ids in prompts])
 
 
@@ -83,27 +76,12 @@ async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncI
     async with client.open(gen.subs) as group:
         async for ev in group.events():
             choice = by_rid[ev.rid]
-            text = _apply(group, choice, ev)
+            if ev.token is not None and choice.first_token_at is None:
+                choice.first_token_at = time.monotonic()
+            text, stopped = choice.apply(ev)
+            if stopped:
+                group.finish(choice.rid)
             if text or choice.finish_reason is not None:
                 yield choice.delta(text)
             if choice.finish_reason is not None:
                 metrics.observe_finished(choice.start, choice.first_token_at, len(choice.token_ids))
-
-
-def _apply(group: RequestGroup, choice: Choice, ev: TokenOutput) -> str:
-    text = ""
-    if ev.token is not None:
-        if choice.first_token_at is None:
-            choice.first_token_at = time.monotonic()
-        choice.token_ids.append(ev.token)
-        choice.logprobs.append(ev.logprob)
-        choice.top_logprobs.append(ev.top_logprobs or [])
-        text = choice.detok.add(ev.token)
-        if choice.detok.stopped and not ev.finished:
-            group.finish(choice.rid)
-            choice.finish_reason = "stop"
-            return text
-    if ev.finished:
-        text += choice.detok.flush()
-        choice.finish_reason = ev.finish_reason
-    return text

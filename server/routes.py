@@ -65,7 +65,7 @@ async def metrics(request: Request) -> Response:
 @endpoint("integrity")
 async def integrity(request: Request) -> Response:
     st = state_of(request)
-    reply = await st.client.stats(st.config.health_timeout_s)
+    reply = await st.client.stats(st.config.health_timeout_s, check_integrity=True)
     return json_response(reply.stats | {"integrity_error": reply.integrity_error,
                                         "server_in_flight": st.client.num_in_flight})
 

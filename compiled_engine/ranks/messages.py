@@ -29,9 +29,11 @@ class Finish:
 
 @dataclass(slots=True)
 class StatsRequest:
-    """Answered by rank 0 alone (read-only): a ping, metrics and the ledger's integrity."""
+    """Answered by rank 0 alone (read-only): a ping and the metrics; with `check_integrity`, the ledger's full
+    integrity check too (O(pages): the server's --debug endpoint and tests, never /health or /metrics)."""
 
     token: int
+    check_integrity: bool = False
 
 
 @dataclass(slots=True)

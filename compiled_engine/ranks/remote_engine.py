@@ -19,7 +19,8 @@ from compiled_engine.ranks.messages import (
     StatsRequest,
 )
 from compiled_engine.scheduler.sampling_params import SamplingParams
-from compiled_engine.scheduler.scheduler import SchedulerStats, check_ids, check_prompt
+from compiled_engine.scheduler.scheduler import SchedulerStats
+from compiled_engine.scheduler.validation import check_request
 
 POLL_S = 0.5  # how often a blocked step() checks that the ranks are alive
 
@@ -38,10 +39,8 @@ class RemoteEngine:
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
-        params.validate()
         ready = self.handle.ready
-        check_prompt(rid, prompt_ids, ready.max_context, ready.capacity_tokens)
-        check_ids(rid, prompt_ids, params.stop_token_ids, params.seed, ready.vocab_size)
+        check_request(rid, prompt_ids, params, ready.max_context, ready.capacity_tokens, ready.vocab_size)
         self._outbox.append(Add(rid, list(prompt_ids), params))
         self._live[rid] = None
 

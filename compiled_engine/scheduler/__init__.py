@@ -7,7 +7,8 @@ from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import Request, Status
 from compiled_engine.scheduler.sampling_params import SamplingParams
-from compiled_engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
+from compiled_engine.scheduler.scheduler import Scheduler, SchedulerStats
+from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [
     "Batch",

@@ -15,6 +15,7 @@ class SchedulerConfig:
     mixed: bool = True  # decode and prefill chunks share a step; False: prefill-only or decode-only
     prefix_cache: str = "radix"  # "radix" | "naive"
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None  # token ids at or above are rejected at admission (None: unchecked)
 
     @property
     def max_rows(self) -> int:

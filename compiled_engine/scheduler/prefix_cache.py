@@ -44,6 +44,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def evictable_pages(self) -> int: ...
 
+    @property
+    @abstractmethod
+    def num_cached_pages(self) -> int:
+        """Pages the cache owns, counted as they come and go (O(1))."""
+
     @abstractmethod
     def pages_of(self, handle: object) -> tuple[int, ...]:
         """The pages of the whole prefix named by ``handle``."""
@@ -92,6 +97,10 @@ class NaiveCache(PrefixCache):
 
     @property
     def evictable_pages(self) -> int:
+        return 0
+
+    @property
+    def num_cached_pages(self) -> int:
         return 0
 
     def pages_of(self, handle: object) -> tuple[int, ...]:

@@ -1,4 +1,9 @@
-"""Radix-tree prefix cache: page-aligned keys, lock references, LRU eviction of unlocked leaves."""
+"""Radix-tree prefix cache: page-aligned keys, lock references, LRU eviction of unlocked leaves.
+
+Eviction is incremental: a heap holds an entry for every unlocked leaf, pushed when a node becomes one or
+is touched; entries that went stale (the node was locked, grew a child, was touched again or evicted) are
+skipped when popped, and the heap is rebuilt when they outnumber the nodes. So evicting k pages costs
+O(k log n), not a walk of the whole tree."""
 
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ class RadixCache(PrefixCache):
         self.protected_size = 0  # tokens in locked nodes
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self._num_nodes = 0
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, id, node) of unlocked leaves
 
     # -- lookup / insert -------------------------------------------------------------------------
 
@@ -58,6 +65,7 @@ class RadixCache(PrefixCache):
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = self._clock
+            self._offer(child)
             pages.extend(child.pages)
             node, i = child, i + m
         return node, pages, i
@@ -79,6 +87,8 @@ class RadixCache(PrefixCache):
             leaf.last_access = self._clock
             node.children[leaf.key[:ps]] = leaf
             self.evictable_size += n - i
+            self._num_nodes += 1
+            self._offer(leaf)
             out.extend(leaf.pages)
             node = leaf
         return node, tuple(out)
@@ -89,6 +99,7 @@ class RadixCache(PrefixCache):
         assert parent is not None
         head = RadixNode(child.key[:m], child.pages[: m // ps], parent, self._next_id)
         self._next_id += 1
+        self._num_nodes += 1
         head.lock_ref = child.lock_ref
         head.last_access = child.last_access
         child.key = child.key[m:]
@@ -119,27 +130,47 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
+                self._offer(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
+        """Free unlocked leaves, least recently used first (ties: oldest node), until `num_pages` pages."""
         freed = 0
+        heap = self._heap
         while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+            access, _, node = heapq.heappop(heap)
+            if not self._evictable(node, access):
+                continue  # a stale entry
             parent = node.parent
-            assert parent is not None
             self.allocator.free(node.pages)
             freed += len(node.pages)
             self.evictable_size -= len(node.key)
+            self._num_nodes -= 1
             del parent.children[node.key[: self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            node.parent = None
+            self._offer(parent)
         return freed
+
+    def _evictable(self, node: RadixNode, access: int) -> bool:
+        """Whether a heap entry stamped `access` still names an unlocked leaf in the tree."""
+        return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == access
+
+    def _offer(self, node: RadixNode) -> None:
+        """Push `node` if it is an unlocked leaf now; rebuild the heap when stale entries dominate it."""
+        if node is self.root or node.children or node.lock_ref:
+            return
+        heapq.heappush(self._heap, (node.last_access, node.id, node))
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+            heapq.heapify(self._heap)
 
     @property
     def evictable_pages(self) -> int:
         return self.evictable_size // self.page_size
+
+    @property
+    def num_cached_pages(self) -> int:
+        return (self.evictable_size + self.protected_size) // self.page_size
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -208,3 +239,9 @@ class RadixCache(PrefixCache):
         )
         pages = self.cached_pages()
         assert len(set(pages)) == len(pages), "a page is cached twice in the radix tree"
+        nodes = self._nodes()
+        assert len(nodes) == self._num_nodes, f"radix node count {self._num_nodes}, the tree has {len(nodes)}"
+        queued = {id(n) for access, _, n in self._heap if self._evictable(n, access)}
+        for node in nodes:
+            if not node.children and node.lock_ref == 0:
+                assert id(node) in queued, f"radix leaf {node.id} is unlocked but not in the eviction heap"

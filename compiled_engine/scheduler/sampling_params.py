@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(slots=True)
@@ -38,9 +38,18 @@ class SamplingParams:
         _check(self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens)
         _check(self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", self.min_tokens)
         _check(self.n >= 1, "n must be >= 1", self.n)
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids)
         if self.logit_bias is not None:
             _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
+
+
+def expand_n(params: SamplingParams) -> list[SamplingParams]:
+    """A request's `n` samples as `n` single-sample requests (ValueError for bad parameters); sample i of a
+    seeded request uses seed + i (mod 2**63, the range of torch's generators)."""
+    params.validate()
+    seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
+    return [replace(params, n=1, seed=seed) for seed in seeds]
 
 
 def _check(ok: bool, message: str, value: object) -> None:

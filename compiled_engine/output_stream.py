@@ -1,0 +1,43 @@
+"""One sub-request's output as its engine events arrive: the tokens, their log-probs, the text (cut at a
+stop string) and the finish reason. The offline API and the server both fold events through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compiled_engine.engine import TokenOutput
+from compiled_engine.tokenization import IncrementalDetokenizer
+
+
+@dataclass
+class OutputStream:
+    rid: str
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def apply(self, ev: TokenOutput) -> tuple[str, bool]:
+        """Fold in one event of this request. Returns the text it added and whether a stop string ended the
+        request here: the caller then tells the engine to finish it (no event says so). Events after the
+        end (a token already in flight when a stop string matched) change nothing."""
+        if self.finish_reason is not None:
+            return "", False
+        text = ""
+        if ev.token is not None:
+            self.token_ids.append(ev.token)
+            self.logprobs.append(ev.logprob)
+            self.top_logprobs.append(ev.top_logprobs or [])
+            text = self.detok.add(ev.token)
+            if self.detok.stopped and not ev.finished:
+                self.finish_reason = "stop"
+                return text, True
+        if ev.finished:
+            text += self.detok.flush()
+            self.finish_reason = ev.finish_reason
+        return text, False

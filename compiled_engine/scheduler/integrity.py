@@ -1,0 +1,78 @@
+"""The ledger's invariants (docs/architecture.md, "The ledger"), checked in full: O(pages + requests), for
+tests, property machines and the server's `--debug` endpoint, never on a serving path."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from compiled_engine.scheduler.request import Status
+
+if TYPE_CHECKING:
+    from compiled_engine.scheduler.scheduler import Scheduler
+
+
+def check_integrity(sched: Scheduler) -> None:
+    """Assert every invariant; AssertionError names the breach."""
+    book, cfg = sched.book, sched.config
+    ps = book.page_size
+    book.allocator.check()
+    book.rows.check()
+    where: dict[int, str] = {}
+
+    def claim(pages: list[int] | tuple[int, ...], place: str) -> None:
+        for p in pages:
+            assert 1 <= p < cfg.num_pages, f"page {p} ({place}) is outside the pool"
+            assert p not in where, f"page {p} is both in {where[p]} and in {place}"
+            where[p] = place
+
+    claim(book.allocator.free_ids(), "the free list")
+    claim(book.cache.cached_pages(), "the prefix cache")
+    rows: dict[int, str] = {r: "the free rows" for r in book.rows.free_ids()}
+
+    def claim_row(r: int, place: str) -> None:
+        assert 0 <= r < cfg.max_rows, f"row {r} ({place}) is outside the table"
+        assert r not in rows, f"row {r} is both in {rows[r]} and in {place}"
+        rows[r] = place
+
+    assert len(sched.running) <= cfg.max_running, "more running requests than max_running"
+    for req in sched.running:
+        name = f"request {req.rid!r}"
+        assert req.status is Status.RUNNING and sched.live.get(req.rid) is req, f"{name}: not live running"
+        assert req.lock is not None, f"{name} runs without a prefix-cache lock"
+        assert req.row >= 0, f"{name} runs without a table row"
+        claim_row(req.row, name)
+        assert 0 <= req.cached_len <= req.device_len <= req.max_len, (
+            f"{name}: lengths cached {req.cached_len} device {req.device_len} max {req.max_len}"
+        )
+        assert req.cached_len < req.device_len or req.device_len == req.max_len, (
+            f"{name}: nothing left to compute but not at its maximum length"
+        )
+        assert len(req.pages) == -(-req.cached_len // ps), (
+            f"{name}: {len(req.pages)} pages for {req.cached_len} computed positions"
+        )
+        shared = tuple(req.pages[: req.prefix_pages])
+        assert shared == book.cache.pages_of(req.lock), f"{name}: row prefix differs from its cached path"
+        for p in shared:
+            assert where.get(p) == "the prefix cache", f"{name}: row points at page {p} not in the cache"
+        claim(req.pages[req.prefix_pages :], name)
+    for req in sched.waiting:
+        name = f"waiting request {req.rid!r}"
+        assert req.status is Status.WAITING and sched.live.get(req.rid) is req, f"{name}: not live waiting"
+        assert not req.pages and req.lock is None and req.row < 0, f"{name} holds resources"
+    assert len(sched.live) == len(sched.running) + len(sched.waiting), "live map out of sync with queues"
+    for d in book.deferred:
+        assert d.barrier > book.committed, f"deferred release past its step {d.barrier}"
+        claim(d.pages, f"deferred free (step {d.barrier})")
+        if d.row >= 0:
+            claim_row(d.row, f"deferred row (step {d.barrier})")
+    missing = [p for p in range(1, cfg.num_pages) if p not in where]
+    assert not missing, f"pages {missing[:8]} are nowhere (leaked)"
+    assert len(rows) == cfg.max_rows, "a table row is leaked"
+    held = [r.lock for r in sched.running] + [d.lock for d in book.deferred if d.lock is not None]
+    book.cache.check(held)
+    if not sched.running and not sched.inflight:
+        assert not book.deferred, "deferred frees with no step in flight"
+        cached = len(book.cache.cached_pages())
+        assert book.allocator.num_free + cached == book.allocator.total, (
+            f"idle: free {book.allocator.num_free} + cached {cached} != total {book.allocator.total}"
+        )

@@ -1,0 +1,115 @@
+"""Prefill planning under the step's token budget: chunked requests continue first, then the waiting
+queue is admitted in order (no overtaking) while the budget, the table rows and the pages last."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from compiled_engine.scheduler.draft import StepDraft
+from compiled_engine.scheduler.kv_book import KvBook
+from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TokenWrite
+from compiled_engine.scheduler.radix_cache import RadixCache
+from compiled_engine.scheduler.request import Request, Status
+
+if TYPE_CHECKING:
+    from compiled_engine.scheduler.scheduler import Scheduler
+
+SHARE_WAIT_TOKENS = 32  # a waiting request defers admission to reuse this many tokens of a running prefill
+
+
+def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
+    book = sched.book
+    chunked = [r for r in sched.running if r.cached_len < r.fill_to]
+    if not chunked and not sched.waiting:
+        return
+    # Optimistic admission, one step ahead only: leave the pages running decodes need next step.
+    ps = book.page_size
+    reserve = sum(
+        1
+        for r in sched.running
+        if r.cached_len >= r.fill_to and r.device_len < r.max_len and r.cached_len == len(r.pages) * ps
+    )
+    for req in chunked:
+        if budget <= 0:
+            return
+        if not plan_chunk(book, req, draft, budget, req.cached_len, reserve):
+            return
+        budget -= draft.reqs[-1].length
+    waiting = sched.waiting
+    while waiting and budget > 0 and len(sched.running) < sched.config.max_running and book.rows.num_free:
+        req = waiting[0]
+        if req.last_step > book.committed:
+            return  # retracted with a token still in flight: its tokens are not all known yet
+        tokens = req.tokens()
+        handle, hit = book.cache.match(tokens[:-1])
+        if _shares_pending_prefix(sched, tokens, len(hit) * ps):
+            return  # wait a step: a running prefill is about to cache what this request would recompute
+        book.cache.lock(handle)
+        row = book.rows.alloc_one()
+        assert row is not None
+        req.lock, req.pages, req.prefix_pages, req.cached_len = handle, list(hit), len(hit), len(hit) * ps
+        req.fill_to = len(tokens)
+        req.row = row
+        if not plan_chunk(book, req, draft, budget, 0, reserve):
+            book.cache.unlock(handle)
+            book.rows.free([row])
+            req.lock, req.pages, req.prefix_pages, req.cached_len, req.row = None, [], 0, 0, -1
+            return
+        book.cache.record(len(tokens), len(hit) * ps)
+        waiting.popleft()
+        req.status = Status.RUNNING
+        sched.running.append(req)
+        draft.token_writes.append(TokenWrite(row, 0, tokens))
+        budget -= draft.reqs[-1].length
+
+
+def plan_chunk(book: KvBook, req: Request, draft: StepDraft, budget: int, write_from: int, reserve: int = 0) -> bool:
+    """Plan the next prefill chunk of `req`; page-table writes cover `write_from` onwards.
+
+    False (nothing changed) when the chunk's pages are not available beyond `reserve` pages.
+    """
+    ps = book.page_size
+    start = req.cached_len
+    n = min(req.fill_to - start, budget)
+    end = start + n
+    need = -(-end // ps) - len(req.pages)
+    if need > 0:
+        if need + reserve > book.available_pages():
+            return False
+        new = book.alloc(need)
+        if new is None:
+            return False
+        req.pages.extend(new)
+    sample = end == req.fill_to and req.device_len < req.max_len
+    out = book.slots(req, start, end)
+    step = ReqStep(req.rid, req.row, start, n, out, sample, req.sampling)
+    draft.add(req, step, SlotWrite(req.row, write_from, book.slots(req, write_from, start) + out))
+    req.cached_len = end
+    if sample:
+        req.device_len += 1
+    return True
+
+
+def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: int) -> bool:
+    """True when a running request's prompt, not yet in the radix cache, shares at least
+    `SHARE_WAIT_TOKENS` (and a page) more tokens with `tokens` than the cache already gives.
+
+    Requests arriving together with a new common prefix would otherwise each prefill it in full; the later
+    ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached tail is
+    shorter than a page once it is fully inserted, so the wait always ends."""
+    book = sched.book
+    if not isinstance(book.cache, RadixCache):
+        return False
+    ps = book.page_size
+    need = max(SHARE_WAIT_TOKENS, ps)
+    limit = len(tokens) - 1
+    if limit - hit_len < need:
+        return False
+    for r in sched.running:
+        if r.prefix_pages * ps + need > r.fill_to:
+            continue  # its prompt is (as good as) cached already
+        n = min(limit, r.fill_to)
+        if n - hit_len < need or r.tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]:
+            continue
+        return True
+    return False
