@@ -1,21 +1,35 @@
 """The whole scheduler driven by the fake executor: tiny pools, shared prefixes, abort, overlap.
 
 After every rule the ledger invariants hold; every emitted token is the fake model's greedy token for
-that request run alone; finished requests end exactly as the model run alone would.
+that request run alone; finished requests end exactly as the model run alone would. Every step admits
+from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its token
+budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a shared prefix
+and the shared-prefix wait, and the run asserts that each of them was reached and prints how often.
 """
 
+import collections
 import functools
 from collections import deque
 
 import pytest
+from hypothesis import event, target
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from compiled_engine.scheduler import Batch, RequestRejected, SamplingParams, Scheduler, SchedulerConfig
 from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
 EOS = (0, 1)
+PATHS = ("retraction", "eviction", "dedup", "prefix wait")
+REACHED: collections.Counter[str] = collections.Counter()  # examples that reached each path
 
 
 def guarded(f):
@@ -35,7 +49,7 @@ def guarded(f):
 request_args = st.fixed_dictionaries(
     {
         "base": st.integers(0, 1),
-        "keep": st.integers(0, 8),
+        "keep": st.one_of(st.just(8), st.integers(0, 8)),  # whole shared bases often: prefix sharing
         "suffix": st.lists(st.integers(0, VOCAB - 1), max_size=4),
         "max_tokens": st.integers(0, 8),
         "min_tokens": st.integers(0, 2),
@@ -55,9 +69,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         mixed=st.booleans(),
         prefix_cache=st.sampled_from(["radix", "naive"]),
         lag=st.sampled_from([0, 1]),
+        share_wait=st.sampled_from([1, 2, 3, 32]),
         bases=st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2),
     )
-    def setup(self, page_size, num_pages, max_running, max_context, chunk_budget, mixed, prefix_cache, lag, bases):
+    def setup(self, page_size, num_pages, max_running, max_context, chunk_budget, mixed, prefix_cache, lag, share_wait,
+              bases):
         self.cfg = SchedulerConfig(
             num_pages=num_pages,
             page_size=page_size,
@@ -67,6 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             mixed=mixed,
             prefix_cache=prefix_cache,
             eos_token_ids=EOS,
+            share_wait_tokens=share_wait,
         )
         self.sched = Scheduler(self.cfg)
         self.exe = FakeExecutor(self.cfg, vocab_size=VOCAB)
@@ -145,7 +162,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
 
     def step(self):
-        batch = self.sched.schedule() if len(self.pending) <= self.lag else None
+        batch = self.plan() if len(self.pending) <= self.lag else None
         if batch is not None:
             self.pending.append((batch, self.exe.execute(batch)))
         if self.pending and (batch is None or len(self.pending) > self.lag):
@@ -153,6 +170,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif batch is None:
             assert not self.sched.has_work(), "stalled: work left, nothing planned, nothing in flight"
         self.sched.check_integrity()
+
+    def plan(self) -> Batch | None:
+        """schedule(), checking that it admitted a prefix of the waiting queue and kept its budget."""
+        before = [r.rid for r in self.sched.waiting]
+        batch = self.sched.schedule()
+        still = {r.rid for r in self.sched.waiting}
+        admitted = [rid for rid in before if rid not in still]
+        assert admitted == before[: len(admitted)], f"admission overtook the queue: {before} -> admitted {admitted}"
+        if batch is not None:
+            assert len(batch.reqs) <= self.cfg.max_running, "more requests in a step than max_running"
+            chunks = [rs for rs in batch.reqs if rs.start < self.sched.get_request(rs.rid).fill_to]
+            prefill = sum(rs.length for rs in chunks)
+            decodes = len(batch.reqs) - len(chunks)
+            if self.cfg.mixed:
+                assert prefill <= max(0, self.cfg.chunk_budget - decodes), f"prefill {prefill} over the budget"
+            else:
+                assert prefill <= self.cfg.chunk_budget and not (prefill and decodes), "a mixed or oversized step"
+        return batch
 
     @precondition(lambda self: self.pending)
     @rule()
@@ -198,6 +233,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         if hasattr(self, "sched") and not getattr(self, "broken", False):
             self.drain()
             self.sched.check_integrity()
+            counts = {
+                "retraction": self.sched.num_retractions,
+                "eviction": self.sched.cache.num_evicted_pages,
+                "dedup": self.sched.book.num_dedup_pages,
+                "prefix wait": self.sched.num_prefix_waits,
+            }
+            for path, count in counts.items():
+                target(float(count), label=path)
+                if count:
+                    event(path)
+                    REACHED[path] += 1
 
 
-TestScheduler = SchedulerMachine.TestCase
+def test_scheduler_machine_reaches_every_path() -> None:
+    REACHED.clear()
+    run_state_machine_as_test(SchedulerMachine)
+    print("scheduler machine: examples reaching each path:", dict(REACHED))
+    assert all(REACHED[path] for path in PATHS), f"paths never reached: {dict(REACHED)}"

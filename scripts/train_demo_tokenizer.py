@@ -1,4 +1,4 @@
-"""Train the demo tokenizer shipped as compiled_engine/demo/tokenizer.model (run once, by hand).
+"""Train the demo tokenizer shipped as compiled_engine/models/demo_tokenizer/tokenizer.model (run once, by hand).
 
 Corpus: the Python standard library's top-level sources plus Debian's license texts. The shipped file,
 not this script, is what makes the demo model byte-identical everywhere.
@@ -11,7 +11,7 @@ import sysconfig
 
 import sentencepiece as spm
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "compiled_engine", "demo", "tokenizer.model")
+OUT = os.path.join(os.path.dirname(__file__), "..", "compiled_engine", "models", "demo_tokenizer", "tokenizer.model")
 
 
 def main() -> None:

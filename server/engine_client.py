@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from compiled_engine.engine import TokenOutput
-from compiled_engine.ranks.launcher import EngineHandle
+from compiled_engine.ranks.launcher import EngineFailure, EngineHandle
 from compiled_engine.ranks.messages import (
     Abort,
     Add,
@@ -81,7 +81,6 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
-        self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self.dead_reason: str | None = None
@@ -135,10 +134,9 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         try:
-            with self._send_lock:
-                self.handle.conn.send(msg)
-        except (OSError, ValueError) as e:
-            self._die(f"the engine channel is closed ({e})")
+            self.handle.send(msg)
+        except EngineFailure as e:
+            self._die(str(e))
             raise EngineDead(self.dead_reason) from None
 
     async def stats(self, timeout_s: float, check_integrity: bool = False) -> StatsReply:
@@ -156,9 +154,9 @@ class EngineClient:
     def _read(self) -> None:
         while True:
             try:
-                events = self.handle.conn.recv()
-            except (EOFError, OSError):
-                reason = "engine rank 0 exited"
+                events = self.handle.recv()
+            except EngineFailure as e:
+                reason = str(e)  # which rank died or hung, from the launcher's monitor
                 break
             fatal = next((ev for ev in events if isinstance(ev, Fatal)), None)
             try:
@@ -166,9 +164,8 @@ class EngineClient:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 return
             if fatal is not None:
-                reason = fatal.message
+                reason = self.handle.explain(fatal.message)
                 break
-        reason = self.handle.explain(reason)  # which rank died or hung, from the launcher's monitor
         with contextlib.suppress(RuntimeError):  # the loop is already closed
             self._loop.call_soon_threadsafe(self._die, reason)
 

@@ -4,7 +4,7 @@ It is created deterministically on first use in a cache folder, in standard Hugg
 (config.json, generation_config.json, model.safetensors, tokenizer files with a chat template), so
 every command that takes `--model` can default to it without a download. The same repo commit gives
 byte-identical files on every machine: weights come from per-tensor seeded generators and the
-sentencepiece tokenizer ships in the package (`compiled_engine/demo/tokenizer.model`).
+sentencepiece tokenizer ships in the package (`compiled_engine/models/demo_tokenizer/tokenizer.model`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ TOKENIZER_CONFIG = {
     "chat_template": CHAT_TEMPLATE,
 }
 
-_SPM_FILE = Path(__file__).with_name("demo") / "tokenizer.model"
+_SPM_FILE = Path(__file__).with_name("demo_tokenizer") / "tokenizer.model"
 
 
 def cache_root() -> Path:

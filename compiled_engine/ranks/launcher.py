@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -18,6 +19,7 @@ from compiled_engine.ranks.monitor import RankMonitor
 from compiled_engine.ranks.rank_loop import RankSpec, run_rank
 
 EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
+POLL_S = 0.5  # how often a blocked receive checks that the ranks are alive
 
 
 class EngineStartError(RuntimeError):
@@ -36,12 +38,32 @@ def free_port() -> int:
 
 @dataclass
 class EngineHandle:
-    """The running ranks: `conn` is the private channel to rank 0 (inputs in, event lists out)."""
+    """The running ranks and the private channel to rank 0: `send` inputs (one message, or a list that
+    reaches one step together), `recv` event lists. Both raise EngineFailure, explained, when the engine
+    is gone; every client of the ranks (`RemoteEngine`, the server's `EngineClient`) goes through them."""
 
     conn: Connection
     procs: list[BaseProcess]
     ready: Ready
     monitor: RankMonitor
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, msg: object) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+        except (OSError, ValueError) as e:
+            raise EngineFailure(self.explain(f"the channel to engine rank 0 closed ({e})")) from None
+
+    def recv(self) -> list:
+        """The next event list (blocks; checks every POLL_S that the ranks are alive)."""
+        try:
+            while not self.conn.poll(POLL_S):
+                if not self.is_alive():
+                    raise EngineFailure(self.explain("an engine rank is gone"))
+            return self.conn.recv()
+        except (EOFError, OSError, ValueError):
+            raise EngineFailure(self.explain("engine rank 0 exited")) from None
 
     def is_alive(self) -> bool:
         return self.monitor.failure is None and all(p.is_alive() for p in self.procs)

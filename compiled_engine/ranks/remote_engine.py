@@ -22,8 +22,6 @@ from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import SchedulerStats
 from compiled_engine.scheduler.validation import check_request
 
-POLL_S = 0.5  # how often a blocked step() checks that the ranks are alive
-
 
 class RemoteEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -97,17 +95,10 @@ class RemoteEngine:
     def _recv(self) -> list:
         if self._closed:
             raise EngineFailure("the engine was shut down")
-        conn = self.handle.conn
-        try:
-            if self._outbox:
-                conn.send(self._outbox)
-                self._outbox = []
-            while not conn.poll(POLL_S):
-                if not self.handle.is_alive():
-                    raise EngineFailure(self.handle.explain("an engine rank is gone"))
-            return conn.recv()
-        except (EOFError, OSError, ValueError):
-            raise EngineFailure(self.handle.explain("the channel to engine rank 0 closed")) from None
+        if self._outbox:
+            self.handle.send(self._outbox)
+            self._outbox = []
+        return self.handle.recv()
 
 
 class _RemoteScheduler:

@@ -16,6 +16,8 @@ class SchedulerConfig:
     prefix_cache: str = "radix"  # "radix" | "naive"
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids at or above are rejected at admission (None: unchecked)
+    # a waiting request defers admission one step to reuse this many tokens of a running prefill
+    share_wait_tokens: int = 32
 
     @property
     def max_rows(self) -> int:
@@ -37,5 +39,7 @@ class SchedulerConfig:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
         if self.chunk_budget < 1:
             raise ValueError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
+        if self.share_wait_tokens < 1:
+            raise ValueError(f"share_wait_tokens must be >= 1, got {self.share_wait_tokens}")
         if self.prefix_cache not in ("radix", "naive"):
             raise ValueError(f"prefix_cache must be 'radix' or 'naive', got {self.prefix_cache!r}")

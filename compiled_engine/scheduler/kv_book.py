@@ -38,6 +38,7 @@ class KvBook:
         )
         self.deferred: list[DeferredRelease] = []
         self.committed = -1  # id of the last committed step
+        self.num_dedup_pages = 0  # private pages replaced by the cache's copies of the same tokens
         self._rewrites: list[Request] = []
 
     # -- pages -----------------------------------------------------------------------------------
@@ -125,6 +126,7 @@ class KvBook:
         self.cache.unlock(req.lock)
         req.lock = handle
         req.prefix_pages = m
+        self.num_dedup_pages += len(dups)
         if not dups or not live:
             return dups
         lo, hi = first * ps, m * ps

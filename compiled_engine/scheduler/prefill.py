@@ -14,8 +14,6 @@ from compiled_engine.scheduler.request import Request, Status
 if TYPE_CHECKING:
     from compiled_engine.scheduler.scheduler import Scheduler
 
-SHARE_WAIT_TOKENS = 32  # a waiting request defers admission to reuse this many tokens of a running prefill
-
 
 def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
     book = sched.book
@@ -43,6 +41,7 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
         tokens = req.tokens()
         handle, hit = book.cache.match(tokens[:-1])
         if _shares_pending_prefix(sched, tokens, len(hit) * ps):
+            sched.num_prefix_waits += 1
             return  # wait a step: a running prefill is about to cache what this request would recompute
         book.cache.lock(handle)
         row = book.rows.alloc_one()
@@ -92,7 +91,7 @@ def plan_chunk(book: KvBook, req: Request, draft: StepDraft, budget: int, write_
 
 def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: int) -> bool:
     """True when a running request's prompt, not yet in the radix cache, shares at least
-    `SHARE_WAIT_TOKENS` (and a page) more tokens with `tokens` than the cache already gives.
+    `config.share_wait_tokens` (and a page) more tokens with `tokens` than the cache already gives.
 
     Requests arriving together with a new common prefix would otherwise each prefill it in full; the later
     ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached tail is
@@ -101,7 +100,7 @@ def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: i
     if not isinstance(book.cache, RadixCache):
         return False
     ps = book.page_size
-    need = max(SHARE_WAIT_TOKENS, ps)
+    need = max(sched.config.share_wait_tokens, ps)
     limit = len(tokens) - 1
     if limit - hit_len < need:
         return False

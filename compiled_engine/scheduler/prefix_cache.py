@@ -15,6 +15,7 @@ class PrefixCache(ABC):
     root: object  # handle of the empty prefix; locking it protects nothing
     hit_tokens: int
     queried_tokens: int
+    num_evicted_pages: int  # pages evicted so far
 
     @abstractmethod
     def match(self, tokens: Sequence[int]) -> tuple[object, tuple[int, ...]]:
@@ -79,6 +80,7 @@ class NaiveCache(PrefixCache):
         self.root = object()
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.num_evicted_pages = 0
 
     def match(self, tokens: Sequence[int]) -> tuple[object, tuple[int, ...]]:
         return self.root, ()

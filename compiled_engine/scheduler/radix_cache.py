@@ -39,6 +39,7 @@ class RadixCache(PrefixCache):
         self.hit_tokens = 0
         self.queried_tokens = 0
         self._num_nodes = 0
+        self.num_evicted_pages = 0
         self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, id, node) of unlocked leaves
 
     # -- lookup / insert -------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class RadixCache(PrefixCache):
             parent = node.parent
             self.allocator.free(node.pages)
             freed += len(node.pages)
+            self.num_evicted_pages += len(node.pages)
             self.evictable_size -= len(node.key)
             self._num_nodes -= 1
             del parent.children[node.key[: self.page_size]]

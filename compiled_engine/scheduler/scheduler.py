@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order (retraction takes the last)
         self.inflight: deque[tuple[Batch, tuple[Request, ...]]] = deque()
         self.num_retractions = 0
+        self.num_prefix_waits = 0  # steps a waiting request deferred admission to share a running prefill
         self._eos = frozenset(config.eos_token_ids)
         self._next_step = 0
 

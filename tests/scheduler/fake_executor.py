@@ -1,8 +1,9 @@
-"""A deterministic pseudo-model that executes plans without torch, through simulated tables.
+"""A deterministic pseudo-model that executes plans without torch, through simulated tables (test-only).
 
 The next token is a hash chain over the sequence; the chain value of every position is read back
 through the simulated page table and KV pool, so a wrong slot, a missing table write or a stale page
-changes the output (and, with ``verify``, fails an assertion naming the problem).
+changes the output (and, with ``verify``, fails an assertion naming the problem: each slot must hold this
+row's position, token and chain value, so a stale page with the same token at the same position is caught).
 """
 
 from __future__ import annotations
@@ -68,13 +69,18 @@ class FakeExecutor:
             row = rs.row
             assert rs.length >= 1 and len(rs.out_slots) == rs.length, f"{rs.rid}: bad step length {rs.length}"
             tokens, table = self.token_table[row], self.page_table[row]
+            h = self._read(table, tokens, rs.start - 1, rs.rid)[2] if rs.start else 0
             if self.verify:
                 self._check_not_in_flight(rs.rid, rs.out_slots, row)
-                for q in range(rs.start):
-                    self._read(table, tokens, q, rs.rid)
+                chain = 0
+                for q in range(rs.start):  # every slot holds this row's chain value: no stale page
+                    entry = self._read(table, tokens, q, rs.rid)
+                    chain = mix(chain, tokens[q], q)
+                    assert entry[2] == chain, (
+                        f"{rs.rid}: position {q} reads slot {table[q]}: the right token, another sequence's KV"
+                    )
                 slots_used.update((s, rs.rid) for s in table[: rs.start + rs.length])
                 rows_used[row] = rs.rid
-            h = self._read(table, tokens, rs.start - 1, rs.rid)[2] if rs.start else 0
             for i in range(rs.length):
                 p = rs.start + i
                 slot = rs.out_slots[i]

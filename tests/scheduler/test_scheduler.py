@@ -68,6 +68,34 @@ def test_duplicate_prefix_insert_frees_duplicates_and_rewrites_row():
     assert outputs(events) == {"a": ref(prompt, 4), "b": ref(prompt, 4)}
 
 
+def test_duplicate_prefix_under_overlap_frees_duplicates_only_after_the_step_reading_them():
+    """Lag 1: b's next step is in flight, reading its own copies of the prefix, when the commit of the first
+    step finds them duplicated: they stay b's until that step commits, then the row is rewritten."""
+    sched, exe = make(page_size=2)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    sched.add_request("a", prompt, SamplingParams(max_tokens=4))
+    sched.add_request("b", prompt, SamplingParams(max_tokens=4))
+    first = step(sched, exe)
+    b = sched.get_request("b")
+    b_pages_before = list(b.pages)
+    second = step(sched, exe)  # planned before the first commits (overlap)
+    events = commit(sched, exe, first)
+    a = sched.get_request("a")
+    dups = [p for p in b_pages_before[:4] if p not in a.pages]
+    assert len(dups) == 4 and b.pages[:4] == a.pages[:4]
+    assert not any(sched.allocator.is_free(p) for p in dups), "freed while the in-flight step reads them"
+    sched.check_integrity()
+    third = step(sched, exe)  # the row rewrite goes out with the next plan
+    rewrite = [w for w in third[0].slot_writes if w.row == b.row and w.start == 0]
+    assert rewrite and rewrite[0].slots == tuple(a.pages[i // 2] * 2 + i % 2 for i in range(8))
+    events += commit(sched, exe, second)
+    assert all(sched.allocator.is_free(p) for p in dups)
+    events += commit(sched, exe, third) + run_to_completion(sched, exe, lag=1)
+    sched.check_integrity()
+    assert sched.book.num_dedup_pages >= 4  # and the pages of their (identical) outputs later
+    assert outputs(events) == {"a": ref(prompt, 4), "b": ref(prompt, 4)}
+
+
 def test_overlap_finished_request_pages_not_reused_while_in_flight_and_no_token_after_stop():
     prompt = [5, 6, 7, 8]
     expected = ref(prompt, 10)
