@@ -29,7 +29,7 @@ class EngineConfig:
     # is captured per bucket); 0: no static decode graph
     max_bucket: int | None = None
     # None: on with CUDA; off on the CPU, where the planning thread competes with the compute threads for
-    # the cores (measured 0.7-0.9x the throughput of no overlap on 2 cores; docs/benchmarks.md).
+    # the cores (slower than no overlap on 2 cores: docs/benchmarks.md).
     overlap: bool | None = None
     seed: int = 0
     tp_size: int = 1

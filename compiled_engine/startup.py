@@ -28,6 +28,7 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import Batch, ReqStep
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler
+from kernels import ops as kernel_ops
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     device = resolve_device(config.device)
     if device.type == "cpu":
         keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
+        kernel_ops.load_cpu_kernels()  # the native CPU kernels (built once; a no-op where already loaded)
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
     model, hf_config = load_model(model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format)
@@ -132,8 +134,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
     engine.compile_report = report
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
-    # otherwise re-scan ~470k objects (torch, transformers, the graphs): ~0.46 s pauses in the middle of
-    # serving on the bench model. `Engine.shutdown` gives them back.
+    # otherwise re-scan every object of torch, transformers and the graphs: long pauses in the middle of
+    # serving (docs/benchmarks.md). `Engine.shutdown` gives them back.
     gc.collect()
     gc.freeze()
     return engine

@@ -18,6 +18,7 @@ import torch._inductor.config as inductor_config
 from compiled_engine.config import COMPILE_MODE_NAMES
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner import precompiled
+from compiled_engine.runner.attention_backend import PAGED
 from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.step_inputs import StepInputs
 
@@ -207,14 +208,11 @@ class _CapturedDecode:
             self.output = fn(*args)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
-        s, m = self.inputs, self.inputs.meta
+        s = self.inputs
         s.input_ids.copy_(inputs.input_ids)
         s.positions.copy_(inputs.positions)
         s.logits_index.copy_(inputs.logits_index)
-        m.out_slots.copy_(inputs.meta.out_slots)
-        m.page_table.copy_(inputs.meta.page_table)
-        m.seq_lens.copy_(inputs.meta.seq_lens)
-        m.cu_q_lens.copy_(inputs.meta.cu_q_lens)
+        PAGED.copy_for_replay(s.meta, inputs.meta)
         self.graph.replay()
         return self.output
 
@@ -222,6 +220,6 @@ class _CapturedDecode:
 def _mark_dynamic(args: tuple) -> tuple:
     """`args` of a dynamic graph, with the token / request / sampled-row dimension of each tensor marked."""
     _, input_ids, positions, meta, logits_index = args
-    for t in (input_ids, positions, logits_index, meta.out_slots, meta.page_table, meta.seq_lens, meta.cu_q_lens):
+    for t in (input_ids, positions, logits_index, *PAGED.dynamic_tensors(meta)):
         torch._dynamo.mark_dynamic(t, 0)
     return args

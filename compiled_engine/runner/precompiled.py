@@ -27,8 +27,8 @@ counts: Counter[str] = Counter()
 class Precompiled:
     """A precompiled graph behind its guards, with the lazily compiled graph for inputs they reject.
 
-    The guards check every weight and cache tensor of the model: about 125 us per call on the demo model
-    (a tenth of its decode step). A `static` graph (fixed shapes: a decode bucket) therefore checks them
+    The guards check every weight and cache tensor of the model: a noticeable part of a small model's decode
+    step (docs/benchmarks.md). A `static` graph (fixed shapes: a decode bucket) therefore checks them
     once per input signature (`input_signature`: the same objects and tensor layouts pass the same guards)."""
 
     def __init__(self, aot: AOTCompiledFunction, fallback: Callable[..., torch.Tensor], name: str,

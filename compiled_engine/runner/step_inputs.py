@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from compiled_engine.layers.attention import AttentionMetadata
+from compiled_engine.runner.attention_backend import PAGED, AttentionBackend
 from compiled_engine.scheduler.plan import Batch
 
 
@@ -58,7 +59,8 @@ class StepInputs:
     sample_next_pos: list[int]  # where each sampled token lands in the token table
 
 
-def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None) -> StepInputs:
+def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None,
+                      attention: AttentionBackend = PAGED) -> StepInputs:
     """Tensors for one step. `pad_to`: the decode bucket size (decode batches only)."""
     reqs = batch.reqs
     pad = tables.pad_row
@@ -97,13 +99,8 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None) ->
     t = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
     rows_t, pos_t = t(rows), t(positions)
     input_ids = tables.tokens[t(token_rows), pos_t]
-    meta = AttentionMetadata(
-        out_slots=t(out_slots),
-        page_table=tables.slots.index_select(0, rows_t),
-        seq_lens=t(seq_lens, torch.int32),
-        cu_q_lens=t(cu, torch.int32),
-        is_decode=batch.is_decode,
-    )
+    meta = attention.metadata(tables.slots.index_select(0, rows_t), t(out_slots), t(seq_lens, torch.int32),
+                              t(cu, torch.int32), batch.is_decode)
     sample_rows = [reqs[i].row for i in sampled]
     sample_next_pos = [seq_lens[i] for i in sampled]
     return StepInputs(input_ids, pos_t, meta, t(logits_index), len(sampled), rows_t, sample_rows, sample_next_pos)

@@ -166,7 +166,7 @@ def _extend_one(out, q, k_cache, v_cache, page_table, r: _Req, scale: float, sli
         mask = kv_pos <= q_pos
         if sliding_window > 0:
             mask &= kv_pos > q_pos - sliding_window
-    # 4-D inputs: SDPA sends 3-D ones to its slow math fallback (7x slower at 512 tokens).
+    # 4-D inputs: SDPA sends 3-D ones to its slow math fallback.
     q_end = r.q_start + r.q_len
     attended = _attend(q[None, r.q_start : q_end].transpose(1, 2), k[None], v[None], mask, scale, soft_cap)
     out[r.q_start : q_end] = attended[0].transpose(0, 1)

@@ -1,4 +1,5 @@
-"""Example tests of the scheduler core, one per ledger pitfall in REFERENCE.md and per feature."""
+"""Example tests of the scheduler core, one per known ledger pitfall of the field (docs/architecture.md, "The
+ledger") and per feature."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ constexpr int64_t kTile = 16;        // query rows per AMX tile
 constexpr int64_t kItemRows = 128;   // query rows per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Every buffer the AMX tiles and the softmax vectors stream starts on a cache line: with malloc's 16-byte
-// alignment each 64-byte tile row or vector would span two lines, and the kernel ran ~1.3x slower (the
-// packed blocks alone, 16 bytes off: 1.21-1.36x; measured by timing two builds of this file alternately).
+// alignment each 64-byte tile row or vector would span two lines, and the kernel ran measurably slower
+// (docs/benchmarks.md, timed by scripts/ab_extend_attention.py).
 constexpr int64_t kAlign = 64;
 
 template <typename T>

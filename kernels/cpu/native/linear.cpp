@@ -12,7 +12,7 @@ namespace {
 // bf16 linear on AMX tiles. The weight [N, K] is packed once into panels of 64 output columns; panel p holds,
 // for each pair of input features kk, the 64 columns' two values (256 bytes): rows of an AMX B tile (16
 // pairs x 16 columns) are then 256 bytes apart, and each panel is one sequential stream. Decode is bound by
-// reading the weights: this streams them at ~21 GB/s on 2 cores where oneDNN's packed GEMV reaches ~14.
+// reading the weights: this streams them faster than oneDNN's packed GEMV (docs/benchmarks.md).
 constexpr int64_t kPanel = 64;
 
 // Tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-7: B (16 pairs x 16 columns).
