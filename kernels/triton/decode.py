@@ -8,7 +8,7 @@ with its base-2 log-sum-exp. Stage 2: one program per (row, head) merges the spl
 import triton
 import triton.language as tl
 
-from kernels.triton.softmax import online_softmax_step, qk_dot, scores_log2
+from kernels.triton.softmax import load_kv_block, online_softmax_step, qk_dot, scores_log2
 
 
 @triton.jit
@@ -64,16 +64,8 @@ def decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slot = tl.load(row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_cache + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :], mask=kv_mask, other=0.0
-        )
+        _, n_mask, k, v = load_kv_block(k_cache, v_cache, row, n0, end, kv_head, offs_d, d_mask, stride_k_s,
+                                        stride_k_h, stride_v_s, stride_v_h, BLOCK_N)
         s = scores_log2(qk_dot(qh, k, DOT_FP32), scale, soft_cap, SOFT_CAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)

@@ -8,7 +8,7 @@ ceil(T / BLOCK_M) + B programs per head cover every request; surplus programs ex
 import triton
 import triton.language as tl
 
-from kernels.triton.softmax import online_softmax_step, qk_dot, scores_log2
+from kernels.triton.softmax import load_kv_block, online_softmax_step, qk_dot, scores_log2
 
 
 @triton.jit
@@ -74,16 +74,8 @@ def extend_kernel(
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     table_row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        slot = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_cache + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :], mask=kv_mask, other=0.0
-        )
+        offs_n, n_mask, k, v = load_kv_block(k_cache, v_cache, table_row, n0, hi, kv_head, offs_d, d_mask, stride_k_s,
+                                             stride_k_h, stride_v_s, stride_v_h, BLOCK_N)
         s = scores_log2(qk_dot(qb, k, DOT_FP32), scale, soft_cap, SOFT_CAP)
         keep = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         keep &= (sliding_window <= 0) | (offs_n[None, :] > q_pos[:, None] - sliding_window)

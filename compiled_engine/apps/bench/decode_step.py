@@ -14,7 +14,6 @@ hold the cores; with --threads 1 it is the cleanest signal on a busy machine).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from compiled_engine.apps.bench.models import bench_model_dir
 from compiled_engine.models.loader import load_model
 from compiled_engine.runner.compiled_forward import COMPILE_MODES, CompiledForward
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
@@ -31,25 +31,6 @@ from compiled_engine.scheduler.plan import Batch, ReqStep
 from compiled_engine.scheduler.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams()
-
-
-def _bench_model() -> tuple[str, str]:
-    """(checkpoint dir, load_format): the benchmarks' checkpoint, else the same config with dummy weights."""
-    try:
-        from compiled_engine.apps.bench.models import bench_model_dir
-
-        return str(bench_model_dir()), "auto"
-    except ImportError:
-        config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 768,
-            "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-            "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-        }
-    folder = Path(tempfile.mkdtemp(prefix="bench-llama-"))
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder), "dummy"
 
 
 class Setup:
@@ -132,8 +113,8 @@ def demo_decode(modes: list[str], batches: list[int], context: int, repeats: int
 
 
 def bench_model(modes: list[str], prompt: int, new_tokens: int, prefill: int, rounds: int) -> None:
-    model_dir, load_format = _bench_model()
-    setup = Setup(model_dir, load_format, [1], 2 * (prompt + new_tokens) + 2 * prefill + 16, modes)
+    model_dir = str(bench_model_dir())
+    setup = Setup(model_dir, "auto", [1], 2 * (prompt + new_tokens) + 2 * prefill + 16, modes)
     print(f"\n## bench model (bf16, {model_dir}): batch-1 decode (prompt {prompt}, {new_tokens} new tokens) "
           f"and a {prefill}-token prefill, tokens/s")
     with torch.inference_mode():

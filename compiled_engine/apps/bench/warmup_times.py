@@ -11,20 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from compiled_engine.models.demo import DEMO_CONFIG, DEMO_NAME, demo_model_dir
+from compiled_engine.apps.bench.models import BENCH_NAME, bench_model_dir
+from compiled_engine.models.demo import DEMO_NAME
 from compiled_engine.models.names import SMOLLM2_NAME
 from compiled_engine.runner.buckets import parse_buckets
-
-# A larger random Llama (about 110M parameters), with the demo tokenizer's files.
-LLAMA_768 = DEMO_CONFIG | {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-                           "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 32000}
 
 CHILD = """
 import json, logging, sys, time
@@ -67,18 +63,9 @@ def bench(name: str, kwargs: dict, tmp: Path) -> None:
               f"({r['first_token_s'] / eager['first_token_s']:.1f}x eager)  cache {r['status']}", flush=True)
 
 
-def llama_768_dir(out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    for f in demo_model_dir().iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
-            shutil.copy(f, out / f.name)
-    (out / "config.json").write_text(json.dumps(LLAMA_768, indent=2))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m compiled_engine.apps.bench.warmup_times", description=__doc__)
-    p.add_argument("--models", default=SMOLLM2_NAME, help="comma-separated: smollm2, demo, llama-768")
+    p.add_argument("--models", default=SMOLLM2_NAME, help=f"comma-separated: smollm2, demo, {BENCH_NAME}")
     p.add_argument("--buckets", type=parse_buckets, default=None, help="decode buckets (default: the engine's)")
     p.add_argument("--max-context", type=int, default=2048)
     args = p.parse_args(argv)
@@ -89,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             if name in (DEMO_NAME, SMOLLM2_NAME):
                 bench(name, shape | {"model": name}, Path(tmp))
-            elif name == "llama-768":
-                model = str(llama_768_dir(Path(tmp) / "llama-768-model"))
-                bench(name, shape | {"model": model, "load_format": "dummy"}, Path(tmp))
+            elif name == BENCH_NAME:
+                bench(name, shape | {"model": str(bench_model_dir())}, Path(tmp))
             else:
                 p.error(f"unknown model {name!r}")
     return 0
