@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from compiled_engine.scheduler.allocator import PageAllocator
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.decode import plan_decodes
 from compiled_engine.scheduler.draft import StepDraft
@@ -21,6 +22,7 @@ from compiled_engine.scheduler.integrity import check_integrity
 from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import Batch, TokenEvent
 from compiled_engine.scheduler.prefill import plan_prefills
+from compiled_engine.scheduler.prefix_cache import PrefixCache
 from compiled_engine.scheduler.request import Request, Status
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.validation import RequestRejected, check_request
@@ -54,11 +56,11 @@ class Scheduler:
         self._next_step = 0
 
     @property
-    def allocator(self):
+    def allocator(self) -> PageAllocator:
         return self.book.allocator
 
     @property
-    def cache(self):
+    def cache(self) -> PrefixCache:
         return self.book.cache
 
     # -- inputs ----------------------------------------------------------------------------------
