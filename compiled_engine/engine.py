@@ -4,6 +4,11 @@ With overlap (the default on CUDA) step k+1 is planned and launched before step 
 forward runs in a worker thread (which queues device work in order), and the token sampled at step k is
 read from the device token table by step k+1. The scheduler defers frees until no in-flight step can
 touch the pages, and drops tokens sampled after a request finished.
+
+Structured output: a constrained request's grammar fills its token mask when its step is launched and
+advances when its token commits; the request ends when the grammar does. Under overlap the scheduler does
+not plan a constrained request while its previous token is in flight, so a mask is always computed from
+committed tokens, and unconstrained requests never wait for one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.constraints import GrammarBook, RequestGrammar
 from compiled_engine.runner.model_runner import ModelRunner, StepOutput
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.runner.step_inputs import StepInputs
@@ -49,6 +55,7 @@ class _Live:
     params: SamplingParams
     generator: torch.Generator | None
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
+    grammar: RequestGrammar | None = None  # structured output
 
 
 class Engine:
@@ -68,6 +75,7 @@ class Engine:
         self.steps = 0
         self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
         self.compile_report: CompileReport | None = None  # set by build_engine (None: eager)
+        self.grammars: GrammarBook | None = None  # set by build_engine: structured output
 
     @property
     def compile_summary(self) -> str:
@@ -76,12 +84,18 @@ class Engine:
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError (RequestRejected) with a clear message if it can never run."""
+        grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
+            params.structured.validate()
+            grammar = self.grammars.for_request(params.structured)  # ValueError for a bad constraint
         self.scheduler.add_request(rid, prompt_ids, params)  # validates it
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
-        self._live[rid] = _Live(len(prompt_ids), params, generator, banned)
+        self._live[rid] = _Live(len(prompt_ids), params, generator, banned, grammar)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -128,8 +142,13 @@ class Engine:
                     continue
                 seq_len = req.start + req.length
                 generated = seq_len - info.prompt_len
-                row = SamplingRow(info.params, info.generator,
-                                  info.banned if generated < info.params.min_tokens else ())
+                banned = info.banned if generated < info.params.min_tokens else ()
+                mask = None
+                if info.grammar is not None:
+                    mask = info.grammar.next_mask()
+                    if info.grammar.complete:
+                        banned = ()  # a complete document ends now, min_tokens or not
+                row = SamplingRow(info.params, info.generator, banned, token_mask=mask)
                 if needs_history(info.params):
                     row.prompt_ids, row.output_ids = self.runner.history(req.row, info.prompt_len, seq_len)
                 out.append(row)
@@ -150,7 +169,16 @@ class Engine:
         events = []
         for ev in self.scheduler.commit(batch, output.tokens):
             lp, top = extras.get(ev.rid, (None, None)) if ev.token is not None else (None, None)
-            events.append(TokenOutput(ev.rid, ev.token, ev.finished, ev.finish_reason, lp, top))
-            if ev.finished:
+            finished, reason = ev.finished, ev.finish_reason
+            grammar = self._grammar_of(ev.rid) if ev.token is not None and not finished else None
+            if grammar is not None and (not grammar.accept(ev.token) or grammar.terminated):
+                self.scheduler.finish(ev.rid, "stop")  # the document is complete (or cannot go on)
+                finished, reason = True, "stop"
+            events.append(TokenOutput(ev.rid, ev.token, finished, reason, lp, top))
+            if finished:
                 self._live.pop(ev.rid, None)
         return events
+
+    def _grammar_of(self, rid: str) -> RequestGrammar | None:
+        info = self._live.get(rid)
+        return None if info is None else info.grammar

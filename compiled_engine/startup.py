@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.constraints import GrammarBook
 from compiled_engine.engine import Engine
 from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
@@ -28,6 +30,7 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import Batch, ReqStep
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler
+from compiled_engine.tokenization import load_tokenizer
 from kernels import ops as kernel_ops
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
     engine.compile_report = report
+    engine.grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
     # otherwise re-scan every object of torch, transformers and the graphs: long pauses in the middle of
     # serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

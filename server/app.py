@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from compiled_engine.constraints import GrammarBook
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.loader import load_config
 from compiled_engine.models.names import resolve_model
@@ -46,7 +47,8 @@ def create_app(config: ServerConfig) -> Starlette:
         tokenizer, limits, handle = await asyncio.to_thread(_start_engine, config)
         client = EngineClient(handle, config.max_queue)
         client.start()
-        app.state.server = ServerState(config, client, tokenizer, limits, Metrics(), config.engine.model)
+        grammars = GrammarBook(lambda: tokenizer, limits.vocab_size)
+        app.state.server = ServerState(config, client, tokenizer, limits, Metrics(), config.engine.model, grammars)
         try:
             yield
         finally:

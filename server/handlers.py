@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -95,6 +96,18 @@ def check_model(st: ServerState, model: str | None) -> None:
         raise ProtocolError(f"the model '{model[:100]}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in st.model_names)}", "model", status=404,
                             code="model_not_found")
+
+
+async def check_constraint(st: ServerState, req: GenerationRequest) -> None:
+    """400 naming the field for a constraint that does not compile (a bad schema, regex or grammar), before
+    it reaches the engine. Compiling runs off the event loop (the first one also imports xgrammar)."""
+    spec = req.params.structured
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(st.grammars.compile, spec)
+    except ValueError as e:
+        raise ProtocolError(str(e), req.structured_param) from None
 
 
 def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts: list[list[int]],

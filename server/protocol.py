@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.sampling_params import SamplingParams, StructuredOutput
+from server.request_errors import ProtocolError, check_fields
+from server.structured import native_constraint, openai_constraint
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -20,25 +22,16 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n"})
-_COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "stream", "stream_options", "user"}
+_COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "stream", "stream_options", "user", "response_format",
+                                    "structured_outputs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
-NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {"max_new_tokens", "max_tokens", "logprobs"}
+NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {"max_new_tokens", "max_tokens", "logprobs", "json_schema", "regex", "ebnf"}
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
 MESSAGE_FIELDS = frozenset({"role", "content"})
 
 Prompt = str | list[int]
-
-
-class ProtocolError(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +47,7 @@ class GenerationRequest:
     params: SamplingParams  # n and the sampling fields; max_tokens resolved per prompt later
     max_tokens: int | None  # None: the endpoint's default
     max_tokens_param: str
+    structured_param: str | None = None  # the field the output constraint came from (for its 400s)
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -72,14 +66,6 @@ class ChatRequest(GenerationRequest):
 
 
 # ---- field readers -------------------------------------------------------------------------------
-def check_fields(body: dict, allowed: frozenset[str], where: str = "") -> None:
-    """400 on the first present field that is not in `allowed` (null counts as absent)."""
-    for name, value in body.items():
-        if name not in allowed and value is not None:
-            field = f"{where}.{name}" if where else name
-            raise ProtocolError(f"'{field[:64]}' is not supported by this server", field[:64])
-
-
 def check_text(value: object, where: str = "") -> None:
     """400 naming the first string (or object key) in a parsed JSON body that is not valid Unicode text: a
     lone UTF-16 surrogate (JSON "\\ud800") decodes to a str that has no UTF-8 form, so no tokenizer,
@@ -165,7 +151,8 @@ def token_ids(value: object, name: str, vocab_size: int) -> list[int]:
 
 
 # ---- sampling ------------------------------------------------------------------------------------
-def sampling_params(body: dict, limits: Limits, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: dict, limits: Limits, logprobs: int | None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     """The sampling fields shared by every endpoint (max_tokens is resolved later, per prompt)."""
     temperature = get_float(body, "temperature", 1.0, 0.0, 100.0)
     if temperature < 1e-5:
@@ -188,6 +175,7 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None) -> Samplin
         min_tokens=get_int(body, "min_tokens", 0, 0, limits.max_context),
         stop=_stop(body),
         n=get_int(body, "n", 1, 1, MAX_N),
+        structured=structured,
     )
 
 
@@ -252,10 +240,12 @@ def _common(body: dict, limits: Limits, logprobs: int | None) -> dict:
     if options is not None and not isinstance(options, dict):
         raise ProtocolError("'stream_options' must be an object", "stream_options")
     check_fields(options or {}, STREAM_OPTIONS_FIELDS, "stream_options")
+    structured, structured_param = openai_constraint(body)
     return dict(
-        params=sampling_params(body, limits, logprobs),
+        params=sampling_params(body, limits, logprobs, structured),
         max_tokens=get_int(body, name, None, 0, 2**63),
         max_tokens_param=name,
+        structured_param=structured_param,
         stream=get_bool(body, "stream", False),
         include_usage=get_bool(options or {}, "include_usage", False),
         model=get_str(body, "model", None),
@@ -368,7 +358,9 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     check_fields(sp, NATIVE_SAMPLING_FIELDS, "sampling_params")
     logprobs = get_int(sp, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
-    req = GenerationRequest(params=sampling_params(sp, limits, logprobs), max_tokens=get_int(sp, name, None, 0, 2**63),
-                            max_tokens_param=name, stream=get_bool(body, "stream", False),
+    structured, structured_param = native_constraint(sp)
+    req = GenerationRequest(params=sampling_params(sp, limits, logprobs, structured),
+                            max_tokens=get_int(sp, name, None, 0, 2**63), max_tokens_param=name,
+                            structured_param=structured_param, stream=get_bool(body, "stream", False),
                             model=get_str(body, "model", None))
     return prompt, req

@@ -13,6 +13,7 @@ from compiled_engine.tokenization import encode_chat
 from server.engine_client import EngineDead
 from server.generation import Delta
 from server.handlers import (
+    check_constraint,
     check_model,
     collect,
     endpoint,
@@ -83,6 +84,7 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = parse_completion(await read_json(request), st.limits)
+    await check_constraint(st, req)
     prompts = [tokenize_prompt(st, p) for p in req.prompts]
     gen = new_generation(st, "cmpl", req, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
     n = req.params.n
@@ -119,6 +121,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req: ChatRequest = parse_chat(await read_json(request), st.limits)
+    await check_constraint(st, req)
     try:
         prompt = encode_chat(st.tokenizer, req.messages)
     except ValueError as e:
@@ -153,6 +156,7 @@ async def generate(request: Request) -> Response:
     """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and text."""
     st = state_of(request)
     prompt, req = parse_native(await read_json(request), st.limits)
+    await check_constraint(st, req)
     gen = new_generation(st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS)
 
     def out(d: Delta) -> dict:

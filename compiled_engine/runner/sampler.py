@@ -1,6 +1,7 @@
 """Sampling on the device, per request within one batch.
 
-Order of logit processing (as vLLM): logit_bias and banned ids, repetition / frequency / presence
+Order of logit processing (as vLLM): the structured-output token mask (tokens the request's grammar does
+not allow next), logit_bias and banned ids, repetition / frequency / presence
 penalties, then logprobs are taken from these processed logits, then temperature, top-k, top-p, min-p and
 the draw. Greedy rows (temperature 0, or top_k 1) take the argmax. A seeded request draws from its own
 generator, so its tokens do not depend on its batch neighbours.
@@ -25,6 +26,7 @@ class SamplingRow:
     banned_ids: tuple[int, ...] = ()  # e.g. EOS ids while fewer than min_tokens were generated
     prompt_ids: torch.Tensor | None = None  # device tensors; needed only for penalties
     output_ids: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None  # structured output: packed int32 bitmask of the allowed next tokens
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class Sampler:
         logits = logits.float()
         if any(_processes_logits(r) for r in rows):
             logits = logits.clone()
+            self._apply_token_masks(logits, rows)
             self._apply_bias_and_bans(logits, rows)
             self._apply_penalties(logits, rows)
         out = SampleOutput(tokens=self._draw(logits, rows))
@@ -70,6 +73,17 @@ class Sampler:
             if k > 0:
                 out.top_logprobs, out.top_ids = logp.topk(k, dim=-1)
         return out
+
+    def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        shifts = torch.arange(32, device=logits.device)
+        for i, r in enumerate(rows):
+            if r.token_mask is None:
+                continue
+            words = r.token_mask.to(device=logits.device, dtype=torch.int64)
+            allowed = ((words[:, None] >> shifts) & 1).view(-1)[:vocab].bool()
+            if bool(allowed.any()):
+                logits[i].masked_fill_(~allowed, float("-inf"))
 
     def _apply_bias_and_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         idx_r, idx_c, vals = [], [], []
@@ -151,7 +165,7 @@ class Sampler:
 
 
 def _processes_logits(r: SamplingRow) -> bool:
-    return bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
+    return r.token_mask is not None or bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
 
 
 def _in_vocab(ids: torch.Tensor | None, vocab: int, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Decode planning: one new token for every running request whose prompt is computed, a new page where
-its last one is full, and retraction of the latest-admitted requests when the pool runs dry."""
+its last one is full, and retraction of the latest-admitted requests when the pool runs dry. Under overlap a
+constrained request (structured output) skips a step while its previous token is in flight: its token mask
+is computed from that token. Unconstrained requests never wait for it."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
         d = req.device_len
         if req.status is not Status.RUNNING or c < req.fill_to or d >= req.max_len:
             continue  # retracted in this loop, still prefilling, or finishing at a pending commit
+        if req.sampling.structured is not None and req.last_step > sched.book.committed:
+            continue  # its mask needs the token still in flight: it waits one step (overlap only)
         pages = req.pages
         if c == len(pages) * ps:
             page = _page_for(sched, req)

@@ -4,6 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token (`compiled_engine.constraints`):
+        json     `spec` a JSON schema (text); "" for any JSON object (`response_format: json_object`)
+        regex    `spec` a regular expression the whole output matches
+        choice   `spec` the allowed outputs (a tuple of strings): exactly one of them
+        grammar  `spec` an EBNF grammar (GBNF, as llama.cpp and xgrammar write it; `root` is the start)
+    The request ends when the constraint is complete (or at max_tokens, with "length")."""
+
+    kind: str
+    spec: str | tuple[str, ...]
+
+    def validate(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}",
+               self.kind)
+        if self.kind == "choice":
+            ok = isinstance(self.spec, tuple) and bool(self.spec) and all(isinstance(c, str) and c for c in self.spec)
+            _check(ok, "choice must be a non-empty list of non-empty strings", self.spec)
+        else:
+            _check(isinstance(self.spec, str), f"a {self.kind} constraint is a string", self.spec)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -23,6 +47,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     n: int = 1
+    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -42,6 +67,8 @@ class SamplingParams:
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids)
         if self.logit_bias is not None:
             _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
+        if self.structured is not None:
+            self.structured.validate()
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:

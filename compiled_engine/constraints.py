@@ -1,0 +1,136 @@
+"""Structured output: JSON schemas, regular expressions, choices and EBNF grammars enforced token by token
+with xgrammar (the grammar engine vLLM and SGLang use; it runs on the CPU).
+
+A `GrammarBook` serves one tokenizer: it compiles each constraint once (xgrammar's compiler caches by the
+constraint's text) and gives each request a `RequestGrammar`, whose matcher fills the token mask of the
+request's next step and advances when one of its tokens commits. The sampler applies the mask before any
+other rule, so log-probabilities are those of the masked distribution. xgrammar is imported on the first
+constrained request: it costs seconds to import.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from compiled_engine.scheduler.sampling_params import StructuredOutput
+
+ANY_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
+
+
+class GrammarBook:
+    def __init__(self, tokenizer: Callable[[], object], vocab_size: int,
+                 stop_token_ids: Sequence[int] | None = None) -> None:
+        """`tokenizer`: loads the Hugging Face tokenizer (called once, on the first constrained request);
+        `vocab_size`: the model's (the logits' width); `stop_token_ids`: the ids that end a request (None:
+        the tokenizer's EOS)."""
+        self._load_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = None if stop_token_ids is None else list(stop_token_ids)
+        self._compiler = None
+        self._info = None
+        self._json_mask: torch.Tensor | None = None
+        self._lock = threading.RLock()
+
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar of `spec`; ValueError saying what is wrong with it."""
+        compiler = self._get_compiler()
+        try:
+            if spec.kind == "json":  # compact JSON: no runs of whitespace a weak model could fill its budget with
+                schema = _json_schema_text(spec.spec) if spec.spec else ANY_OBJECT
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.spec))
+            return compiler.compile_grammar(spec.spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
+
+    def for_request(self, spec: StructuredOutput) -> RequestGrammar:
+        import xgrammar as xgr
+
+        extra = self._no_control_characters() if spec.kind == "json" else None
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra)
+
+    def _no_control_characters(self) -> torch.Tensor:
+        """The tokens without a control character (U+0000-U+001F), and the stop tokens, as a packed mask.
+        xgrammar's JSON strings admit raw control characters, which JSON does not (json.loads rejects
+        them); compact JSON needs none outside strings, so JSON constraints also apply this mask."""
+        with self._lock:
+            if self._json_mask is None:
+                self._get_compiler()
+                info = self._info
+                stops = set(info.stop_token_ids)
+                allowed = torch.zeros(-(-self.vocab_size // 32) * 32, dtype=torch.bool)
+                for i, piece in enumerate(info.decoded_vocab[: self.vocab_size]):
+                    allowed[i] = i in stops or (bool(piece) and min(piece) >= 0x20)
+                weights = 1 << torch.arange(32, dtype=torch.int64)
+                words = (allowed.view(-1, 32).to(torch.int64) * weights).sum(1)
+                self._json_mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+            return self._json_mask
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                self._info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+            return self._compiler
+
+
+class RequestGrammar:
+    """One request's matcher: the state after the tokens it has committed. `extra`: a packed mask of tokens
+    allowed on top of the grammar's (None: all)."""
+
+    def __init__(self, matcher, vocab_size: int, extra: torch.Tensor | None = None) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._extra = extra
+
+    def next_mask(self) -> torch.Tensor:
+        """The allowed next tokens as a packed bitmask: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0] if self._extra is None else mask[0] & self._extra
+
+    def accept(self, token: int) -> bool:
+        """Advance past a committed token; False when the grammar does not allow it."""
+        return bool(self._matcher.accept_token(token))
+
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole document: only a stop token may follow."""
+        return bool(self._matcher.is_completed())
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token was accepted after a complete document: the request is over."""
+        return bool(self._matcher.is_terminated())
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices`."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _json_schema_text(schema: str) -> str:
+    try:
+        value = json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the schema is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema is an object")
+    return schema
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,140 @@
+"""Structured output through the offline API, on the engine's default path (compiled) and eager, and at
+TP=2: every output satisfies its constraint, and the constraint composes with n, seeds, logprobs (of the
+masked distribution), min_tokens, max_tokens, stop strings and retraction."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.scheduler.sampling_params import StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3},
+                   "ok": {"type": "boolean"}},
+    "required": ["id", "tags", "ok"],
+}
+JSON = StructuredOutput("json", json.dumps(SCHEMA))
+PROMPTS = ["Hello there", "What is a cat?", "Give me JSON", "1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> LLM:
+    llm = LLM("demo", num_pages=2048, max_running=8)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def eager() -> LLM:
+    llm = LLM("demo", enforce_eager=True, num_pages=2048, max_running=8)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("which", ["compiled", "eager"])
+def test_json_schema_on_both_paths(request, which: str) -> None:
+    llm = request.getfixturevalue(which)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=128, temperature=0, structured=JSON))
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_n_and_seeds_are_reproducible(compiled: LLM) -> None:
+    params = SamplingParams(max_tokens=128, temperature=1.0, seed=5, n=3, structured=JSON)
+    first = [o.text for o in compiled.generate(PROMPTS[:2], params)[0].outputs]
+    again = [o.text for o in compiled.generate(PROMPTS[:2], params)[0].outputs]
+    assert first == again and len(set(first)) > 1
+    for text in first:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_logprobs_are_those_of_the_masked_distribution(eager: LLM) -> None:
+    choices = ("apple", "banana")
+    out = eager.generate("Fruit:", SamplingParams(max_tokens=8, temperature=0, logprobs=64,
+                                                 structured=StructuredOutput("choice", choices)))[0].outputs[0]
+    assert out.text in choices
+    first = [(tok, lp) for tok, lp in out.top_logprobs[0] if lp > -math.inf]
+    assert len(first) < 64, "every allowed first token is among the 64 alternatives"
+    assert math.isclose(sum(math.exp(lp) for _, lp in first), 1.0, rel_tol=1e-4), "the mask renormalizes"
+    for tok, _ in first:
+        piece = eager.tokenizer.decode([tok]).strip()
+        assert any(c.startswith(piece) for c in choices), f"token {piece!r} is not allowed first"
+
+
+def test_limits_compose_with_the_constraint(eager: LLM) -> None:
+    short = eager.generate("x", SamplingParams(max_tokens=3, temperature=0, structured=JSON))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3  # an unfinished document
+    done = eager.generate("x", SamplingParams(max_tokens=32, min_tokens=20, temperature=0,
+                                              structured=StructuredOutput("choice", ("ab",))))[0]
+    assert done.text == "ab" and done.finish_reason == "stop", "a complete document ends, min_tokens or not"
+    stopped = eager.generate("x", SamplingParams(max_tokens=32, temperature=0, stop=("-",),
+                                                 structured=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}")))[0]
+    assert re.fullmatch("[a-c]{3}", stopped.text) and stopped.finish_reason == "stop"
+
+
+def test_retraction_keeps_the_constraint() -> None:
+    """A pool so small that requests are retracted and recomputed: the grammar state survives it."""
+    llm = LLM("demo", enforce_eager=True, num_pages=96, max_running=4, chunk_budget=32)
+    try:
+        outs = llm.generate(PROMPTS * 2, SamplingParams(max_tokens=40, temperature=0, structured=JSON))
+        assert llm.engine.scheduler.num_retractions > 0
+        for out in outs:
+            if out.finish_reason == "stop":
+                jsonschema.validate(json.loads(out.text), SCHEMA)
+        plain = LLM("demo", enforce_eager=True, num_pages=2048, max_running=4)
+        alone = plain.generate(PROMPTS * 2, SamplingParams(max_tokens=40, temperature=0, structured=JSON))
+        assert [o.text for o in outs] == [o.text for o in alone]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_bad_constraint_is_rejected_and_nothing_else_is_disturbed(eager: LLM) -> None:
+    with pytest.raises(ValueError, match="invalid regex"):
+        eager.generate(["fine", "also fine"], [SamplingParams(max_tokens=2),
+                                              SamplingParams(structured=StructuredOutput("regex", "(unclosed"))])
+    assert not eager.engine.has_work()
+    assert eager.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+_bounded = st.one_of(
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 100)),
+    st.just({"type": "boolean"}),
+    st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True).map(
+        lambda values: {"enum": values}),
+    st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.integers(1, 3).map(lambda n: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "minItems": 1, "maxItems": n}),
+)
+_schemas = st.dictionaries(st.text("abcdefgh", min_size=1, max_size=5), _bounded, min_size=1, max_size=3).map(
+    lambda props: {"type": "object", "properties": props, "required": sorted(props)})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_schemas, seed=st.integers(0, 1000))
+def test_random_schemas_always_validate(eager: LLM, schema: dict, seed: int) -> None:
+    out = eager.generate("JSON please", SamplingParams(max_tokens=160, temperature=1.0, seed=seed,
+                                                       structured=StructuredOutput("json", json.dumps(schema))))[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.slow
+def test_tp2_serves_the_same_constrained_outputs(eager: LLM) -> None:
+    tp = LLM("demo", enforce_eager=True, num_pages=2048, max_running=8, tp_size=2)
+    try:
+        params = SamplingParams(max_tokens=128, temperature=0, structured=JSON)
+        assert [o.text for o in tp.generate(PROMPTS, params)] == [o.text for o in eager.generate(PROMPTS, params)]
+    finally:
+        tp.engine.shutdown()
