@@ -43,10 +43,13 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
+    """The chat template's prompt ids; `tools` (OpenAI function tools) go to the template too."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(engine=engine_config(args), api_key=args.api_key, max_queue=args.max_queue, debug=args.debug)
+    config = ServerConfig(engine=engine_config(args), api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,
+                          tool_call_parser=args.tool_call_parser)
     return serve(config, args.host, args.port)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from compiled_engine.engine_args import add_engine_args
+from server.tools import PARSERS
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -14,3 +15,5 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the format of the model's tool calls (default: read from its chat template)")

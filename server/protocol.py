@@ -3,12 +3,15 @@ naming the field (the app turns it into a 400 in the OpenAI error shape)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
 from compiled_engine.scheduler.sampling_params import SamplingParams, StructuredOutput
 from server.request_errors import ProtocolError, check_fields
 from server.structured import native_constraint, openai_constraint
+from server.tools import ToolRequest, parse_tool_request
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -25,11 +28,12 @@ SAMPLING_FIELDS = frozenset({
 _COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "stream", "stream_options", "user", "response_format",
                                     "structured_outputs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "logprobs", "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
 NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {"max_new_tokens", "max_tokens", "logprobs", "json_schema", "regex", "ebnf"}
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
-MESSAGE_FIELDS = frozenset({"role", "content"})
+MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
 Prompt = str | list[int]
 
@@ -63,6 +67,7 @@ class CompletionRequest(GenerationRequest):
 class ChatRequest(GenerationRequest):
     messages: list[dict] | None = None
     logprobs: bool = False
+    tools: ToolRequest | None = None
 
 
 # ---- field readers -------------------------------------------------------------------------------
@@ -302,8 +307,16 @@ def parse_chat(body: object, limits: Limits) -> ChatRequest:
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
         raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    return ChatRequest(**_common(body, limits, (top or 0) if want else None), messages=_messages(body),
-                       logprobs=want)
+    req = ChatRequest(**_common(body, limits, (top or 0) if want else None), messages=_messages(body),
+                      logprobs=want, tools=parse_tool_request(body))
+    forced = req.tools.constraint() if req.tools is not None else None
+    if forced is not None:
+        if req.params.structured is not None:
+            raise ProtocolError("'tool_choice' required or a named function cannot be combined with "
+                                f"'{req.structured_param}'", "tool_choice")
+        req.params = dataclasses.replace(req.params, structured=forced)
+        req.structured_param = "tools"
+    return req
 
 
 def _messages(body: dict) -> list[dict]:
@@ -319,12 +332,45 @@ def _messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", f"{where}.role")
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content", role)})
+        message = {"role": role, "content": _content(m.get("content"), f"{where}.content", role)}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ProtocolError(f"'{where}.tool_calls' belongs to an assistant message", f"{where}.tool_calls")
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ProtocolError(f"'{where}.tool_call_id' is required in a tool message", f"{where}.tool_call_id")
+            message["tool_call_id"] = call_id
+        if m.get("name") is not None:
+            message["name"] = get_str(m, "name", "")
+        out.append(message)
     return out
 
 
+def _tool_calls(value: object, where: str) -> list[dict]:
+    """An assistant message's calls as chat templates take them (arguments as an object)."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"'{where}' must be an array", where)
+    calls = []
+    for i, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ProtocolError(f"'{where}[{i}]' must be a call with a function name", f"{where}[{i}]")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except json.JSONDecodeError:
+                field = f"{where}[{i}].function.arguments"
+                raise ProtocolError(f"'{field}' is not JSON", field) from None
+        calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
+                      "function": {"name": fn["name"], "arguments": args}})
+    return calls
+
+
 def _content(value: object, where: str, role: str) -> str:
-    if value is None and role == "assistant":
+    if value is None and role in ("assistant", "tool"):
         return ""
     if isinstance(value, str):
         return value

@@ -40,6 +40,7 @@ from server.protocol import (
     require_object,
     token_ids,
 )
+from server.tools import extract_calls
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -122,31 +123,57 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req: ChatRequest = parse_chat(await read_json(request), st.limits)
     await check_constraint(st, req)
+    tools = req.tools.template_tools() if req.tools is not None else None
     try:
-        prompt = encode_chat(st.tokenizer, req.messages)
+        prompt = encode_chat(st.tokenizer, req.messages, tools=tools)
     except ValueError as e:
         raise ProtocolError(str(e), "messages") from None
     gen = new_generation(st, "chatcmpl", req, [prompt], None)
     token_text = TokenText(st.tokenizer)
     base = {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model_name(st, req)}
+    calling = req.tools is not None and req.tools.choice != "none"
+
+    def message(c) -> tuple[dict, str | None]:
+        """The choice's assistant message and finish reason, tool calls parsed out when tools are on."""
+        if not calling:
+            return {"role": "assistant", "content": c.detok.text}, c.finish_reason
+        content, calls = extract_calls(req.tools, st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                                       if st.tool_parser != "hermes" else c.detok.text, st.tool_parser)
+        if not calls:
+            return {"role": "assistant", "content": content}, c.finish_reason
+        return ({"role": "assistant", "content": content, "tool_calls": [t.as_openai() for t in calls]},
+                "tool_calls")
 
     if not req.stream:
         await collect(request, st, gen)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
-                    "logprobs": chat_logprobs(whole(c), token_text) if req.logprobs else None,
-                    "finish_reason": c.finish_reason} for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            msg, reason = message(c)
+            choices.append({"index": c.index, "message": msg, "finish_reason": reason,
+                            "logprobs": chat_logprobs(whole(c), token_text) if req.logprobs else None})
         return json_response(base | {"choices": choices, "usage": usage(gen)})
 
     base["object"] = "chat.completion.chunk"
     head = [sse(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]}) for c in gen.choices]
 
-    def chunk(d: Delta) -> dict:
+    def chunk(d: Delta) -> dict | None:
+        if calling:  # a call is known only once the output is whole: its choice is sent at its end
+            return tool_chunk(d) if d.finish_reason is not None else None
         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
         return base | {"choices": [{"index": d.index, "delta": delta,
                                     "logprobs": chat_logprobs(d, token_text) if req.logprobs else None,
                                     "finish_reason": d.finish_reason}]}
+
+    def tool_chunk(d: Delta) -> dict:
+        """One chunk holding the whole choice: its content, or its calls as OpenAI streams them (by index:
+        id, type and name, then the arguments), and the finish reason."""
+        msg, reason = message(gen.choices[d.index])
+        delta: dict = {"content": msg["content"]} if msg["content"] else {}
+        if "tool_calls" in msg:
+            delta["tool_calls"] = [{"index": i} | t for i, t in enumerate(msg["tool_calls"])]
+        return base | {"choices": [{"index": d.index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
 
     return await stream(st, gen, head, chunk, usage_tail(req, gen, base))
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 DEMO_NAME = "demo"
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 DEMO_LABEL = "compiled-engine demo model (random weights: output is gibberish, for trying the plumbing)"
 
 DEMO_CONFIG = {
@@ -43,10 +43,18 @@ DEMO_CONFIG = {
     "torch_dtype": "float32",
 }
 
+# Tools and tool calls in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), as Qwen's
+# templates write them: the server's default tool-call parser reads the same.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}{% if tools %}{{ '<|system|>\nTools: answer <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call> to call one.\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ eos_token + '\n' }}{% endif %}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}{{ '<|assistant|>\n' }}"
+    "{% for call in message['tool_calls'] %}{{ '<tool_call>' }}{{ {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}{{ '</tool_call>' }}{% endfor %}"
+    "{{ eos_token + '\n' }}{% else %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
 TOKENIZER_CONFIG = {

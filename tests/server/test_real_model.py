@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from openai import OpenAI
 
@@ -29,5 +31,30 @@ def test_smollm2_answers_over_http() -> None:
             max_tokens=32, temperature=0, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == out.choices[0].message.content
+        _weather_tool_round(client)
     finally:
         running.stop()
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"]}}}
+
+
+def _weather_tool_round(client: OpenAI) -> None:
+    """A weather-tool prompt with tool_choice auto is served end to end: an answer in words or a call whose
+    arguments parse; with `required` it is always a call."""
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    auto = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER_TOOL], tool_choice="auto",
+                                          max_tokens=48, temperature=0).choices[0]
+    assert auto.finish_reason in ("stop", "length", "tool_calls")
+    for call in auto.message.tool_calls or []:
+        assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    assert auto.message.tool_calls or auto.message.content
+    forced = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER_TOOL],
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=48,
+                                            temperature=0).choices[0]
+    assert forced.finish_reason == "tool_calls"
+    (call,) = forced.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
