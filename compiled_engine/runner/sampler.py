@@ -9,6 +9,7 @@ generator, so its tokens do not depend on its batch neighbours.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -75,15 +76,19 @@ class Sampler:
         return out
 
     def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """-inf for every token a row's mask excludes: all masked rows at once, each packed byte unpacked
+        to its 8 bits through a 256-entry table. A mask that allows nothing is ignored (it cannot happen
+        with a consistent grammar; -inf everywhere would make NaNs)."""
+        masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+        if not masked:
+            return
         vocab = logits.shape[1]
-        shifts = torch.arange(32, device=logits.device)
-        for i, r in enumerate(rows):
-            if r.token_mask is None:
-                continue
-            words = r.token_mask.to(device=logits.device, dtype=torch.int64)
-            allowed = ((words[:, None] >> shifts) & 1).view(-1)[:vocab].bool()
-            if bool(allowed.any()):
-                logits[i].masked_fill_(~allowed, float("-inf"))
+        words = torch.stack([rows[i].token_mask for i in masked]).to(logits.device)
+        table = _bit_table(logits.device)
+        allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(len(masked), -1)[:, :vocab]
+        allowed |= ~allowed.any(dim=1, keepdim=True)
+        index = torch.tensor(masked, device=logits.device)
+        logits[index] = torch.where(allowed, logits.index_select(0, index), float("-inf"))
 
     def _apply_bias_and_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         idx_r, idx_c, vals = [], [], []
@@ -173,3 +178,9 @@ def _in_vocab(ids: torch.Tensor | None, vocab: int, device: torch.device) -> tor
         return torch.zeros(0, dtype=torch.long, device=device)
     ids = ids.long()
     return ids[(ids >= 0) & (ids < vocab)]
+
+
+@functools.cache
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte, least significant first (xgrammar's bitmask order)."""
+    return ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).bool()

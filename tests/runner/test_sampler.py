@@ -107,3 +107,30 @@ def test_banned_ids_are_never_drawn_and_logprobs_match_the_choice() -> None:
     assert out.tokens.item() in (1, 2)
     assert out.logprobs.item() == pytest.approx(math.log(0.5), abs=1e-6)
     assert out.top_ids.shape == (1, 2)
+
+
+def _packed(allowed: list[int], vocab: int) -> torch.Tensor:
+    """xgrammar's bitmask layout: bit t % 32 of int32 word t // 32."""
+    words = [0] * (-(-vocab // 32))
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - 2**32 if w >= 2**31 else w for w in words], dtype=torch.int32)
+
+
+def test_a_token_mask_restricts_every_rule_and_renormalizes_logprobs() -> None:
+    vocab = 100
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    allowed = [3, 31, 32, 63, 99]
+    mask = _packed(allowed, vocab)
+    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=8), token_mask=mask),
+            SamplingRow(SamplingParams(temperature=1.0, logprobs=8), torch.Generator().manual_seed(1),
+                        token_mask=mask),
+            SamplingRow(SamplingParams(temperature=0, logprobs=8))]  # an unconstrained neighbour
+    out = Sampler(torch.device("cpu"))(logits, rows)
+    assert int(out.tokens[0]) == max(allowed, key=lambda t: float(logits[0, t]))
+    assert int(out.tokens[1]) in allowed
+    assert int(out.tokens[2]) == int(logits[2].argmax())
+    for row in (0, 1):
+        finite = [(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row]) if lp > -math.inf]
+        assert sorted(t for t, _ in finite) == allowed
+        assert math.isclose(sum(math.exp(lp) for _, lp in finite), 1.0, rel_tol=1e-5)
