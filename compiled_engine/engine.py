@@ -133,21 +133,21 @@ class Engine:
     def _launch(self, batch: Batch) -> Future | StepOutput:
         live = [self._live.get(r.rid) for r in batch.reqs if r.sample]
         sampled = [r for r in batch.reqs if r.sample]
+        # Token masks now, on this thread: under overlap the previous step's forward runs meanwhile.
+        masks = [(info.grammar.next_mask(), info.grammar.complete) if info is not None and info.grammar is not None
+                 else (None, False) for info in live]
 
         def rows(inputs: StepInputs) -> list[SamplingRow]:
             out = []
-            for req, info in zip(sampled, live):
+            for req, info, (mask, complete) in zip(sampled, live, masks):
                 if info is None:  # aborted or finished while planned: its token is dropped at commit
                     out.append(SamplingRow(req.sampling))
                     continue
                 seq_len = req.start + req.length
                 generated = seq_len - info.prompt_len
                 banned = info.banned if generated < info.params.min_tokens else ()
-                mask = None
-                if info.grammar is not None:
-                    mask = info.grammar.next_mask()
-                    if info.grammar.complete:
-                        banned = ()  # a complete document ends now, min_tokens or not
+                if complete:
+                    banned = ()  # a complete document ends now, min_tokens or not
                 row = SamplingRow(info.params, info.generator, banned, token_mask=mask)
                 if needs_history(info.params):
                     row.prompt_ids, row.output_ids = self.runner.history(req.row, info.prompt_len, seq_len)
