@@ -22,12 +22,15 @@ serve: $(STAMP)
 	$(VENV)/bin/compiled-engine serve $(ARGS)
 
 # The whole suite, then the parity tests again at each COMPILED_ENGINE_CPU_ISA level below this CPU's
-# (none on a CPU without AVX512: it runs the portable paths natively).
+# (none on a CPU without AVX512: it runs the portable paths natively). The portable level (avx2) reruns
+# them all; an intermediate one (avx512 on an AMX CPU) the random checkpoints only: SmolLM2's cold compile
+# per level would take the suite past its time budget.
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 	for isa in $$($(PY) -c 'from kernels.cpu import isa; print(*isa.levels_below_native())'); do \
-	  echo "== parity tests with COMPILED_ENGINE_CPU_ISA=$$isa"; \
-	  COMPILED_ENGINE_CPU_ISA=$$isa $(PY) -m pytest -q -m parity $(PYTEST_ARGS) tests/parity || exit 1; \
+	  select=""; [ "$$isa" = avx2 ] || select="not smollm2"; \
+	  echo "== parity tests with COMPILED_ENGINE_CPU_ISA=$$isa $${select:+(-k '$$select')}"; \
+	  COMPILED_ENGINE_CPU_ISA=$$isa $(PY) -m pytest -q -m parity -k "$$select" $(PYTEST_ARGS) tests/parity || exit 1; \
 	done
 
 lint: $(STAMP)
