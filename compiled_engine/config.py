@@ -37,4 +37,7 @@ class EngineConfig:
     rank_timeout_s: float = 300.0  # a TP rank with no loop iteration for this long is hung: the engine fails
     compile_cache_dir: str | None = None  # None: <cache_root()>/compile (see compiled_engine.runner.compile_cache)
     compile_mode: str = "default"  # CPU inductor options: one of COMPILE_MODE_NAMES
+    # Batch-invariant kernels: a request's tokens and logprobs depend on the request (and its seed) only, never
+    # on its batch, chunking, the prefix cache, overlap or the step kind (README, "Deterministic inference").
+    deterministic: bool = True
     extra: dict = field(default_factory=dict)

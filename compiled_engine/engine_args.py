@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default="default",
                    help="CPU inductor options: default (cached, precompiled) | freezing | max-autotune-freezing "
                         "(fastest bf16 steps, compiles on every start)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=EngineConfig.deterministic,
+                   help="batch-invariant kernels: a request's tokens and logprobs do not depend on what shares its "
+                        "batch or what is cached (default: on; --no-deterministic: the GEMMs of oneDNN / BLAS)")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     p.add_argument("--enable-overlap", action="store_true",
                    help="overlap scheduling also on the CPU (default: on with CUDA only)")
@@ -54,6 +57,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_running=args.max_running, max_context=args.max_context, chunk_budget=args.chunk_budget,
         prefix_cache=args.prefix_cache, enforce_eager=args.enforce_eager, buckets=args.buckets,
         max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp, compile_mode=args.compile_mode,
+        deterministic=args.deterministic,
     )
 
 

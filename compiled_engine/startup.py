@@ -116,7 +116,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     ))
     runner = ModelRunner(model, RunnerConfig(
         max_rows=config.max_running, max_context=max_context, page_size=config.page_size, num_pages=num_pages,
-        buckets=buckets, enforce_eager=config.enforce_eager, seed=config.seed,
+        buckets=buckets, enforce_eager=config.enforce_eager, seed=config.seed, deterministic=config.deterministic,
     ), device)
     log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
              config.page_size)

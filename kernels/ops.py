@@ -17,7 +17,9 @@ TRITON_INTERPRET before anything decorates a kernel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch._inductor.config as inductor_config
@@ -31,10 +33,10 @@ _lib = torch.library.Library("kernels", "DEF")
 _SCHEMAS = {
     "store_kv": "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()",
     "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
-    "int sliding_window=0, float soft_cap=0.0) -> Tensor",
+    "int sliding_window=0, float soft_cap=0.0, bool invariant=False) -> Tensor",
     "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
-    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0) -> Tensor",
-    "linear": "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, bool invariant=False) -> Tensor",
+    "linear": "(Tensor x, Tensor weight, Tensor? bias=None, bool invariant=False) -> Tensor",
     "argmax": "(Tensor x) -> Tensor",
 }
 _PORTABLE = {
@@ -55,14 +57,36 @@ store_kv = torch.ops.kernels.store_kv.default
 [T] int64; slots < 0 are skipped."""
 
 decode_attention = torch.ops.kernels.decode_attention.default
-"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0): one
-new query per row, q [B, H, D] -> [B, H, D]; page_table [B, W] holds raw KV slots; rows with seq_len 0 give
-zeros."""
+"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
+invariant=False): one new query per row, q [B, H, D] -> [B, H, D]; page_table [B, W] holds raw KV slots;
+rows with seq_len 0 give zeros. `invariant`: see `batch_invariant`."""
 
 extend_attention = torch.ops.kernels.extend_attention.default
 """extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
-soft_cap=0.0): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries cu_q_lens[b]:cu_q_lens[b+1]
-are its last positions and attend causally to the whole row (prefix included)."""
+soft_cap=0.0, invariant=False): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries
+cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included).
+With `invariant`, a query's output is bit-identical to `decode_attention`'s for the same query and keys."""
+
+_invariant = False
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool) -> Iterator[None]:
+    """Deterministic mode for the ops called inside (the engine wraps its forward in it): linear and attention
+    give each row (each query) a result that depends on that row and its keys only, never on the batch, its
+    size, chunking, cached prefixes or the step kind. Read when a graph is traced (baked into the ops'
+    `invariant` argument) and by eager calls."""
+    global _invariant
+    before, _invariant = _invariant, enabled
+    try:
+        yield
+    finally:
+        _invariant = before
+
+
+def invariant() -> bool:
+    """Whether the ops called now run batch-invariant (`batch_invariant`)."""
+    return _invariant
 
 argmax = torch.ops.kernels.argmax.default
 """argmax(x [R, V]) -> [R] int64: `torch.argmax(x, -1)` (the first maximum, or the first NaN)."""
@@ -78,7 +102,10 @@ def _packed_linears() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`; CPU bf16 weights go through `kernels::linear` (a copy of the weight prepared once for
-    the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch."""
+    the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch. In deterministic
+    mode (`batch_invariant`) every linear takes the op, with `invariant=True`."""
+    if _invariant:
+        return torch.ops.kernels.linear.default(x, weight, bias, True)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_linears():
         return torch.ops.kernels.linear.default(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -90,7 +117,11 @@ def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
     attention.store_kv_triton(k_cache, v_cache, k, v, slots)
 
 
-def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0):
+def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
+                           invariant=False):
+    if invariant:
+        return portable_attention.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
+                                                   soft_cap, True)
     from kernels.triton import attention
 
     return attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
@@ -98,7 +129,10 @@ def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sli
 
 
 def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
-                           soft_cap=0.0):
+                           soft_cap=0.0, invariant=False):
+    if invariant:
+        return portable_attention.extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
+                                                   sliding_window, soft_cap, True)
     from kernels.triton import attention
 
     return attention.extend_attention_triton(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
@@ -116,17 +150,18 @@ def _(k_cache, v_cache, k, v, slots) -> None:
 
 
 @torch.library.register_fake("kernels::decode_attention")
-def _(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0):
+def _(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0, invariant=False):
     return torch.empty_like(q)
 
 
 @torch.library.register_fake("kernels::extend_attention")
-def _(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0, soft_cap=0.0):
+def _(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0, soft_cap=0.0,
+      invariant=False):
     return torch.empty_like(q)
 
 
 @torch.library.register_fake("kernels::linear")
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, invariant=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

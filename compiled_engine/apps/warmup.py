@@ -27,6 +27,8 @@ def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default=EngineConfig.compile_mode,
                    help="CPU inductor options (freezing modes are not precompiled: they compile on every start)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=EngineConfig.deterministic,
+                   help="warm the graphs of serve's --deterministic (default) or --no-deterministic")
     p.add_argument("--cache-dir", default=None, help="compile cache root (default: <cache root>/compile)")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--list", action="store_true", help="show cache entries with their key fields and sizes")
@@ -48,6 +50,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         num_pages=args.num_pages, max_running=args.max_running, max_context=args.max_context, buckets=args.buckets,
         max_bucket=args.max_bucket, tp_size=args.tp, compile_mode=args.compile_mode, compile_cache_dir=str(root),
+        deterministic=args.deterministic,
     )
     return warm_up_cache(config)
 

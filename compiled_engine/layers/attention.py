@@ -50,6 +50,7 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 self.scale,
                 self.sliding_window,
+                invariant=ops.invariant(),
             )
         return ops.extend_attention(
             q,
@@ -60,4 +61,5 @@ class Attention(nn.Module):
             meta.seq_lens,
             self.scale,
             self.sliding_window,
+            invariant=ops.invariant(),
         )

@@ -21,6 +21,7 @@ from compiled_engine.runner import precompiled
 from compiled_engine.runner.attention_backend import PAGED
 from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.step_inputs import StepInputs
+from kernels import ops
 
 # One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
@@ -62,10 +63,11 @@ class CompiledForward:
 
     def __init__(
         self, model: torch.nn.Module, buckets: list[int], enabled: bool, device: torch.device,
-        compile_mode: str = "default",
+        compile_mode: str = "default", deterministic: bool = True,
     ) -> None:
         self.model = model
         self.enabled = enabled
+        self.deterministic = deterministic  # every graph is traced, and every eager step runs, batch-invariant
         self.buckets = sorted(buckets) if enabled else []
         self.device = device
         self.cuda_graphs: dict[int, _CapturedDecode] = {}
@@ -82,6 +84,10 @@ class CompiledForward:
         if not self.enabled:
             return
         self._options = {**CPU_OPTIONS, **COMPILE_MODES[mode]} if self.device.type == "cpu" else {}
+        if self.deterministic:
+            # Fused kernels round every intermediate to its dtype as eager does: otherwise whether an add feeding
+            # a norm is rounded to bf16 first depends on the fusion, which differs between graphs (bucket sizes).
+            self._options["emulate_precision_casts"] = True
         # Dynamo reads `freezing` from the global config when it traces (to install the weights as graph
         # attributes rather than inputs), so the flag is also set around each graph's first call, not only
         # passed here. The KV caches stay graph inputs: store_kv mutates them, and freezing keeps those.
@@ -109,7 +115,8 @@ class CompiledForward:
         all-gather runs outside them: its functional collective takes the process group as an `Any`
         argument, which inductor's C++ wrapper cannot pass (compiling a TP graph raised
         `arg type Any is not yet supported by custom_op_wrapper`)."""
-        return self.model.gather_logits(self._local_logits(inputs))
+        with ops.batch_invariant(self.deterministic):
+            return self.model.gather_logits(self._local_logits(inputs))
 
     def _local_logits(self, inputs: StepInputs) -> torch.Tensor:
         if not self.enabled:
@@ -157,9 +164,10 @@ class CompiledForward:
     def capture_cuda_graphs(self, make_inputs) -> None:
         """Capture every decode bucket, largest first, into one memory pool (CUDA only)."""
         pool = torch.cuda.graph_pool_handle()
-        for batch in sorted(self.buckets, reverse=True):
-            self.cuda_graphs[batch] = _CapturedDecode(lambda *args, b=batch: self._run(b, args), make_inputs(batch),
-                                                      pool)
+        with ops.batch_invariant(self.deterministic):
+            for batch in sorted(self.buckets, reverse=True):
+                self.cuda_graphs[batch] = _CapturedDecode(lambda *args, b=batch: self._run(b, args),
+                                                          make_inputs(batch), pool)
 
 
 def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:

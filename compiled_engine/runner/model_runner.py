@@ -22,6 +22,7 @@ class RunnerConfig:
     buckets: list[int] = field(default_factory=list)  # decode batch sizes with a compiled graph
     enforce_eager: bool = False
     seed: int = 0
+    deterministic: bool = True  # batch-invariant kernels (EngineConfig.deterministic)
 
 
 @dataclass
@@ -43,7 +44,8 @@ class ModelRunner:
         model.attach_kv_cache(self.k_caches, self.v_caches)
         self.tables = DeviceTables(config.max_rows, config.max_context, device)
         self.sampler = Sampler(device, seed=config.seed)
-        self.forward = CompiledForward(model, config.buckets, enabled=not config.enforce_eager, device=device)
+        self.forward = CompiledForward(model, config.buckets, enabled=not config.enforce_eager, device=device,
+                                       deterministic=config.deterministic)
 
     def execute(self, batch: Batch, rows: Callable[[StepInputs], list[SamplingRow]]) -> StepOutput:
         """Apply the plan's writes, run the forward, sample, and write sampled tokens to the token table.

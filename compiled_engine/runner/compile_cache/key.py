@@ -44,6 +44,7 @@ class CacheKey:
     page_size: int
     num_pages: int  # the KV tensors are graph inputs of static shape: dynamo specializes on their size
     compile_mode: str  # inductor options (freezing bypasses the FX graph cache: such starts always compile)
+    deterministic: bool  # the kernel ops' `invariant` argument, a constant of the graphs
     torch: str
     triton: str
     python: str
@@ -74,6 +75,7 @@ def cache_key(config: EngineConfig, model_config: PretrainedConfig, dtype: torch
         page_size=runner.page_size,
         num_pages=runner.num_pages,
         compile_mode=config.compile_mode,
+        deterministic=config.deterministic,
         torch=torch.__version__,
         triton=_triton_version(),
         python=platform.python_version(),

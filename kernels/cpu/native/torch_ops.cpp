@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/argmax.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
@@ -20,6 +22,14 @@
 
 extern "C" {
 int ce_amx_init();
+int ce_invariant_attention(int dt, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                           const int32_t* table, int64_t table_stride, const int32_t* cu_q_lens,
+                           const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                           float scale, int64_t window, float soft_cap);
+int64_t ce_invariant_packed_size(int w_dt, int64_t N, int64_t K);
+void ce_invariant_pack(int w_dt, const void* w, void* out, int64_t N, int64_t K);
+void ce_invariant_linear(int w_dt, const float* x, const void* packed, const float* bias, void* out, int64_t M,
+                         int64_t N, int64_t K);
 int ce_compiled_isa();
 int ce_argmax(int dt, const void* x, int64_t rows, int64_t n, int64_t row_stride, int64_t* out);
 int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
@@ -85,16 +95,35 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
     TORCH_CHECK_INDEX(bad == 0, "store_kv: ", bad, " slot(s) out of range for a cache of ", k_cache.size(0), " slots");
 }
 
+// Deterministic mode, both attention ops: q [T, H, D], request b's queries cu[b] .. cu[b + 1]
+// (invariant_attention.cpp). Rows of no request, and of requests of length 0, are zeros.
+at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
+                               double scale, int64_t sliding_window, double soft_cap) {
+    const at::Tensor qc = token_rows(q) ? q : q.contiguous();
+    const at::Tensor table = page_table.to(at::kInt).contiguous(), cu = cu_q_lens.to(at::kInt).contiguous(),
+                     lens = seq_lens.to(at::kInt).contiguous();
+    at::Tensor out = at::zeros(qc.sizes(), qc.options());
+    ce_invariant_attention(dtype_code(q.scalar_type()), qc.data_ptr(), qc.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                           table.data_ptr<int32_t>(), table.stride(0), cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                           out.data_ptr(), lens.numel(), qc.size(1), k_cache.size(1), qc.size(2), k_cache.size(0),
+                           static_cast<float>(scale), sliding_window, static_cast<float>(soft_cap));
+    return out;
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                            double soft_cap) {
+                            double soft_cap, bool invariant) {
     const int code = dtype_code(q.scalar_type());
     if (code < 0 || k_cache.scalar_type() != q.scalar_type() || v_cache.scalar_type() != q.scalar_type() ||
         !k_cache.is_contiguous() || !v_cache.is_contiguous()) {
         static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, double, int64_t, double)>("kernels::decode_attention_portable");
-        return op.call(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap);
+                                                   const at::Tensor&, double, int64_t, double, bool)>("kernels::decode_attention_portable");
+        return op.call(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap, invariant);
     }
+    if (invariant)  // a decode step is an extend of one token per row
+        return invariant_attention(q, k_cache, v_cache, page_table, at::arange(q.size(0) + 1, seq_lens.options().dtype(at::kInt)),
+                                   seq_lens, scale, sliding_window, soft_cap);
     const at::Tensor qc = q.contiguous(), table = page_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
     at::Tensor out = at::empty_like(qc);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -114,7 +143,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
-                            double scale, int64_t sliding_window, double soft_cap) {
+                            double scale, int64_t sliding_window, double soft_cap, bool invariant) {
+    const bool typed = dtype_code(q.scalar_type()) >= 0 && k_cache.scalar_type() == q.scalar_type() &&
+                       v_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous();
+    if (invariant && typed)
+        return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     const bool native = sliding_window <= 0 && soft_cap <= 0 && q.size(-1) % 64 == 0 && amx_ready() &&
                         q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -134,9 +167,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
 #endif
     static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&, double, int64_t, double)>(
+                                               const at::Tensor&, const at::Tensor&, double, int64_t, double, bool)>(
         "kernels::extend_attention_portable");
-    return op.call(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap);
+    return op.call(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap, invariant);
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
@@ -150,8 +183,10 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 //     blas_fp32    a plain fp32 copy for torch's fp32 GEMM, where oneDNN is not built in
 // The copies live here, keyed by the weight's TensorImpl, redone after an in-place change (version counter);
 // entries of freed weights are dropped when a new weight is prepared. Memory: the bf16 weights twice over,
-// three times with an fp32 copy.
-enum class Kind : int { amx = 0, onednn_bf16 = 1, onednn_fp32 = 2, blas_fp32 = 3 };
+// three times with an fp32 copy. The batch-invariant kernel (deterministic mode, bf16 and float32 weights)
+// has its own copies, its panels:
+//     invariant    invariant_linear.cpp's panels, in the weight's dtype
+enum class Kind : int { amx = 0, onednn_bf16 = 1, onednn_fp32 = 2, blas_fp32 = 3, invariant = 4 };
 
 struct Prepared {
     Kind kind;
@@ -191,9 +226,15 @@ bool onednn_bf16() {
     return supported;
 }
 
-Prepared prepare(const at::Tensor& weight) {
+Prepared prepare(const at::Tensor& weight, bool invariant) {
     const at::Tensor w = weight.detach().contiguous();
     const int64_t N = w.size(0), K = w.size(1);
+    if (invariant) {
+        const int w_dt = w.scalar_type() == at::kFloat ? 0 : 1;
+        at::Tensor packed = at::empty({ce_invariant_packed_size(w_dt, N, K)}, w.options());
+        ce_invariant_pack(w_dt, w.data_ptr(), packed.data_ptr(), N, K);
+        return {Kind::invariant, packed};
+    }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (amx_ready() && K % 32 == 0) {
         at::Tensor packed = at::empty({ce_packed_bf16_size(N, K)}, w.options());
@@ -208,29 +249,51 @@ Prepared prepare(const at::Tensor& weight) {
     return {Kind::blas_fp32, w.to(at::kFloat)};
 }
 
-// The prepared copy of a bf16 weight (the one cache of them).
-Prepared prepared_weight(const at::Tensor& weight) {
+// The prepared copy of a weight (the one cache of them: one map for each mode).
+Prepared prepared_weight(const at::Tensor& weight, bool invariant) {
     static std::mutex mutex;
-    static std::unordered_map<const c10::TensorImpl*, CacheEntry> cache;
+    static std::unordered_map<const c10::TensorImpl*, CacheEntry> caches[2];
     const std::lock_guard<std::mutex> lock(mutex);
+    auto& cache = caches[invariant ? 1 : 0];
     const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
     const int64_t version = weight.is_inference() ? -1 : static_cast<int64_t>(weight._version());
     auto it = cache.find(key);
     if (it != cache.end() && !it->second.weight.expired() && it->second.version == version) return it->second.prepared;
     for (auto e = cache.begin(); e != cache.end();) e = e->second.weight.expired() ? cache.erase(e) : std::next(e);
-    Prepared prepared = prepare(weight);
+    Prepared prepared = prepare(weight, invariant);
     cache.insert_or_assign(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), version,
                                            prepared});
     return prepared;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// Deterministic mode: every row's result independent of the batch (invariant_linear.cpp).
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    const int64_t K = x.size(-1), N = weight.size(0);
+    const Prepared p = prepared_weight(weight, true);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    const at::Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
+    const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor out = at::empty({rows.size(0), N}, x.options());
+    ce_invariant_linear(weight.scalar_type() == at::kFloat ? 0 : 1, rows.data_ptr<float>(), p.copy.data_ptr(),
+                        b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), rows.size(0), N, K);
+    return out.view(shape);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool invariant) {
     const int64_t K = x.size(-1);
+    if (invariant) {
+        const at::ScalarType t = weight.scalar_type();
+        const bool covered = (t == at::kFloat || t == at::kBFloat16) && x.scalar_type() == t && weight.dim() == 2 &&
+                             weight.size(1) == K && (!bias.has_value() || bias->scalar_type() == t);
+        TORCH_CHECK(covered, "kernels::linear(invariant=True): float32 or bfloat16 x, weight [N, K] and bias of one dtype");
+        return invariant_linear(x, weight, bias);
+    }
     const bool bf16 = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
                       weight.size(1) == K && (!bias.has_value() || bias->scalar_type() == at::kBFloat16);
     if (!bf16) return at::linear(x, weight, bias);
     const int64_t N = weight.size(0);
-    const Prepared p = prepared_weight(weight);
+    const Prepared p = prepared_weight(weight, false);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = N;
     const at::Tensor rows = x.reshape({-1, K}).contiguous();

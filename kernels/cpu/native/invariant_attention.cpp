@@ -1,0 +1,187 @@
+// Batch-invariant paged attention: the kernel of kernels::decode_attention and extend_attention in
+// deterministic mode (torch_ops.cpp). A decode step is an extend of one token per row, so both ops run
+// the one routine below, and every query row's result is a function of its own query and the keys and
+// values it attends to, never of the batch, the chunking of its prompt, what is cached or the ISA:
+//     score_t = dot(q, k_t) * scale (soft-capped), dot in eight fused multiply-add chains over d mod 8
+//               summed in a fixed tree;
+//     weights = softmax over the query's own keys, in full (no split of the keys), exp by one polynomial;
+//     out     = sum over t in order of weight_t * v_t, one fused multiply-add chain per element.
+// The query rows of one task (a request's block of tokens x the query heads of one KV head) share each
+// K / V row read; which rows share a task changes the speed, not a bit of the result.
+//
+// Element type codes (`dt`): 0 float32, 1 bfloat16, 2 float16. Layouts as attention.cpp: caches
+// [S, Hkv, D], q / out [T, H, D] (q rows `q_stride` elements apart), page-table rows of raw slots.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockTokens = 8;  // query tokens per task
+
+// sum over d of a[d] * b[d]: lane j = d mod 8 is one FMA chain, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+inline float dot8(const float* a, const float* b, int64_t n) {
+    alignas(32) float lane[8] = {};
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; d + 8 <= n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    _mm256_store_ps(lane, acc);
+#endif
+    for (; d < n; ++d) lane[d % 8] = std::fma(a[d], b[d], lane[d % 8]);
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// acc[d] = fma(w, v[d], acc[d]).
+inline void axpy(float w, const float* v, float* acc, int64_t n) {
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 wv = _mm256_set1_ps(w);
+    for (; d + 8 <= n; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+#endif
+    for (; d < n; ++d) acc[d] = std::fma(w, v[d], acc[d]);
+}
+
+// e^x for x <= 0: Cephes' polynomial with every step an explicit FMA (no contraction left to the compiler).
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p * r, r, r) + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// p[0:n] becomes softmax(p[0:n]): the sum in order.
+inline void softmax(float* p, int64_t n) {
+    float m = p[0];
+    for (int64_t t = 1; t < n; ++t) m = std::max(m, p[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+        p[t] = exp_nonpositive(p[t] - m);
+        sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < n; ++t) p[t] *= inv;
+}
+
+struct Task {
+    int64_t req, kh, first, count;  // request, KV head, its first query token (row of q) and how many
+};
+
+struct Scratch {
+    std::vector<float> q, scores, acc, row;
+};
+
+// One task: `count` consecutive query tokens of request `req` (positions pos0 ...) x the G query heads of
+// KV head kh. Query r = (token i, head g) attends to keys [lo_i, pos0 + i + 1).
+template <typename E>
+void attend(const Task& task, const typename E::T* q, int64_t q_stride, const typename E::T* k_cache,
+            const typename E::T* v_cache, const int32_t* slots, int64_t pos0, typename E::T* out, int64_t H,
+            int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window, float soft_cap, Scratch& s) {
+    const int64_t G = H / Hkv, rows = task.count * G;
+    const int64_t hi_max = pos0 + task.count;
+    auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, pos0 + i + 1 - window) : 0; };
+    const int64_t lo_min = lo(0), span = hi_max - lo_min;
+    s.q.resize(rows * D);
+    s.scores.resize(rows * span);
+    s.acc.assign(rows * D, 0.0f);
+    s.row.resize(D);
+    for (int64_t i = 0; i < task.count; ++i)
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+                s.q[(i * G + g) * D + d] = E::load(q[(task.first + i) * q_stride + (task.kh * G + g) * D + d]);
+    auto kv_row = [&](const typename E::T* cache, int64_t t) {
+        const int64_t slot = slots[t] < 0 || slots[t] >= S ? 0 : slots[t];
+        const typename E::T* src = cache + (slot * Hkv + task.kh) * D;
+        for (int64_t d = 0; d < D; ++d) s.row[d] = E::load(src[d]);
+    };
+    for (int64_t t = lo_min; t < hi_max; ++t) {
+        kv_row(k_cache, t);
+        for (int64_t i = std::max<int64_t>(0, t - pos0); i < task.count && lo(i) <= t; ++i)
+            for (int64_t g = 0; g < G; ++g) {
+                float v = dot8(s.q.data() + (i * G + g) * D, s.row.data(), D) * scale;
+                if (soft_cap > 0.0f) v = soft_cap * std::tanh(v / soft_cap);
+                s.scores[(i * G + g) * span + (t - lo(i))] = v;
+            }
+    }
+    for (int64_t i = 0; i < task.count; ++i)
+        for (int64_t g = 0; g < G; ++g) softmax(s.scores.data() + (i * G + g) * span, pos0 + i + 1 - lo(i));
+    for (int64_t t = lo_min; t < hi_max; ++t) {
+        kv_row(v_cache, t);
+        for (int64_t i = std::max<int64_t>(0, t - pos0); i < task.count && lo(i) <= t; ++i)
+            for (int64_t g = 0; g < G; ++g)
+                axpy(s.scores[(i * G + g) * span + (t - lo(i))], s.row.data(), s.acc.data() + (i * G + g) * D, D);
+    }
+    for (int64_t i = 0; i < task.count; ++i)
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+                out[(task.first + i) * H * D + (task.kh * G + g) * D + d] = E::store(s.acc[(i * G + g) * D + d]);
+}
+
+// Request b owns query rows cu[b] .. cu[b + 1]: the last positions of its seq_lens[b] tokens. Rows of no
+// request, or of a request of length 0, are left as they are (the caller zeroes them).
+template <typename E>
+void invariant_attention(const typename E::T* q, int64_t q_stride, const typename E::T* k_cache,
+                         const typename E::T* v_cache, const int32_t* table, int64_t table_stride, const int32_t* cu,
+                         const int32_t* seq_lens, typename E::T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                         int64_t S, float scale, int64_t window, float soft_cap) {
+    std::vector<Task> tasks;
+    for (int64_t b = 0; b < B; ++b) {
+        if (seq_lens[b] <= 0) continue;
+        for (int64_t first = cu[b]; first < cu[b + 1]; first += kBlockTokens)
+            for (int64_t kh = 0; kh < Hkv; ++kh)
+                tasks.push_back({b, kh, first, std::min<int64_t>(kBlockTokens, cu[b + 1] - first)});
+    }
+#pragma omp parallel
+    {
+        Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (size_t j = 0; j < tasks.size(); ++j) {
+            const Task& task = tasks[j];
+            const int64_t q_len = cu[task.req + 1] - cu[task.req];
+            const int64_t pos0 = seq_lens[task.req] - q_len + (task.first - cu[task.req]);
+            attend<E>(task, q, q_stride, k_cache, v_cache, table + task.req * table_stride, pos0, out, H, Hkv, D, S,
+                      scale, window, soft_cap, scratch);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ce_invariant_attention(int dt, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                           const int32_t* table, int64_t table_stride, const int32_t* cu_q_lens,
+                           const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                           float scale, int64_t window, float soft_cap) {
+#define CE_ATTEND(E)                                                                                              \
+    invariant_attention<E>(static_cast<const E::T*>(q), q_stride, static_cast<const E::T*>(k_cache),              \
+                           static_cast<const E::T*>(v_cache), table, table_stride, cu_q_lens, seq_lens,           \
+                           static_cast<E::T*>(out), B, H, Hkv, D, S, scale, window, soft_cap)
+    switch (dt) {
+        case 0: CE_ATTEND(F32); return 0;
+        case 1: CE_ATTEND(BF16); return 0;
+        case 2: CE_ATTEND(F16); return 0;
+        default: return -1;
+    }
+#undef CE_ATTEND
+}
+
+}  // extern "C"
