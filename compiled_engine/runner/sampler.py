@@ -72,7 +72,10 @@ class Sampler:
             out.logprobs = logp.gather(1, out.tokens[:, None]).squeeze(1)
             k = max(want)
             if k > 0:
-                out.top_logprobs, out.top_ids = logp.topk(k, dim=-1)
+                # Equal logprobs in token-id order, whatever the batch: topk leaves the order of ties (and which
+                # of them make the cut) unspecified.
+                ordered, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
+                out.top_logprobs, out.top_ids = ordered[:, :k], ids[:, :k]
         return out
 
     def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
