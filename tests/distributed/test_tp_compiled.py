@@ -1,6 +1,6 @@
 """TP=2 with the defaults (compiled graphs): `warmup --tp 2` fills each rank's cache entry, then the offline
 `LLM` and `serve` start warm (every rank reports a hit) and answer a concurrent ragged load exactly as TP=1
-and transformers do. Before the vocab all-gather left the graphs, compiling any TP graph raised
+and transformers do, with log-probs that do not depend on the batch. Before the vocab all-gather left the graphs, compiling any TP graph raised
 `arg type Any is not yet supported by custom_op_wrapper`."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.server.conftest import start_server
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 8
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
 # The settings of every engine below (the compile-cache key covers them): buckets 1, 2, 4, 8.
 SETTINGS = dict(num_pages=1024, max_running=8, chunk_budget=64)
 
@@ -57,12 +57,17 @@ def test_offline_tp2_compiled_starts_warm_and_equals_tp1(demo_dir: str, warm_roo
     try:
         summaries = tp2.engine.handle.ready.compile_summaries
         assert len(summaries) == 2 and all(s.startswith("compile cache hit") for s in summaries), summaries
-        got = [o.token_ids for o in tp2.generate(prompts, GREEDY)]  # one concurrent ragged batch
-        repeat = [o.token_ids for o in tp2.generate(prompts[2:6], GREEDY)]  # radix hits
+        got = tp2.generate(prompts, GREEDY)  # one concurrent ragged batch
+        repeat = tp2.generate(prompts[2:6], GREEDY)  # radix hits, in a batch of 4
+        alone = tp2.generate(prompts[7:8], GREEDY)
     finally:
         tp2.engine.shutdown()
-    assert got == tp1_tokens
-    assert repeat == tp1_tokens[2:6]
+    assert [o.token_ids for o in got] == tp1_tokens
+    assert [o.token_ids for o in repeat] == tp1_tokens[2:6]
+    # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit whatever
+    # the batch (TP=1 sums each product in one chain, TP=2 in two halves: equal tokens, not equal bits).
+    assert [o.outputs[0].logprobs for o in repeat] == [o.outputs[0].logprobs for o in got[2:6]]
+    assert alone[0].outputs[0].logprobs == got[7].outputs[0].logprobs
 
 
 def test_serve_tp2_compiled_answers_concurrent_requests_as_tp1(warm_root: str, prompts: list[list[int]],

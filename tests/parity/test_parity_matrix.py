@@ -32,7 +32,7 @@ FP32_LOGPROB_BOUND = 1e-4
 GAP_BOUND = {"bfloat16": 0.25, "float32": 1e-4}
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=4)
-ENGINE = dict(num_pages=2048, max_running=4, chunk_budget=256)
+ENGINE = dict(num_pages=2048, max_running=64, chunk_budget=256)
 RANDOM_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # head_dim 64: the size the native (AMX / AVX512) attention kernels take
 RANDOM_SHAPE = dict(head_dim=64, hidden_size=128, intermediate_size=256, vocab_size=2000)

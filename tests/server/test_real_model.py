@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from openai import OpenAI
 
 from tests.parity.test_parity_matrix import ENGINE
-from tests.server.conftest import start_server
+from tests.server.conftest import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 # Greedy, and no near tie in transformers fp32 over its first 32 steps (top-2 gaps >= 0.128): bf16 answers the same.
@@ -17,23 +20,27 @@ CPU_ANSWER = "A CPU (Central Processing Unit) is the brain of a computer that ex
              "calculations."
 
 
-def test_smollm2_answers_over_http() -> None:
-    running = start_server(start_timeout_s=900, engine=dict(model="smollm2", enforce_eager=False) | ENGINE)
-    try:
-        client = OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == ["smollm2"]
-        out = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Explain in one sentence what a CPU does."}],
-            max_tokens=32, temperature=0)
-        assert out.choices[0].message.content.startswith(CPU_ANSWER), out.choices[0].message.content
-        chunks = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Explain in one sentence what a CPU does."}],
-            max_tokens=32, temperature=0, stream=True)
-        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert streamed == out.choices[0].message.content
-        _weather_tool_round(client)
-    finally:
-        running.stop()
+@pytest.fixture(scope="module")
+def smollm2_server() -> Iterator[RunningServer]:
+    running = start_server(start_timeout_s=900, max_queue=256,
+                           engine=dict(model="smollm2", enforce_eager=False) | ENGINE)
+    yield running
+    running.stop()
+
+
+def test_smollm2_answers_over_http(smollm2_server: RunningServer) -> None:
+    client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    out = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Explain in one sentence what a CPU does."}],
+        max_tokens=32, temperature=0)
+    assert out.choices[0].message.content.startswith(CPU_ANSWER), out.choices[0].message.content
+    chunks = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Explain in one sentence what a CPU does."}],
+        max_tokens=32, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == out.choices[0].message.content
+    _weather_tool_round(client)
 
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -58,3 +65,57 @@ def _weather_tool_round(client: OpenAI) -> None:
     assert forced.finish_reason == "tool_calls"
     (call,) = forced.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
+
+
+# Deterministic inference (the default): what a user sees does not depend on what else the server is doing.
+NEAR_TIE = "Once upon a time in a quiet village by the sea,"  # transformers fp32: " a" -1.4836, " there" -1.4873
+
+
+def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False) -> tuple[str, list]:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+            "stream": stream}
+    with httpx.Client(base_url=url, timeout=300) as http:
+        if not stream:
+            choice = http.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]
+            return choice["text"], choice["logprobs"]["token_logprobs"]
+        text, logprobs = "", []
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.raise_for_status().iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        text += choice["text"]
+                        logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+        return text, logprobs
+
+
+def _concurrently(fn, args: list[tuple]) -> list:
+    with ThreadPoolExecutor(len(args)) as pool:
+        return list(pool.map(lambda a: fn(*a), args))
+
+
+def test_same_greedy_request_twice_gives_the_same_answer(smollm2_server: RunningServer) -> None:
+    """The issue's report: the second request's prompt is a radix hit (all but its last token cached)."""
+    first = _complete(smollm2_server.url, NEAR_TIE, 32)
+    second = _complete(smollm2_server.url, NEAR_TIE, 32)
+    assert first == second
+    assert len(first[1]) == 32
+
+
+def test_shared_prefix_prompts_concurrent_equal_sequential(smollm2_server: RunningServer) -> None:
+    system = "You are a concise assistant. Answer in one short sentence. Question: "
+    topics = ["rain", "the moon", "bread", "a violin", "glaciers", "bees", "copper", "tides", "owls", "salt",
+              "volcanoes", "paper", "wind", "coral", "ink", "clocks"]
+    args = [(smollm2_server.url, f"{system}What is {t}? Answer:", 16) for t in topics]
+    concurrent = _concurrently(_complete, args)
+    sequential = [_complete(*a) for a in args]
+    assert concurrent == sequential
+
+
+def test_64_ragged_streams_equal_each_stream_alone(smollm2_server: RunningServer) -> None:
+    words = NEAR_TIE.split() + "and the old lighthouse keeper watched the boats come home".split()
+    args = [(smollm2_server.url, " ".join(words[: 1 + i % len(words)]) + f" ({i})", 4 + i % 13, True)
+            for i in range(64)]
+    together = _concurrently(_complete, args)
+    alone = [_complete(*a) for a in args]
+    assert together == alone
+    assert all(len(lp) == a[2] for (_, lp), a in zip(alone, args))
