@@ -1,7 +1,8 @@
 """The kernel ops (`torch.ops.kernels.*`): the only way the engine reaches a kernel.
 
 Each op has one schema and, per device, one implementation:
-    CUDA  the Triton kernels of `kernels.triton` (attention, KV store); torch for linear and argmax
+    CUDA  the Triton kernels of `kernels.triton` (attention, KV store, and deterministic mode's linear);
+          torch for linear and argmax otherwise
     CPU   the native C++ kernels of `kernels.cpu` where they load, registered by the library itself
           (native/torch_ops.cpp); they hand what they decline to `kernels::<op>_portable`
     else  the portable torch implementations of `kernels.portable` (CompositeExplicitAutograd: every device
@@ -119,27 +120,30 @@ def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
 
 def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
                            invariant=False):
-    if invariant:
-        return portable_attention.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
-                                                   soft_cap, True)
     from kernels.triton import attention
 
     return attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
-                                             soft_cap)
+                                             soft_cap, num_splits=1 if invariant else None)
 
 
 def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
                            soft_cap=0.0, invariant=False):
-    if invariant:
-        return portable_attention.extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
-                                                   sliding_window, soft_cap, True)
     from kernels.triton import attention
 
-    return attention.extend_attention_triton(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale,
-                                             sliding_window, soft_cap)
+    launch = attention.extend_attention_invariant_triton if invariant else attention.extend_attention_triton
+    return launch(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap)
+
+
+def _linear_cuda(x, weight, bias=None, invariant=False):
+    if not invariant:
+        return F.linear(x, weight, bias)
+    from kernels.triton import matmul
+
+    return matmul.invariant_linear_triton(x, weight, bias)
 
 
 _lib.impl("store_kv", _store_kv_cuda, "CUDA")
+_lib.impl("linear", _linear_cuda, "CUDA")
 _lib.impl("decode_attention", _decode_attention_cuda, "CUDA")
 _lib.impl("extend_attention", _extend_attention_cuda, "CUDA")
 

@@ -123,8 +123,8 @@ def extend_attention(
     return out
 
 
-def invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale: float, sliding_window: int,
-                        soft_cap: float) -> torch.Tensor:
+def invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale: float,
+                        sliding_window: int, soft_cap: float) -> torch.Tensor:
     """Batch-invariant attention (deterministic mode) without the native kernel: each query token on its
     own, the same call for it whatever its batch, chunk or step kind. Correct anywhere, and slow."""
     out = torch.zeros_like(q)

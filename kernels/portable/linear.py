@@ -11,10 +11,13 @@ import torch
 import torch.nn.functional as F
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False
+) -> torch.Tensor:
     if not invariant:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])]) if rows.shape[0] else (
-        rows.new_empty(0, weight.shape[0]))
+    if rows.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
     return out.reshape(*x.shape[:-1], weight.shape[0])

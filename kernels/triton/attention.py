@@ -26,7 +26,7 @@ def _block_d(head_dim: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(head_dim))
 
 
-def _dot_fp32(q: torch.Tensor) -> bool:
+def dot_fp32(q: torch.Tensor) -> bool:
     """fp32 products for fp32 inputs, and always in the interpreter (its bf16 arithmetic is wrong)."""
     return not q.is_cuda or q.dtype == torch.float32
 
@@ -67,10 +67,12 @@ def decode_attention_triton(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     num_splits: int | None = None,
+    query_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, [B, H, D] -> [B, H, D]. Slots are loaded per token, so any page size works.
 
-    `num_splits` overrides the split-K heuristic (tests use it on the CPU).
+    `num_splits` overrides the split-K heuristic (tests use it on the CPU; deterministic mode runs 1).
+    `query_rows` [B] int32: each query's page-table row (default: query b reads row b).
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
@@ -87,13 +89,13 @@ def decode_attention_triton(
     part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     decode_split_kernel[(batch, num_kv, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, page_table, seq_lens, seq_lens if query_rows is None else query_rows, part_out, part_lse,
         scale, soft_cap, sliding_window, split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         GROUP=group, NUM_HEADS=num_heads, NUM_SPLITS=splits, HEAD_DIM=head_dim,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, DOT_FP32=_dot_fp32(q), num_warps=4, num_stages=2,
+        SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), QUERY_ROWS=query_rows is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
@@ -135,6 +137,29 @@ def extend_attention_triton(
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_B=triton.next_power_of_2(batch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, DOT_FP32=_dot_fp32(q), num_warps=warps, num_stages=2,
+        SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), num_warps=warps, num_stages=2,
     )  # fmt: skip
     return out
+
+
+def extend_attention_invariant_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """Deterministic mode's extend: every query token as a one-split decode of the keys up to its position
+    (bit-identical to a decode step of that query); token padding past cu_q_lens[-1] gives zeros."""
+    tokens = q.shape[0]
+    t = torch.arange(tokens, device=q.device, dtype=torch.int32)
+    req = torch.searchsorted(cu_q_lens[1:].to(torch.int32), t, right=True).clamp(max=seq_lens.shape[0] - 1)
+    ends = cu_q_lens[1:].to(torch.int32)[req]
+    lens = torch.where(t < cu_q_lens[-1], seq_lens.to(torch.int32)[req] - (ends - t) + 1, 0).to(torch.int32)
+    return decode_attention_triton(q, k_cache, v_cache, page_table, lens, scale, sliding_window, soft_cap,
+                                   num_splits=1, query_rows=req.to(torch.int32))
+

@@ -3,6 +3,10 @@
 Stage 1: one program per (row, KV head, split) attends the group of query heads sharing that KV head
 (GQA packed into the M dimension of the dots) over its slice of the context, and writes a partial output
 with its base-2 log-sum-exp. Stage 2: one program per (row, head) merges the splits.
+
+Deterministic mode runs one split (no split-K, whose count follows the batch size) and, for an extend, one
+program per query token (`query_rows`: each token's page-table row, `seq_lens` then per token): a query's
+result is then the same blocks of keys in the same order whatever its batch or step kind.
 """
 
 import triton
@@ -18,6 +22,7 @@ def decode_split_kernel(
     v_cache,
     page_table,
     seq_lens,
+    query_rows,
     part_out,
     part_lse,
     scale,
@@ -40,8 +45,9 @@ def decode_split_kernel(
     BLOCK_D: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0)  # the query (a row of q), whose page-table row is b, or query_rows[b] with QUERY_ROWS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -62,7 +68,8 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    row = page_table + b.to(tl.int64) * stride_pt_b
+    table_row = tl.load(query_rows + b).to(tl.int64) if QUERY_ROWS else b.to(tl.int64)
+    row = page_table + table_row * stride_pt_b
     for n0 in range(start, end, BLOCK_N):
         _, n_mask, k, v = load_kv_block(k_cache, v_cache, row, n0, end, kv_head, offs_d, d_mask, stride_k_s,
                                         stride_k_h, stride_v_s, stride_v_h, BLOCK_N)

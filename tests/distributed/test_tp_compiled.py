@@ -1,7 +1,7 @@
 """TP=2 with the defaults (compiled graphs): `warmup --tp 2` fills each rank's cache entry, then the offline
 `LLM` and `serve` start warm (every rank reports a hit) and answer a concurrent ragged load exactly as TP=1
-and transformers do, with log-probs that do not depend on the batch. Before the vocab all-gather left the graphs, compiling any TP graph raised
-`arg type Any is not yet supported by custom_op_wrapper`."""
+and transformers do, with log-probs that do not depend on the batch. Before the vocab all-gather left the
+graphs, compiling any TP graph raised `arg type Any is not yet supported by custom_op_wrapper`."""
 
 from __future__ import annotations
 

@@ -96,8 +96,8 @@ def test_extend_rows_do_not_depend_on_chunking_or_batch(impl):
         start += size
     assert torch.equal(torch.cat(chunks), whole[:30])
     # Request 1 alone.
-    alone = extend(full.q[30:], full.k_cache, full.v_cache, full.page_table[1:], torch.tensor([0, 12], dtype=torch.int32),
-                   full.seq_lens[1:], 0.2)
+    alone = extend(full.q[30:], full.k_cache, full.v_cache, full.page_table[1:],
+                   torch.tensor([0, 12], dtype=torch.int32), full.seq_lens[1:], 0.2)
     assert torch.equal(alone, whole[30:])
 
 

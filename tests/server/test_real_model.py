@@ -112,7 +112,7 @@ def test_shared_prefix_prompts_concurrent_equal_sequential(smollm2_server: Runni
 
 
 def test_64_ragged_streams_equal_each_stream_alone(smollm2_server: RunningServer) -> None:
-    words = NEAR_TIE.split() + "and the old lighthouse keeper watched the boats come home".split()
+    words = [*NEAR_TIE.split(), "and", "the", "old", "lighthouse", "keeper", "watched", "the", "boats", "home"]
     args = [(smollm2_server.url, " ".join(words[: 1 + i % len(words)]) + f" ({i})", 4 + i % 13, True)
             for i in range(64)]
     together = _concurrently(_complete, args)

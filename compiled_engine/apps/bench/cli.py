@@ -20,7 +20,7 @@ from compiled_engine.apps.bench.datasets import (
 from compiled_engine.apps.bench.models import BENCH_NAME, resolve_bench_model
 from compiled_engine.apps.bench.report import table, write_json
 
-COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager")  # hf: transformers generate
+COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")  # hf: transformers generate
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_OUTPUT = {"random": "64:256", "prefix": "32"}
 
@@ -130,18 +130,21 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     decode, prefill = latency_workloads(batches, args.input_len, args.output_len, args.prefill_len,
                                         prompt_vocab(model_dir, _tokenizer(model_dir)), args.seed)
-    variants = [("compiled", {})] + [("eager", {"enforce_eager": True})] * ("eager" in (args.compare or []))
+    others = {"eager": {"enforce_eager": True}, "nondeterministic": {"deterministic": False}}
+    variants = [("compiled", {})] + [(name, others[name]) for name in args.compare or []]
     runs = []
-    for label, settings in variants:
-        _log(f"measuring {label} ...")
-        runs.append(measure(model_dir, label, settings, decode, prefill))
+    for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant
+        for label, settings in variants:
+            _log(f"measuring {label} ...")
+            runs.append(measure(model_dir, label, settings, decode, prefill))
     rows = [[r.label, p.batch, p.step_ms, p.tokens_per_s] for r in runs for p in r.decode]
     print(table(["graphs", "batch", "decode step ms", "decode tok/s"], rows))
     print(table(["graphs", "prefill tokens", "prefill tok/s"], [[r.label, r.prefill_len, r.prefill_tokens_per_s]
                                                                 for r in runs]))
-    if len(runs) == 2:
-        for a, b in zip(runs[0].decode, runs[1].decode, strict=True):
-            print(f"batch {a.batch}: compiled {b.step_ms / a.step_ms:.2f}x faster decode step than eager")
+    for other in runs[1 : len(variants)]:
+        for a, b in zip(runs[0].decode, other.decode, strict=True):
+            ratio = b.step_ms / a.step_ms
+            print(f"batch {a.batch}: compiled (default) {ratio:.2f}x faster decode step than {other.label}")
     if args.json:
         write_json(args.json, "latency", {"model": args.model, "input_len": args.input_len,
                                           "output_len": args.output_len, "runs": runs})
@@ -224,7 +227,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_dataset_args(p, num_prompts=64)
     p.add_argument("--compare", action="append", choices=COMPARE_CHOICES,
                    help="also run: hf (transformers generate in the checkpoint's dtype), hf-fp32 (in fp32: its "
-                   "best on CPUs without a bf16 GEMM), naive (prefix cache), overlap (toggled), eager")
+                   "best on CPUs without a bf16 GEMM), naive (prefix cache), overlap (toggled), eager, "
+                   "nondeterministic (--no-deterministic)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run our engine and every comparison this many times, alternating; each keeps its best")
     p.add_argument("--enforce-eager", action="store_true")
@@ -241,7 +245,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--compare", action="append", choices=("eager",), help="eager: also measure without graphs")
+    p.add_argument("--compare", action="append", choices=("eager", "nondeterministic"),
+                   help="eager: also measure without graphs; nondeterministic: with --no-deterministic")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every variant, alternating")
     p.add_argument("--seed", type=int, default=0)
     _add_output_args(p)
     p.set_defaults(func=_cmd_latency)

@@ -24,7 +24,9 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
         return f"overlap {'on' if on else 'off'}", {"overlap": on}
     if name == "eager":
         return "eager", {"enforce_eager": True}
-    raise ValueError(f"unknown comparison {name!r}; use hf, naive, overlap or eager")
+    if name == "nondeterministic":
+        return "not deterministic", {"deterministic": False}
+    raise ValueError(f"unknown comparison {name!r}; use hf, naive, overlap, eager or nondeterministic")
 
 
 @dataclass
