@@ -108,10 +108,10 @@ def extend_attention(
     invariant: bool = False,
 ) -> torch.Tensor:
     """Requests with a cached prefix and of similar shapes share one padded SDPA call (many short suffixes
-    over a shared system prompt: a layer of the prefix benchmark's 19 suffixes over 1024 tokens takes 11.8
-    ms instead of 14.9 one by one); others attend one by one."""
+    over a shared system prompt: faster than one by one, docs/benchmarks.md); others attend one by one."""
     if invariant:
-        return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap)
+        return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window,
+                                   soft_cap)
     out = torch.zeros_like(q)
     cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
     reqs = [_Req(b, cu[b], cu[b + 1] - cu[b], lens[b]) for b in range(len(lens)) if cu[b + 1] > cu[b]]
