@@ -108,5 +108,5 @@ class RowParallelLinear(_Linear):
         param.data.copy_(narrow(src, 1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(ops.linear(x, self.weight))
+        y = ps.all_reduce(ops.linear(x, self.weight), ordered=ops.invariant())
         return y if self.bias is None else y + self.bias

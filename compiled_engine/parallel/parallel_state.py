@@ -38,11 +38,22 @@ def get_tp_group() -> dist.ProcessGroup | None:
     return _group
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the TP ranks. Functional collectives, so that torch.compile traces them."""
+def all_reduce(x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+    """Sum of `x` over the TP ranks. Functional collectives, so that torch.compile traces them.
+
+    `ordered` (deterministic mode): every element summed in rank order, ((x0 + x1) + x2) + ..., whatever the
+    tensor's size. A backend's all-reduce splits the tensor into chunks by its size and sums each chunk in
+    its own order, so an element's sum would depend on the batch; with two ranks any order gives the same
+    sum, so only larger groups gather and add."""
     if _size == 1:
         return x
-    return funcol.wait_tensor(funcol.all_reduce(x, "sum", _group))
+    if not ordered or _size == 2:
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", _group))
+    parts = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, _group)).chunk(_size, dim=0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

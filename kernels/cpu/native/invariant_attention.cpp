@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -49,6 +50,63 @@ inline void axpy(float w, const float* v, float* acc, int64_t n) {
 #endif
     for (; d < n; ++d) acc[d] = std::fma(w, v[d], acc[d]);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The vectorized path (AVX2, float32 and bf16 caches, D % 8 == 0): the same operations in the same order as
+// dot8 and axpy, with the K / V rows converted in registers and four query rows (or eight columns) at once.
+template <typename E>
+struct Fast : std::bool_constant<std::is_same_v<E, F32> || std::is_same_v<E, BF16>> {};
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// dot8(q[j], k) for four rows j: three horizontal adds make each row's tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+template <typename T>
+inline __m128 dot8x4(const float* const q[4], const T* k, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 kv = load8(k + d);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[0] + d), kv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[1] + d), kv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + d), kv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + d), kv, a3);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// acc[0:D] = sum over t in order of w[t] * rows[t][0:D] (axpy's chains), up to 64 columns per pass in registers.
+template <typename T, int NC>
+inline void weighted_columns(const float* w, const void* const* rows, int64_t n, int64_t c0, float* acc) {
+    __m256 a[NC];
+    for (int c = 0; c < NC; ++c) a[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+        const __m256 wt = _mm256_set1_ps(w[t]);
+        const T* v = static_cast<const T*>(rows[t]) + c0;
+        for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(wt, load8(v + 8 * c), a[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
+}
+
+template <typename T>
+void weighted_values(const float* w, const void* const* rows, int64_t n, float* acc, int64_t D) {
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        switch (std::min<int64_t>(8, (D - c0) / 8)) {
+            case 1: weighted_columns<T, 1>(w, rows, n, c0, acc); break;
+            case 2: weighted_columns<T, 2>(w, rows, n, c0, acc); break;
+            case 3: weighted_columns<T, 3>(w, rows, n, c0, acc); break;
+            case 4: weighted_columns<T, 4>(w, rows, n, c0, acc); break;
+            case 5: weighted_columns<T, 5>(w, rows, n, c0, acc); break;
+            case 6: weighted_columns<T, 6>(w, rows, n, c0, acc); break;
+            case 7: weighted_columns<T, 7>(w, rows, n, c0, acc); break;
+            default: weighted_columns<T, 8>(w, rows, n, c0, acc); break;
+        }
+    }
+}
+#endif
 
 // e^x for x <= 0: Cephes' polynomial with every step an explicit FMA (no contraction left to the compiler).
 inline float exp_nonpositive(float x) {
@@ -87,6 +145,7 @@ struct Task {
 
 struct Scratch {
     std::vector<float> q, scores, acc, row;
+    std::vector<const void*> k_rows, v_rows;  // the task's K / V rows, by key (the fast path)
 };
 
 // One task: `count` consecutive query tokens of request `req` (positions pos0 ...) x the G query heads of
@@ -112,22 +171,56 @@ void attend(const Task& task, const typename E::T* q, int64_t q_stride, const ty
         const typename E::T* src = cache + (slot * Hkv + task.kh) * D;
         for (int64_t d = 0; d < D; ++d) s.row[d] = E::load(src[d]);
     };
-    for (int64_t t = lo_min; t < hi_max; ++t) {
-        kv_row(k_cache, t);
-        for (int64_t i = std::max<int64_t>(0, t - pos0); i < task.count && lo(i) <= t; ++i)
-            for (int64_t g = 0; g < G; ++g) {
-                float v = dot8(s.q.data() + (i * G + g) * D, s.row.data(), D) * scale;
-                if (soft_cap > 0.0f) v = soft_cap * std::tanh(v / soft_cap);
-                s.scores[(i * G + g) * span + (t - lo(i))] = v;
+    // Row r = (token i, head g) attends to keys [lo(i), pos0 + i + 1); its scores start at scores[r * span].
+    auto row_lo = [&](int64_t r) { return lo(r / G); };
+    auto row_hi = [&](int64_t r) { return pos0 + r / G + 1; };
+    auto keep = [&](int64_t r, int64_t t, float v) {
+        if (soft_cap > 0.0f) v = soft_cap * std::tanh(v / soft_cap);
+        s.scores[r * span + (t - row_lo(r))] = v;
+    };
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (Fast<E>::value) {
+        if (D % 8 == 0) {
+            s.k_rows.resize(span);
+            s.v_rows.resize(span);
+            for (int64_t t = lo_min; t < hi_max; ++t) {
+                const int64_t slot = slots[t] < 0 || slots[t] >= S ? 0 : slots[t];
+                s.k_rows[t - lo_min] = k_cache + (slot * Hkv + task.kh) * D;
+                s.v_rows[t - lo_min] = v_cache + (slot * Hkv + task.kh) * D;
             }
+            // Four rows at a time over the union of their keys (a row past `rows` repeats the last one).
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                const float* qr[4];
+                for (int j = 0; j < 4; ++j) qr[j] = s.q.data() + std::min(r0 + j, rows - 1) * D;
+                const int64_t last = std::min(r0 + 3, rows - 1);
+                for (int64_t t = row_lo(r0); t < row_hi(last); ++t) {
+                    alignas(16) float v[4];
+                    _mm_store_ps(v, dot8x4(qr, static_cast<const typename E::T*>(s.k_rows[t - lo_min]), D));
+                    for (int64_t j = 0; j < 4 && r0 + j < rows; ++j)
+                        if (row_lo(r0 + j) <= t && t < row_hi(r0 + j)) keep(r0 + j, t, v[j] * scale);
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) softmax(s.scores.data() + r * span, row_hi(r) - row_lo(r));
+            for (int64_t r = 0; r < rows; ++r)
+                weighted_values<typename E::T>(s.scores.data() + r * span, s.v_rows.data() + (row_lo(r) - lo_min),
+                                               row_hi(r) - row_lo(r), s.acc.data() + r * D, D);
+        }
     }
-    for (int64_t i = 0; i < task.count; ++i)
-        for (int64_t g = 0; g < G; ++g) softmax(s.scores.data() + (i * G + g) * span, pos0 + i + 1 - lo(i));
-    for (int64_t t = lo_min; t < hi_max; ++t) {
-        kv_row(v_cache, t);
-        for (int64_t i = std::max<int64_t>(0, t - pos0); i < task.count && lo(i) <= t; ++i)
-            for (int64_t g = 0; g < G; ++g)
-                axpy(s.scores[(i * G + g) * span + (t - lo(i))], s.row.data(), s.acc.data() + (i * G + g) * D, D);
+    if (!(Fast<E>::value && D % 8 == 0)) {
+#else
+    {
+#endif
+        for (int64_t t = lo_min; t < hi_max; ++t) {
+            kv_row(k_cache, t);
+            for (int64_t r = std::max<int64_t>(0, t - pos0) * G; r < rows && row_lo(r) <= t; ++r)
+                keep(r, t, dot8(s.q.data() + r * D, s.row.data(), D) * scale);
+        }
+        for (int64_t r = 0; r < rows; ++r) softmax(s.scores.data() + r * span, row_hi(r) - row_lo(r));
+        for (int64_t t = lo_min; t < hi_max; ++t) {
+            kv_row(v_cache, t);
+            for (int64_t r = std::max<int64_t>(0, t - pos0) * G; r < rows && row_lo(r) <= t; ++r)
+                axpy(s.scores[r * span + (t - row_lo(r))], s.row.data(), s.acc.data() + r * D, D);
+        }
     }
     for (int64_t i = 0; i < task.count; ++i)
         for (int64_t g = 0; g < G; ++g)
