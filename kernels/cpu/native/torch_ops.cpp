@@ -8,13 +8,14 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -226,9 +227,42 @@ bool onednn_bf16() {
     return supported;
 }
 
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// Whether the AMX panel kernel gives a row the same bits whatever the number of rows beside it. The ISA
+// defines each element of a tile product on its own, and the kernel walks k alike for every row block, so it
+// should; checked once per process on this CPU all the same (the kernel was written where it could not
+// run): a 40-row product against its first 1, 17 and 33 rows. Deterministic mode uses the AMX route only
+// when it holds.
+bool amx_rows_invariant() {
+    static const bool invariant = [] {
+        constexpr int64_t M = 40, N = 64, K = 64;
+        const at::Tensor w = at::arange(N * K, at::kFloat).mul(0.37).sin().to(at::kBFloat16).view({N, K});
+        const at::Tensor x = at::arange(M * K, at::kFloat).mul(0.11).cos().to(at::kBFloat16).view({M, K});
+        at::Tensor packed = at::empty({ce_packed_bf16_size(N, K)}, w.options());
+        ce_pack_bf16_weight(w.data_ptr(), packed.data_ptr(), N, K);
+        at::Tensor full = at::empty({M, N}, w.options()), part = at::empty({M, N}, w.options());
+        ce_linear_bf16(x.data_ptr(), packed.data_ptr(), nullptr, full.data_ptr(), M, N, K);
+        for (const int64_t m : {1, 17, 33}) {
+            ce_linear_bf16(x.data_ptr(), packed.data_ptr(), nullptr, part.data_ptr(), m, N, K);
+            if (std::memcmp(part.data_ptr(), full.data_ptr(), m * N * 2) != 0) return false;
+        }
+        return true;
+    }();
+    return invariant;
+}
+#endif
+
 Prepared prepare(const at::Tensor& weight, bool invariant) {
     const at::Tensor w = weight.detach().contiguous();
     const int64_t N = w.size(0), K = w.size(1);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    // Deterministic mode on AMX: the panel kernel for every row count (never handing big GEMMs to oneDNN).
+    if (invariant && w.scalar_type() == at::kBFloat16 && amx_ready() && K % 32 == 0 && amx_rows_invariant()) {
+        at::Tensor packed = at::empty({ce_packed_bf16_size(N, K)}, w.options());
+        ce_pack_bf16_weight(w.data_ptr(), packed.data_ptr(), N, K);
+        return {Kind::amx, packed};
+    }
+#endif
     if (invariant) {
         const int w_dt = w.scalar_type() == at::kFloat ? 0 : 1;
         at::Tensor packed = at::empty({ce_invariant_packed_size(w_dt, N, K)}, w.options());
@@ -272,6 +306,17 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const
     const Prepared p = prepared_weight(weight, true);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = N;
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (p.kind == Kind::amx) {
+        const at::Tensor xb = x.reshape({-1, K}).contiguous();
+        const at::Tensor bb = bias.has_value() ? bias->contiguous() : at::Tensor();
+        at::Tensor out = at::empty({xb.size(0), N}, x.options());
+        if (xb.size(0) > 0)
+            ce_linear_bf16(xb.data_ptr(), p.copy.data_ptr(), bb.defined() ? bb.data_ptr() : nullptr, out.data_ptr(),
+                           xb.size(0), N, K);
+        return out.view(shape);
+    }
+#endif
     const at::Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
     const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     at::Tensor out = at::empty({rows.size(0), N}, x.options());
