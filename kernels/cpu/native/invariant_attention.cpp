@@ -4,7 +4,8 @@
 // values it attends to, never of the batch, the chunking of its prompt, what is cached or the ISA:
 //     score_t = dot(q, k_t) * scale (soft-capped), dot in eight fused multiply-add chains over d mod 8
 //               summed in a fixed tree;
-//     weights = softmax over the query's own keys, in full (no split of the keys), exp by one polynomial;
+//     weights = softmax over the query's own keys, in full (no split of the keys), exp by one polynomial,
+//               the sum in eight lanes over t mod 8 and the same tree;
 //     out     = sum over t in order of weight_t * v_t, one fused multiply-add chain per element.
 // The query rows of one task (a request's block of tokens x the query heads of one KV head) share each
 // K / V row read; which rows share a task changes the speed, not a bit of the result.
@@ -126,17 +127,49 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-// p[0:n] becomes softmax(p[0:n]): the sum in order.
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on eight lanes, step for step (an FMA is an FMA; rounding to nearest is nearbyint's).
+inline __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// p[0:n] becomes softmax(p[0:n]). The sum: lane j = t mod 8 adds its terms in order, then the lanes' tree
+// ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), as in dot8.
 inline void softmax(float* p, int64_t n) {
     float m = p[0];
     for (int64_t t = 1; t < n; ++t) m = std::max(m, p[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-        p[t] = exp_nonpositive(p[t] - m);
-        sum += p[t];
+    alignas(32) float lane[8] = {};
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + t), mv));
+        _mm256_storeu_ps(p + t, e);
+        sv = _mm256_add_ps(sv, e);
     }
+    _mm256_store_ps(lane, sv);
+#endif
+    for (; t < n; ++t) {
+        p[t] = exp_nonpositive(p[t] - m);
+        lane[t % 8] += p[t];
+    }
+    const float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < n; ++t) p[t] *= inv;
+    for (t = 0; t < n; ++t) p[t] *= inv;
 }
 
 struct Task {
