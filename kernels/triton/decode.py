@@ -68,8 +68,10 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table_row = tl.load(query_rows + b).to(tl.int64) if QUERY_ROWS else b.to(tl.int64)
-    row = page_table + table_row * stride_pt_b
+    if QUERY_ROWS:
+        row = page_table + tl.load(query_rows + b).to(tl.int64) * stride_pt_b
+    else:
+        row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(start, end, BLOCK_N):
         _, n_mask, k, v = load_kv_block(k_cache, v_cache, row, n0, end, kv_head, offs_d, d_mask, stride_k_s,
                                         stride_k_h, stride_v_s, stride_v_h, BLOCK_N)

@@ -43,8 +43,8 @@ def roomy(demo_dir):
 
 @pytest.fixture(scope="module")
 def tight(demo_dir):
-    """Chunks of 8 tokens, pages of 4, 40 pages (160 slots): retraction and eviction; overlap on."""
-    engine = _engine(demo_dir, num_pages=40, page_size=4, chunk_budget=8, overlap=True)
+    """Chunks of 8 tokens, pages of 4, 28 pages (112 slots): retraction and eviction; overlap on."""
+    engine = _engine(demo_dir, num_pages=28, page_size=4, chunk_budget=8, overlap=True)
     yield engine
     engine.shutdown()
 
@@ -97,7 +97,7 @@ def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
 def test_probe_is_bit_identical_to_the_probe_alone(roomy, tight, alone, prompts, arrivals, probe_step, which, params,
                                                      seed):
     rng = random.Random(seed)
-    others = [(arrivals[i], f"o{i}", p, SamplingParams(max_tokens=rng.randrange(1, 14), temperature=rng.choice([0, 1]),
+    others = [(arrivals[i], f"o{i}", p, SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0, 1]),
                                                         ignore_eos=True, logprobs=rng.choice([None, 0, 3])))
               for i, p in enumerate(_others(prompts, rng))]
     probe_params = GREEDY if params == "greedy" else SEEDED

@@ -6,6 +6,7 @@ from triton.backends.compiler import GPUTarget
 
 from kernels.triton.decode import decode_merge_kernel, decode_split_kernel
 from kernels.triton.extend import extend_kernel
+from kernels.triton.matmul import invariant_matmul_kernel
 from kernels.triton.store import store_kv_kernel
 
 FLOATS = ("scale", "soft_cap")
@@ -30,14 +31,17 @@ def main() -> None:
         {**kv, "k": "*bf16", "v": "*bf16", "slots": "*i64"},
         {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128},
     )
-    decode = {**kv, "q": "*bf16", "page_table": "*i32", "seq_lens": "*i32", "part_out": "*fp32", "part_lse": "*fp32"}
-    for head_dim, block_n, soft_cap in ((64, 64, False), (256, 32, True)):
+    decode = {**kv, "q": "*bf16", "page_table": "*i32", "seq_lens": "*i32", "query_rows": "*i32", "part_out": "*fp32",
+              "part_lse": "*fp32"}
+    # (the last: deterministic mode's extend, one split and a page-table row per query)
+    for head_dim, block_n, soft_cap, rows in ((64, 64, False, False), (256, 32, True, False), (128, 64, False, True)):
         extra = {"sliding_window": 1} if soft_cap else {}
         compile_for_hopper(
             decode_split_kernel,
             decode,
-            {"GROUP": 4, "NUM_HEADS": 8, "NUM_SPLITS": 4, "HEAD_DIM": head_dim, "BLOCK_H": 16, "BLOCK_N": block_n,
-             "BLOCK_D": head_dim, "SOFT_CAP": soft_cap, "DOT_FP32": False, **extra},
+            {"GROUP": 4, "NUM_HEADS": 8, "NUM_SPLITS": 1 if rows else 4, "HEAD_DIM": head_dim, "BLOCK_H": 16,
+             "BLOCK_N": block_n, "BLOCK_D": head_dim, "SOFT_CAP": soft_cap, "DOT_FP32": False, "QUERY_ROWS": rows,
+             **extra},
         )  # fmt: skip
     compile_for_hopper(
         decode_merge_kernel,
@@ -52,6 +56,12 @@ def main() -> None:
             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_B": 4, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
              "SOFT_CAP": soft_cap, "DOT_FP32": False, **extra},
         )  # fmt: skip
+    for bias in (False, True):  # deterministic mode's linear
+        compile_for_hopper(
+            invariant_matmul_kernel,
+            {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16"},
+            {"HAS_BIAS": bias, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": False},
+        )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ RANDOM_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mis
 RANDOM_SHAPE = dict(head_dim=64, hidden_size=128, intermediate_size=256, vocab_size=2000)
 RANDOM_PROMPTS = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29], [5], list(range(100, 190, 3))]
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
-        "Explain what a CPU cache is in one sentence.", "List three prime numbers."]
+        "Explain what a CPU cache is in one sentence.", "List three prime numbers.",
+        "Name a famous painter and one of their works.", "How many legs does a spider have?"]
 
 
 def bf16_bound(path: str, prompts: list[list[int]], refs: list) -> float:

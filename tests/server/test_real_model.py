@@ -118,4 +118,4 @@ def test_64_ragged_streams_equal_each_stream_alone(smollm2_server: RunningServer
     together = _concurrently(_complete, args)
     alone = [_complete(*a) for a in args]
     assert together == alone
-    assert all(len(lp) == a[2] for (_, lp), a in zip(alone, args))
+    assert all(0 < len(lp) <= a[2] for (_, lp), a in zip(alone, args))  # a stream may end at EOS

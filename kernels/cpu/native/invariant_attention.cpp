@@ -277,7 +277,7 @@ void invariant_attention(const typename E::T* q, int64_t q_stride, const typenam
     }
 #pragma omp parallel
     {
-        Scratch scratch;
+        thread_local Scratch scratch;  // kept between calls: no allocation per step
 #pragma omp for schedule(dynamic, 1)
         for (size_t j = 0; j < tasks.size(); ++j) {
             const Task& task = tasks[j];
