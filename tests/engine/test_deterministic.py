@@ -1,7 +1,7 @@
 """Deterministic inference (the default): a probe request's tokens and log-probabilities are bit-identical to
 the probe alone, whatever else runs: ragged neighbours arriving at random steps, shared prefixes (radix
-hits), tiny chunk budgets, a pool small enough to force retraction and eviction, overlap. Compiled, in bf16,
-on a random-weight checkpoint and on the real model."""
+hits), tiny chunk budgets, a pool small enough to force retraction and eviction, overlap. Compiled (and
+eager), in bf16, on a random-weight checkpoint and on the real model."""
 
 from __future__ import annotations
 
@@ -70,9 +70,22 @@ def _run(engine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> 
 
 
 @pytest.fixture(scope="module")
-def alone(roomy):
-    return {name: _run(roomy, [(0, "probe", PROBE, params)])["probe"] for name, params in
+def eager(demo_dir):
+    """The tight engine's settings without graphs (`--enforce-eager`: its own bits, as deterministic)."""
+    engine = _engine(demo_dir, num_pages=28, page_size=4, chunk_budget=8, overlap=True, enforce_eager=True)
+    yield engine
+    engine.shutdown()
+
+
+def _alone(engine) -> dict:
+    return {name: _run(engine, [(0, "probe", PROBE, params)])["probe"] for name, params in
             (("greedy", GREEDY), ("seeded", SEEDED))}
+
+
+@pytest.fixture(scope="module")
+def alone(roomy, eager):
+    """The probe alone: on the roomy engine (for both compiled engines), and on the eager one."""
+    return {"compiled": _alone(roomy), "eager": _alone(eager)}
 
 
 def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
@@ -85,27 +98,27 @@ def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
     return out
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40)), min_size=1, max_size=10),
     arrivals=st.lists(st.integers(0, 12), min_size=11, max_size=11),
     probe_step=st.integers(0, 12),
-    which=st.sampled_from(["roomy", "tight"]),
+    which=st.sampled_from(["roomy", "tight", "eager"]),
     params=st.sampled_from(["greedy", "seeded"]),
     seed=st.integers(0, 2**16),
 )
-def test_probe_is_bit_identical_to_the_probe_alone(roomy, tight, alone, prompts, arrivals, probe_step, which, params,
-                                                     seed):
+def test_probe_is_bit_identical_to_the_probe_alone(roomy, tight, eager, alone, prompts, arrivals, probe_step, which,
+                                                     params, seed):
     rng = random.Random(seed)
     others = [(arrivals[i], f"o{i}", p, SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0, 1]),
                                                         ignore_eos=True, logprobs=rng.choice([None, 0, 3])))
               for i, p in enumerate(_others(prompts, rng))]
     probe_params = GREEDY if params == "greedy" else SEEDED
-    engine = roomy if which == "roomy" else tight
+    engine = {"roomy": roomy, "tight": tight, "eager": eager}[which]
     scheduler = engine.scheduler
     before = scheduler.num_retractions, scheduler.book.cache.num_evicted_pages
     results = _run(engine, [(probe_step, "probe", PROBE, probe_params), *others])
-    assert results["probe"] == alone[params]
+    assert results["probe"] == alone["eager" if which == "eager" else "compiled"][params]
     REACHED["retraction"] += scheduler.num_retractions > before[0]
     REACHED["eviction"] += scheduler.book.cache.num_evicted_pages > before[1]
     REACHED["examples"] += 1
