@@ -331,8 +331,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
         const at::ScalarType t = weight.scalar_type();
         const bool covered = (t == at::kFloat || t == at::kBFloat16) && x.scalar_type() == t && weight.dim() == 2 &&
                              weight.size(1) == K && (!bias.has_value() || bias->scalar_type() == t);
-        TORCH_CHECK(covered, "kernels::linear(invariant=True): float32 or bfloat16 x, weight [N, K] and bias of one dtype");
-        return invariant_linear(x, weight, bias);
+        if (covered) return invariant_linear(x, weight, bias);
+        // other dtypes (float16, mixed): the portable invariant linear, one row at a time
+        static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                                   bool)>("kernels::linear_portable");
+        return op.call(x, weight, bias, true);
     }
     const bool bf16 = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
                       weight.size(1) == K && (!bias.has_value() || bias->scalar_type() == at::kBFloat16);
