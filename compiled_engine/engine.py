@@ -1,9 +1,11 @@
 """The engine loop: scheduler plan -> model runner -> commit, with overlap scheduling.
 
-With overlap (the default on CUDA) step k+1 is planned and launched before step k's tokens reach the host: the
-forward runs in a worker thread (which queues device work in order), and the token sampled at step k is
-read from the device token table by step k+1. The scheduler defers frees until no in-flight step can
-touch the pages, and drops tokens sampled after a request finished.
+With overlap (the default on CUDA) step k+1 is planned and launched before step k's tokens reach the host,
+and the token sampled at step k is read from the device token table by step k+1. On CUDA a launch only queues
+work (`ModelRunner.asynchronous`): this thread launches step k+1, then waits for step k's tokens (the one host
+sync of a step) while the device runs k+1. On the CPU, where a launch computes, the forward runs in a worker
+thread instead. The scheduler defers frees until no in-flight step can touch the pages, and drops tokens
+sampled after a request finished.
 
 Structured output: a constrained request's grammar fills its token mask when its step is launched and
 advances when its token commits; the request ends when the grammar does. Under overlap the scheduler does
@@ -24,7 +26,7 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import GrammarBook, RequestGrammar
-from compiled_engine.runner.model_runner import ModelRunner, StepOutput
+from compiled_engine.runner.model_runner import ModelRunner, PendingStep, StepOutput
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.runner.step_inputs import StepInputs
 from compiled_engine.scheduler.plan import Batch
@@ -67,11 +69,11 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self._live: dict[str, _Live] = {}
-        self._inflight: collections.deque[tuple[Batch, Future | StepOutput]] = collections.deque()
-        # The forward thread must use this rank's GPU (a thread starts on the current device, cuda:0).
-        on_cuda = runner.device.type == "cuda"
-        init = (lambda: torch.cuda.set_device(runner.device)) if on_cuda else None
-        self._worker = ThreadPoolExecutor(1, "forward", initializer=init) if config.overlap else None
+        self._inflight: collections.deque[tuple[Batch, Future | PendingStep]] = collections.deque()
+        self._overlap = bool(config.overlap)
+        # A synchronous device computes in its launch: there, overlap runs the forward in a worker thread.
+        threaded = self._overlap and not runner.asynchronous
+        self._worker = ThreadPoolExecutor(1, "forward") if threaded else None
         self.steps = 0
         self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
         self.compile_report: CompileReport | None = None  # set by build_engine (None: eager)
@@ -117,12 +119,11 @@ class Engine:
         if batch is not None:
             self._inflight.append((batch, self._launch(batch)))
             self.steps += 1
-        keep = 1 if (self._worker is not None and batch is not None) else 0
+        keep = 1 if (self._overlap and batch is not None) else 0
         events: list[TokenOutput] = []
         while len(self._inflight) > keep:
-            done, result = self._inflight.popleft()
-            output = result.result() if isinstance(result, Future) else result
-            events.extend(self._commit(done, output))
+            done, pending = self._inflight.popleft()
+            events.extend(self._commit(done, pending.result()))
         return events
 
     def shutdown(self) -> None:
@@ -130,7 +131,7 @@ class Engine:
             self._worker.shutdown(wait=True)
         gc.unfreeze()  # `startup.build_engine` froze the engine's objects: they may be collected again
 
-    def _launch(self, batch: Batch) -> Future | StepOutput:
+    def _launch(self, batch: Batch) -> Future | PendingStep:
         live = [self._live.get(r.rid) for r in batch.reqs if r.sample]
         sampled = [r for r in batch.reqs if r.sample]
         # Token masks now, on this thread: under overlap the previous step's forward runs meanwhile.
@@ -155,7 +156,7 @@ class Engine:
             return out
 
         if self._worker is None:
-            return self.runner.execute(batch, rows)
+            return self.runner.launch(batch, rows)
         return self._worker.submit(self.runner.execute, batch, rows)
 
     def _commit(self, batch: Batch, output: StepOutput) -> list[TokenOutput]:

@@ -94,6 +94,10 @@ def _host_memory() -> tuple[int, int]:
 
 def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
     device = resolve_device(config.device)
+    if device.type == "cuda":
+        # Make it current, so that every allocation, stream, event and Triton launch without an explicit
+        # device lands there (a TP rank sets its own; at tp=1 `cuda:1` would otherwise run half on cuda:0).
+        torch.cuda.set_device(device)
     if device.type == "cpu":
         keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
         kernel_ops.load_cpu_kernels()  # the native CPU kernels (built once; a no-op where already loaded)
@@ -173,14 +177,17 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
 
     def decode_inputs(n: int) -> StepInputs:
         tick("decode, any batch" if n == beyond else f"decode, batch {n}")
-        return build_step_inputs(batch([1] * n, True), runner.tables, n)
+        return build_step_inputs(batch([1] * n, True), runner.tables, n, runner.staging)
 
     fwd.precompiled_dir = precompiled_dir
     try:
         with torch.inference_mode():
             tick("prefill")
-            for lengths in ([3, 5], [2, 1, 4]):
-                fwd(build_step_inputs(batch(lengths, False), runner.tables, None))
+            # Two ragged batches, then one per extend kernel variant that a step can meet (CUDA: one per
+            # request block; a padding request joins each step), so that serving compiles no kernel.
+            counts = kernel_ops.extend_request_counts(runner.config.max_rows + 1, runner.device)
+            for lengths in ([3, 5], [2, 1, 4], *([1] * (n - 1) for n in counts if n > 2)):
+                fwd(build_step_inputs(batch(lengths, False), runner.tables, None, runner.staging))
             if runner.device.type == "cuda":
                 fwd.capture_cuda_graphs(decode_inputs)
             else:

@@ -112,6 +112,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def extend_request_counts(max_requests: int, device: torch.device) -> list[int]:
+    """Request counts (padding included) at which extend steps meet every compiled variant of the device's
+    extend kernels: the warm-up runs one step of each, so that serving compiles none. [] off CUDA."""
+    if device.type != "cuda":
+        return []
+    from kernels.triton import attention
+
+    return [min(block, max_requests) for block in attention.extend_block_sizes(max_requests)]
+
+
 def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
     from kernels.triton import attention
 

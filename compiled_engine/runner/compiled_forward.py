@@ -1,6 +1,8 @@
-"""The model forward as compiled graphs: one static-shape graph per decode bucket (captured as a CUDA
-graph on a GPU), one dynamic-token-count graph for prefill / mixed steps, and one dynamic-batch decode graph
-for decode batches larger than the largest bucket. Inside each graph every decoder layer calls the same two
+"""The model forward as compiled graphs. On the CPU: one static-shape graph per decode bucket, one
+dynamic-token-count graph for prefill / mixed steps, and one dynamic-batch decode graph for decode batches
+larger than the largest bucket. On CUDA the dynamic-batch decode graph is compiled once and a CUDA graph of it
+is captured per bucket (at least 2 rows: a 1-row batch runs padded to 2), so buckets cost captures, not
+compiles. Inside each graph every decoder layer calls the same two
 compiled regions (`models.llama`), so compiling costs about one layer, not the model's depth; the attention
 ops between them are opaque custom ops.
 During the warm-up each graph is loaded precompiled from the compile cache, or compiled ahead of time and
@@ -68,8 +70,10 @@ class CompiledForward:
         self.model = model
         self.enabled = enabled
         self.deterministic = deterministic  # every graph is traced, and every eager step runs, batch-invariant
-        self.buckets = sorted(buckets) if enabled else []
         self.device = device
+        if enabled and device.type == "cuda":
+            buckets = [max(b, 2) for b in buckets]  # captured from the dynamic graph, whose batch is >= 2
+        self.buckets = sorted(set(buckets)) if enabled else []
         self.cuda_graphs: dict[int, _CapturedDecode] = {}
         self.precompiled_dir: Path | None = None
         self.set_compile_mode(compile_mode)
@@ -162,12 +166,18 @@ class CompiledForward:
         return graph.aot_compile((_mark_dynamic(args), {}))
 
     def capture_cuda_graphs(self, make_inputs) -> None:
-        """Capture every decode bucket, largest first, into one memory pool (CUDA only)."""
+        """Capture every decode bucket, largest first, into one memory pool, each from the one dynamic-batch
+        decode graph (CUDA only)."""
         pool = torch.cuda.graph_pool_handle()
         with ops.batch_invariant(self.deterministic):
             for batch in sorted(self.buckets, reverse=True):
-                self.cuda_graphs[batch] = _CapturedDecode(lambda *args, b=batch: self._run(b, args),
+                self.cuda_graphs[batch] = _CapturedDecode(lambda *args: self._run("decode", args),
                                                           make_inputs(batch), pool)
+
+    def static_inputs(self, batch: int) -> StepInputs | None:
+        """The input buffers of the CUDA graph captured for this decode batch size (None: no graph)."""
+        graph = self.cuda_graphs.get(batch)
+        return None if graph is None else graph.inputs
 
 
 def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
@@ -216,7 +226,12 @@ class _CapturedDecode:
             self.output = fn(*args)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Run the graph on `inputs`: when they were built into this graph's buffers (`static_inputs`), as is,
+        else after copying them in."""
         s = self.inputs
+        if inputs.staged is s.staged:
+            self.graph.replay()
+            return self.output
         s.input_ids.copy_(inputs.input_ids)
         s.positions.copy_(inputs.positions)
         s.logits_index.copy_(inputs.logits_index)

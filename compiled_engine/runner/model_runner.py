@@ -9,7 +9,8 @@ import torch
 
 from compiled_engine.runner.compiled_forward import CompiledForward
 from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
-from compiled_engine.runner.step_inputs import DeviceTables, StepInputs, build_step_inputs
+from compiled_engine.runner.staging import DeviceEvent, Staging, event_factory
+from compiled_engine.runner.step_inputs import DeviceTables, StepInputs, build_step_inputs, sample_targets
 from compiled_engine.scheduler.plan import Batch
 
 
@@ -32,10 +33,42 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+class PendingStep:
+    """A launched step whose tokens are on their way to the host: `result()` waits for them (the one host sync
+    of a step). On CUDA the outputs are copied into pinned host memory behind an event."""
+
+    def __init__(self, out: SampleOutput | None, make_event: Callable[[], DeviceEvent]) -> None:
+        self._host: dict[str, torch.Tensor] = {}
+        self._event: DeviceEvent | None = None
+        if out is None:
+            return
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            value = getattr(out, name)
+            if value is not None:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                self._host[name] = host.copy_(value, non_blocking=value.is_cuda)
+        self._event = make_event()
+        self._event.record()
+
+    def result(self) -> StepOutput:
+        if self._event is None:
+            return StepOutput(tokens=[])
+        self._event.synchronize()
+        h = self._host
+        output = StepOutput(tokens=h["tokens"].tolist())
+        if "logprobs" in h:
+            output.logprobs = h["logprobs"].tolist()
+        if "top_ids" in h:
+            output.top_logprobs = [list(zip(ids, lps)) for ids, lps in zip(h["top_ids"].tolist(),
+                                                                         h["top_logprobs"].tolist())]
+        return output
+
+
 class ModelRunner:
     """Owns the model, its paged KV cache, the device tables, the compiled graphs and the sampler."""
 
-    def __init__(self, model: torch.nn.Module, config: RunnerConfig, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, config: RunnerConfig, device: torch.device,
+                 make_event: Callable[[], DeviceEvent] | None = None) -> None:
         self.model, self.config, self.device = model, config, device
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model.num_kv_heads, model.head_dim)
@@ -43,40 +76,41 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
         model.attach_kv_cache(self.k_caches, self.v_caches)
         self.tables = DeviceTables(config.max_rows, config.max_context, device)
+        self.make_event = make_event or event_factory(device)
+        self.staging = Staging(device, make_event=self.make_event)
         self.sampler = Sampler(device, seed=config.seed)
         self.forward = CompiledForward(model, config.buckets, enabled=not config.enforce_eager, device=device,
                                        deterministic=config.deterministic)
+        # Launches return before the device has run them (CUDA queues the work): the engine then launches the
+        # next step before it reads this one's tokens, on its own thread. On the CPU a launch computes.
+        self.asynchronous = device.type == "cuda"
 
-    def execute(self, batch: Batch, rows: Callable[[StepInputs], list[SamplingRow]]) -> StepOutput:
-        """Apply the plan's writes, run the forward, sample, and write sampled tokens to the token table.
+    def launch(self, batch: Batch, rows: Callable[[StepInputs], list[SamplingRow]]) -> PendingStep:
+        """Apply the plan's writes, run the forward, sample, and write sampled tokens to the token table, all
+        queued on the device without a host sync; the tokens come back through the returned `PendingStep`.
 
         `rows` builds the sampler's per-request view (it may read token history from the tables)."""
         # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must agree.
         with torch.inference_mode():
-            self.tables.apply_writes(batch)
-            pad_to = self.forward.decode_rows(len(batch.reqs)) if batch.is_decode else None
-            inputs = build_step_inputs(batch, self.tables, pad_to)
+            targets = self.tables.apply_writes(batch, self.staging, sample_targets(batch, self.tables))
+            inputs = self.step_inputs(batch)
             logits = self.forward(inputs)[: inputs.num_sampled]
             if not inputs.num_sampled:
-                return StepOutput(tokens=[])
+                return PendingStep(None, self.make_event)
             out = self.sampler(logits, rows(inputs))
-            self.tables.tokens[
-                torch.tensor(inputs.sample_rows, device=self.device),
-                torch.tensor(inputs.sample_next_pos, device=self.device),
-            ] = out.tokens
-        return _to_host(out)
+            self.tables.tokens.view(-1).index_copy_(0, targets, out.tokens)
+            return PendingStep(out, self.make_event)
+
+    def execute(self, batch: Batch, rows: Callable[[StepInputs], list[SamplingRow]]) -> StepOutput:
+        """`launch`, then wait for the tokens."""
+        return self.launch(batch, rows).result()
+
+    def step_inputs(self, batch: Batch) -> StepInputs:
+        """The step's tensors; a decode step with a captured graph writes them into that graph's inputs."""
+        pad_to = self.forward.decode_rows(len(batch.reqs)) if batch.is_decode else None
+        into = self.forward.static_inputs(pad_to) if pad_to is not None else None
+        return build_step_inputs(batch, self.tables, pad_to, self.staging, into)
 
     def history(self, row: int, prompt_len: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device views of a row's prompt tokens and generated tokens (for penalties)."""
         return self.tables.tokens[row, :prompt_len], self.tables.tokens[row, prompt_len:length]
-
-
-def _to_host(out: SampleOutput) -> StepOutput:
-    result = StepOutput(tokens=out.tokens.tolist())
-    if out.logprobs is not None:
-        result.logprobs = out.logprobs.tolist()
-    if out.top_ids is not None:
-        result.top_logprobs = [
-            list(zip(ids, lps)) for ids, lps in zip(out.top_ids.tolist(), out.top_logprobs.tolist())
-        ]
-    return result

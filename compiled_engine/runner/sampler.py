@@ -5,6 +5,8 @@ not allow next), logit_bias and banned ids, repetition / frequency / presence
 penalties, then logprobs are taken from these processed logits, then temperature, top-k, top-p, min-p and
 the draw. Greedy rows (temperature 0, or top_k 1) take the argmax. A seeded request draws from its own
 generator, so its tokens do not depend on its batch neighbours.
+Nothing here waits for the device: every per-row setting reaches it through pinned memory (`to_device`), and
+every decision that depends on the rows is taken on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_engine.runner.staging import to_device
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from kernels import ops
 
@@ -86,11 +89,13 @@ class Sampler:
         if not masked:
             return
         vocab = logits.shape[1]
-        words = torch.stack([rows[i].token_mask for i in masked]).to(logits.device)
+        words = torch.stack([rows[i].token_mask for i in masked])
+        if logits.is_cuda:
+            words = words.pin_memory().to(logits.device, non_blocking=True)
         table = _bit_table(logits.device)
         allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(len(masked), -1)[:, :vocab]
         allowed |= ~allowed.any(dim=1, keepdim=True)
-        index = torch.tensor(masked, device=logits.device)
+        index = to_device(masked, torch.long, logits.device)
         logits[index] = torch.where(allowed, logits.index_select(0, index), float("-inf"))
 
     def _apply_bias_and_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -102,16 +107,15 @@ class Sampler:
                         idx_r.append(i)
                         idx_c.append(tok)
                         vals.append(bias)
+        device = logits.device
         if idx_r:
-            logits.index_put_(
-                (torch.tensor(idx_r, device=logits.device), torch.tensor(idx_c, device=logits.device)),
-                torch.tensor(vals, device=logits.device, dtype=logits.dtype),
-                accumulate=True,
-            )
-        for i, r in enumerate(rows):
-            banned = [t for t in r.banned_ids if 0 <= t < logits.shape[1]]
-            if banned:
-                logits[i, banned] = float("-inf")
+            logits.index_put_((to_device(idx_r, torch.long, device), to_device(idx_c, torch.long, device)),
+                              to_device(vals, logits.dtype, device), accumulate=True)
+        ban_r = [i for i, r in enumerate(rows) for t in r.banned_ids if 0 <= t < logits.shape[1]]
+        ban_c = [t for r in rows for t in r.banned_ids if 0 <= t < logits.shape[1]]
+        if ban_r:
+            logits.index_put_((to_device(ban_r, torch.long, device), to_device(ban_c, torch.long, device)),
+                              logits.new_full((len(ban_r),), float("-inf")))
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = logits.shape[1]
@@ -119,14 +123,10 @@ class Sampler:
             p = r.params
             if not needs_history(p):
                 continue
-            out_ids = _in_vocab(r.output_ids, vocab, logits.device)
-            counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
-            counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+            counts = _counts(r.output_ids, vocab, logits)
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                prompt_ids = _in_vocab(r.prompt_ids, vocab, logits.device)
-                seen[prompt_ids] = True
+                seen = (counts > 0) | (_counts(r.prompt_ids, vocab, logits) > 0)
                 penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 row.copy_(torch.where(seen, penalized, row))
             if p.frequency_penalty:
@@ -135,11 +135,12 @@ class Sampler:
                 row.sub_(p.presence_penalty * (counts > 0).to(row.dtype))
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy = torch.tensor([is_greedy(r.params) for r in rows], device=logits.device)
+        greedy_rows = [is_greedy(r.params) for r in rows]
         argmax = ops.argmax(logits)
-        if bool(greedy.all()):
+        if all(greedy_rows):
             return argmax
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+        greedy = to_device(greedy_rows, torch.bool, logits.device)
+        temps = to_device([r.params.temperature or 1.0 for r in rows], torch.float32, logits.device)
         probs = self._filtered_probs(logits / temps[:, None], rows)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(rows):  # seeded requests draw from their own stream
@@ -156,18 +157,18 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=logits.device)
-            k = torch.tensor(top_k, device=logits.device)
+            k = to_device(top_k, torch.long, logits.device)
             sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+            p = to_device(top_p, logits.dtype, logits.device)
             sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         min_p = [r.params.min_p for r in rows]
         if any(m > 0 for m in min_p):
-            m = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
+            m = to_device(min_p, probs.dtype, logits.device)
             probs = probs.masked_fill(probs < m[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
@@ -176,11 +177,15 @@ def _processes_logits(r: SamplingRow) -> bool:
     return r.token_mask is not None or bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
 
 
-def _in_vocab(ids: torch.Tensor | None, vocab: int, device: torch.device) -> torch.Tensor:
-    if ids is None:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    ids = ids.long()
-    return ids[(ids >= 0) & (ids < vocab)]
+def _counts(ids: torch.Tensor | None, vocab: int, logits: torch.Tensor) -> torch.Tensor:
+    """[vocab] occurrences of each token id in `ids` (ids outside the vocabulary count nowhere), without the
+    host sync a boolean-mask selection would make."""
+    counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
+    if ids is not None and ids.numel():
+        ids = ids.long()
+        inside = (ids >= 0) & (ids < vocab)
+        counts.index_add_(0, ids.clamp(0, vocab - 1), inside.to(logits.dtype))
+    return counts
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import torch
 
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner.attention_backend import PAGED, AttentionBackend
+from compiled_engine.runner.staging import DeviceSlab, Staging
 from compiled_engine.scheduler.plan import Batch
 
 
@@ -23,28 +24,37 @@ class DeviceTables:
 
     def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
         self.pad_row = max_rows
+        self.width = max_context
         self.tokens = torch.zeros(max_rows + 1, max_context, dtype=torch.long, device=device)
         self.slots = torch.zeros(max_rows + 1, max_context, dtype=torch.int32, device=device)
         self.device = device
 
-    def apply_writes(self, batch: Batch) -> None:
-        """One scatter per table for all of the plan's writes."""
-        for writes, table, dtype in ((batch.slot_writes, self.slots, torch.int32),
-                                     (batch.token_writes, self.tokens, torch.long)):
-            if not writes:
-                continue
-            rows: list[int] = []
-            cols: list[int] = []
-            vals: list[int] = []
+    def apply_writes(self, batch: Batch, staging: Staging, sample_next: list[int] | None = None) -> torch.Tensor:
+        """One upload and one scatter per table for all of the plan's writes. `sample_next`: the flat table
+        positions the step's sampled tokens go to, uploaded with them; returns them on the device."""
+        slot_at: list[int] = []
+        slot_val: list[int] = []
+        token_at: list[int] = []
+        token_val: list[int] = []
+        for writes, at, vals, table in ((batch.slot_writes, slot_at, slot_val, "slots"),
+                                        (batch.token_writes, token_at, token_val, "tokens")):
             for w in writes:
-                values = w.slots if table is self.slots else w.tokens
-                rows.extend([w.row] * len(values))
-                cols.extend(range(w.start, w.start + len(values)))
+                values = w.slots if table == "slots" else w.tokens
+                base = w.row * self.width + w.start
+                at.extend(range(base, base + len(values)))
                 vals.extend(values)
-            table.index_put_((self._tensor(rows), self._tensor(cols)), self._tensor(vals, dtype))
+        up = staging.upload({"slot_at": (slot_at, torch.long), "slot_val": (slot_val, torch.int32),
+                             "token_at": (token_at, torch.long), "token_val": (token_val, torch.long),
+                             "sample_next": (sample_next or [], torch.long)}).fields
+        if slot_at:
+            self.slots.view(-1).index_copy_(0, up["slot_at"], up["slot_val"])
+        if token_at:
+            self.tokens.view(-1).index_copy_(0, up["token_at"], up["token_val"])
+        return up["sample_next"]
 
-    def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def flat(self, row: int, position: int) -> int:
+        """A table cell's index in the flattened table."""
+        return row * self.width + position
 
 
 @dataclass
@@ -55,13 +65,18 @@ class StepInputs:
     logits_index: torch.Tensor  # [N'] token index of each sampled request, in plan order, then padding
     num_sampled: int  # the first num_sampled entries of logits_index (and rows of the logits) are real
     rows: torch.Tensor  # [B'] table row of each (padded) request
-    sample_rows: list[int]  # table row of each sampled request, in plan order
-    sample_next_pos: list[int]  # where each sampled token lands in the token table
+    staged: DeviceSlab  # the device buffers the step's host lists were uploaded into (views above)
 
 
-def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None,
-                      attention: AttentionBackend = PAGED) -> StepInputs:
-    """Tensors for one step. `pad_to`: the decode bucket size (decode batches only)."""
+def sample_targets(batch: Batch, tables: DeviceTables) -> list[int]:
+    """Where each sampled request's token lands in the (flattened) token table, in plan order."""
+    return [tables.flat(r.row, r.start + r.length) for r in batch.reqs if r.sample]
+
+
+def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None, staging: Staging,
+                      into: StepInputs | None = None, attention: AttentionBackend = PAGED) -> StepInputs:
+    """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a captured
+    graph's static inputs, which the step's inputs are then written into (and returned)."""
     reqs = batch.reqs
     pad = tables.pad_row
     rows = [r.row for r in reqs]
@@ -95,12 +110,18 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None,
     logits_index = [cu[i + 1] - 1 for i in sampled]
     width = len(rows) if batch.is_decode else max(2, len(logits_index))
     logits_index += [cu[-1] - 1] * (width - len(logits_index))
-    device = tables.device
-    t = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
-    rows_t, pos_t = t(rows), t(positions)
-    input_ids = tables.tokens[t(token_rows), pos_t]
-    meta = attention.metadata(tables.slots.index_select(0, rows_t), t(out_slots), t(seq_lens, torch.int32),
-                              t(cu, torch.int32), batch.is_decode)
-    sample_rows = [reqs[i].row for i in sampled]
-    sample_next_pos = [seq_lens[i] for i in sampled]
-    return StepInputs(input_ids, pos_t, meta, t(logits_index), len(sampled), rows_t, sample_rows, sample_next_pos)
+    long, i32 = torch.long, torch.int32
+    staged = staging.upload({
+        "token_at": ([tables.flat(r, p) for r, p in zip(token_rows, positions)], long),
+        "positions": (positions, long), "rows": (rows, long), "out_slots": (out_slots, long),
+        "logits_index": (logits_index, long), "seq_lens": (seq_lens, i32), "cu_q_lens": (cu, i32),
+    }, None if into is None else into.staged)
+    f = staged.fields
+    if into is None:
+        input_ids = tables.tokens.view(-1).index_select(0, f["token_at"])
+        page_rows = tables.slots.index_select(0, f["rows"])
+    else:
+        input_ids = torch.index_select(tables.tokens.view(-1), 0, f["token_at"], out=into.input_ids)
+        page_rows = torch.index_select(tables.slots, 0, f["rows"], out=into.meta.page_table)
+    meta = attention.metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], batch.is_decode)
+    return StepInputs(input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["rows"], staged)

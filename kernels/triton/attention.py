@@ -105,6 +105,17 @@ def decode_attention_triton(
     return out
 
 
+def extend_block_b(batch: int) -> int:
+    """The extend kernel's request block: a power of two, at least 16, so that serving meets few variants (the
+    warm-up compiles each one a batch can reach: `extend_block_sizes`)."""
+    return max(16, triton.next_power_of_2(batch))
+
+
+def extend_block_sizes(max_requests: int) -> list[int]:
+    """Every request block a step of up to `max_requests` requests (padding included) runs with."""
+    return sorted({extend_block_b(n) for n in range(1, max_requests + 1)})
+
+
 def extend_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -135,7 +146,7 @@ def extend_attention_triton(
         scale, soft_cap, sliding_window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_B=triton.next_power_of_2(batch),
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_B=extend_block_b(batch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), num_warps=warps, num_stages=2,
     )  # fmt: skip

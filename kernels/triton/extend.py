@@ -11,7 +11,7 @@ import triton.language as tl
 from kernels.triton.softmax import load_kv_block, online_softmax_step, qk_dot, scores_log2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch (no recompiles while serving)
 def extend_kernel(
     q,
     k_cache,

@@ -6,24 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_engine.runner.staging import Staging
 from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs
 from compiled_engine.scheduler.plan import Batch, ReqStep, TokenWrite
 from compiled_engine.scheduler.sampling_params import SamplingParams
 
 SP = SamplingParams(max_tokens=4)
+STAGING = Staging(torch.device("cpu"))
 
 
 def _tables() -> DeviceTables:
     tables = DeviceTables(max_rows=4, max_context=16, device=torch.device("cpu"))
     # token (row, position) = 100 * row + position: a gathered token says which row and position it came from
     writes = tuple(TokenWrite(row, 0, tuple(100 * row + p for p in range(16))) for row in range(4))
-    tables.apply_writes(Batch(0, (), (), writes, False))
+    tables.apply_writes(Batch(0, (), (), writes, False), STAGING)
     return tables
 
 
 def _sampled_tokens(batch: Batch, pad_to: int | None) -> list[int]:
     """The input token at each logits row the runner keeps (a model whose logits are its input)."""
-    inputs = build_step_inputs(batch, _tables(), pad_to=pad_to)
+    inputs = build_step_inputs(batch, _tables(), pad_to=pad_to, staging=STAGING)
     assert inputs.logits_index.shape[0] >= inputs.num_sampled
     return inputs.input_ids[inputs.logits_index[: inputs.num_sampled]].tolist()
 
@@ -42,7 +44,7 @@ def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
     second = ReqStep("b", row=1, start=2, length=2, out_slots=(4, 5), sample=True, sampling=SP)
     third = ReqStep("c", row=2, start=0, length=1, out_slots=(6,), sample=True, sampling=SP)
     batch = Batch(1, (first, second, third), (), (), is_decode=False)
-    inputs = build_step_inputs(batch, _tables(), pad_to=None)
+    inputs = build_step_inputs(batch, _tables(), pad_to=None, staging=STAGING)
     assert inputs.input_ids[inputs.logits_index[:2]].tolist() == [103, 200]
     assert inputs.num_sampled == 2
 
@@ -50,6 +52,6 @@ def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
 def test_padded_width_is_the_graph_shape() -> None:
     """Static decode graphs see every padded row; extend graphs never see a dimension of 1."""
     decode = ReqStep("d", row=0, start=4, length=1, out_slots=(1,), sample=True, sampling=SP)
-    assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 4).logits_index.shape == (4,)
+    assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 4, STAGING).logits_index.shape == (4,)
     one = ReqStep("e", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=True, sampling=SP)
-    assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), None).logits_index.shape == (2,)
+    assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), None, STAGING).logits_index.shape == (2,)

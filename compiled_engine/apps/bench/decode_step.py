@@ -60,12 +60,12 @@ class Setup:
     def decode(self, positions: list[int], bucket: int) -> StepInputs:
         t = self.runner.tables
         reqs = tuple(ReqStep(f"r{b}", b, p, 1, (int(t.slots[b, p]),), True, _PARAMS) for b, p in enumerate(positions))
-        return build_step_inputs(Batch(0, reqs, (), (), True), t, bucket)
+        return build_step_inputs(Batch(0, reqs, (), (), True), t, bucket, self.runner.staging)
 
     def extend(self, length: int) -> StepInputs:
         t = self.runner.tables
         reqs = (ReqStep("p", 0, 0, length, tuple(t.slots[0, :length].tolist()), True, _PARAMS),)
-        return build_step_inputs(Batch(0, reqs, (), (), False), t, None)
+        return build_step_inputs(Batch(0, reqs, (), (), False), t, None, self.runner.staging)
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
