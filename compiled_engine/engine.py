@@ -71,9 +71,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._inflight: collections.deque[tuple[Batch, Future | PendingStep]] = collections.deque()
         self._overlap = bool(config.overlap)
-        # A synchronous device computes in its launch: there, overlap runs the forward in a worker thread.
-        threaded = self._overlap and not runner.asynchronous
-        self._worker = ThreadPoolExecutor(1, "forward") if threaded else None
+        self._worker: ThreadPoolExecutor | None = None  # overlap's forward thread, on a synchronous device
         self.steps = 0
         self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
         self.compile_report: CompileReport | None = None  # set by build_engine (None: eager)
@@ -155,8 +153,10 @@ class Engine:
                 out.append(row)
             return out
 
-        if self._worker is None:
+        if not self._overlap or self.runner.asynchronous:
             return self.runner.launch(batch, rows)
+        if self._worker is None:  # a synchronous device computes in its launch: overlap runs it on a thread
+            self._worker = ThreadPoolExecutor(1, "forward")
         return self._worker.submit(self.runner.execute, batch, rows)
 
     def _commit(self, batch: Batch, output: StepOutput) -> list[TokenOutput]:
