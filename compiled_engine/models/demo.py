@@ -104,8 +104,8 @@ def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "mo
 
 
 def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
-    """Every tensor of a Llama checkpoint with config `c`, each from its own seeded generator (so the
-    bytes do not depend on creation order); norms are ones."""
+    """Every tensor of a Llama (or Qwen3) checkpoint with config `c`, each from its own seeded generator (so
+    the bytes do not depend on creation order); norms are ones."""
     import torch
 
     hidden, inter, vocab, head_dim = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
@@ -124,7 +124,11 @@ def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
-    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+        if c.get("model_type") == "qwen3":  # per-head RMSNorms of q and k
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    shapes |= {"model.norm.weight": (hidden,)}
+    if not c.get("tie_word_embeddings"):
+        shapes |= {"lm_head.weight": (vocab, hidden)}
     out_dtype = getattr(torch, dtype)
     tensors = {}
     for name, shape in shapes.items():

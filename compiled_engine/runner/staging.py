@@ -1,9 +1,9 @@
 """Host -> device uploads of a step's integer inputs, without a host sync (after mini-sglang).
 
-A step's lists (positions, slots, lengths, table writes) are written into a pinned host buffer and reach the
-device in one non-blocking copy per dtype, into a `DeviceSlab`: contiguous device blocks whose fields are
-views. A captured CUDA graph's static inputs are such a slab, so a decode step's inputs are copied straight
-into the buffers the graph reads. Host buffers form a ring: a buffer is written again only once the event
+A step's lists (positions, slots, lengths, table writes) are packed into a pinned host buffer (one block per
+dtype) and reach the device in one non-blocking copy per field, into a `DeviceSlab`. A captured CUDA graph's
+static inputs are such a slab, so a decode step's inputs are copied straight into the buffers the graph
+reads. Host buffers form a ring: a buffer is written again only once the event
 recorded behind its last copy has passed, and when none has, the ring grows instead of waiting (on the CPU
 copies are synchronous and the event is a no-op).
 """
@@ -11,7 +11,7 @@ copies are synchronous and the event is a no-op).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,34 +41,22 @@ def event_factory(device: torch.device) -> Callable[[], DeviceEvent]:
 
 
 Fields = dict[str, tuple[Sequence[int], torch.dtype]]
-ALIGN = 16  # elements: 64 bytes of int32, 128 of int64
 
 
 @dataclass
 class DeviceSlab:
-    """Device views `fields[name]` into one contiguous block per dtype (field order as uploaded)."""
+    """A step's device tensors by name, each its own allocation: graph inputs that are views into one
+    buffer would make dynamo guard on their storage offsets (and duck-size them against other sizes)."""
 
     fields: dict[str, torch.Tensor]
-    blocks: dict[torch.dtype, torch.Tensor]
-    sizes: dict[str, int] = field(default_factory=dict)
 
-    @staticmethod
-    def plan(layout: dict[str, tuple[int, torch.dtype]]) -> tuple[dict[str, int], dict[torch.dtype, int]]:
-        """Each field's offset in its dtype's block, and each block's size. Fields start at multiples of
-        ALIGN elements, so that every view is as aligned as a fresh tensor (kernels compiled for aligned
-        pointers, Triton's and inductor's, then never meet another alignment)."""
-        offsets, totals = {}, {}
-        for name, (n, dtype) in layout.items():
-            offsets[name] = totals.get(dtype, 0)
-            totals[dtype] = offsets[name] + -(-n // ALIGN) * ALIGN
-        return offsets, totals
+    @property
+    def sizes(self) -> list[tuple[str, int]]:
+        return [(name, t.numel()) for name, t in self.fields.items()]
 
     @classmethod
     def allocate(cls, layout: dict[str, tuple[int, torch.dtype]], device: torch.device) -> DeviceSlab:
-        offsets, totals = cls.plan(layout)
-        blocks = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in totals.items()}
-        fields = {name: blocks[dtype][offsets[name]:offsets[name] + n] for name, (n, dtype) in layout.items()}
-        return cls(fields, blocks, {name: n for name, (n, _) in layout.items()})
+        return cls({name: torch.empty(n, dtype=dtype, device=device) for name, (n, dtype) in layout.items()})
 
 
 class _HostBuffer:
@@ -118,24 +106,25 @@ class Staging:
 
     def upload(self, fields: Fields, into: DeviceSlab | None = None) -> DeviceSlab:
         """Copy `fields` to the device: into `into` (same names and sizes, e.g. a graph's static inputs) or a
-        new slab. Returns immediately on CUDA; the copies are ordered before later work on the stream."""
+        new slab. Returns at once on CUDA; the copies are ordered before later work on the stream."""
         layout = {name: (len(values), dtype) for name, (values, dtype) in fields.items()}
         if into is None:
             into = DeviceSlab.allocate(layout, self.device)
-        elif list(into.sizes.items()) != [(name, n) for name, (n, _) in layout.items()]:
+        elif into.sizes != [(name, n) for name, (n, _) in layout.items()]:
             raise ValueError(f"step inputs {layout} do not fit the static buffers {into.sizes}")
         host = self._free_buffer()
         packed: dict[torch.dtype, list[int]] = {}
         for values, dtype in fields.values():
-            block = packed.setdefault(dtype, [])
-            block.extend(values)
-            block.extend([0] * (-len(values) % ALIGN))  # the padding DeviceSlab.plan leaves
-        for dtype, values in packed.items():
-            if not values:
-                continue
-            staged = host.block(dtype, len(values))
-            staged.copy_(torch.tensor(values, dtype=dtype))
-            into.blocks[dtype][: len(values)].copy_(staged, non_blocking=host.pinned)
+            packed.setdefault(dtype, []).extend(values)
+        staged = {dtype: host.block(dtype, len(values)) for dtype, values in packed.items() if values}
+        for dtype, block in staged.items():
+            block.copy_(torch.tensor(packed[dtype], dtype=dtype))
+        offsets = dict.fromkeys(staged, 0)
+        for name, (values, dtype) in fields.items():
+            if values:
+                at = offsets[dtype]
+                into.fields[name].copy_(staged[dtype][at:at + len(values)], non_blocking=host.pinned)
+                offsets[dtype] = at + len(values)
         host.event = self.make_event()
         host.event.record()
         return into

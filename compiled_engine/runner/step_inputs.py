@@ -65,7 +65,7 @@ class StepInputs:
     logits_index: torch.Tensor  # [N'] token index of each sampled request, in plan order, then padding
     num_sampled: int  # the first num_sampled entries of logits_index (and rows of the logits) are real
     rows: torch.Tensor  # [B'] table row of each (padded) request
-    staged: DeviceSlab  # the device buffers the step's host lists were uploaded into (views above)
+    staged: DeviceSlab  # the device tensors the step's host lists were uploaded into (the fields above)
 
 
 def sample_targets(batch: Batch, tables: DeviceTables) -> list[int]:

@@ -1,4 +1,5 @@
-"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines only)."""
+"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines only):
+fp32 and the tensor cores' fp16 / bf16, head dims 64-256, GQA groups 1-16, split-K and deterministic mode."""
 
 import os
 
@@ -40,9 +41,21 @@ def test_decode(dtype: torch.dtype, head_dim: int, page_size: int) -> None:
     _close(ops.decode_attention(*_cuda(batch).decode_args(head_dim**-0.5)), reference.decode_attention_reference(*args))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 8, 16])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_decode_gqa(dtype: torch.dtype, group: int, invariant: bool) -> None:
+    """Grouped-query decode on the tensor cores, split-K (default) and one split (deterministic mode)."""
+    seq_lens = [1, 100, 2048, 513, 0]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, 128, 16, dtype, seed=group)
+    args = batch.decode_args(128**-0.5)
+    actual = ops.decode_attention(*_cuda(batch).decode_args(128**-0.5), 0, 0.0, invariant)
+    _close(actual, reference.decode_attention_reference(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("prefix", [0, 500])
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [1, 4, 16])
 def test_extend(dtype: torch.dtype, prefix: int, group: int) -> None:
     q_lens = [300, 1, 65, 128, 0]
     seq_lens = [q + prefix for q in q_lens]
@@ -50,6 +63,39 @@ def test_extend(dtype: torch.dtype, prefix: int, group: int) -> None:
     args = batch.extend_args(128**-0.5)
     expected = reference.extend_attention_reference(*args)
     _close(ops.extend_attention(*_cuda(batch).extend_args(128**-0.5)), expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_extend_head_dims(head_dim: int, invariant: bool) -> None:
+    q_lens = [200, 1, 33]
+    batch = make_batch([q + 40 for q in q_lens], q_lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim)
+    expected = reference.extend_attention_reference(*batch.extend_args(head_dim**-0.5))
+    _close(ops.extend_attention(*_cuda(batch).extend_args(head_dim**-0.5), 0, 0.0, invariant), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """Deterministic mode on the GPU: a row's linear and decode output is bitwise the same alone as in a
+    batch of 37 (cuBLAS and split-K would pick by the shape)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 1024, generator=gen).to(dtype).cuda()
+    w = torch.randn(3072, 1024, generator=gen).to(dtype).cuda()
+    with ops.batch_invariant(True):
+        full = ops.linear(x, w)
+        for i in (0, 5, 36):
+            assert torch.equal(ops.linear(x[i : i + 1], w), full[i : i + 1])
+    torch.testing.assert_close(full.float(), (x.float() @ w.float().T), atol=0.05 if dtype == torch.bfloat16 else 1e-3,
+                               rtol=2e-2)
+    seq_lens = [7, 1000, 64, 2048, 300]
+    batch = _cuda(make_batch(seq_lens, [1] * 5, 16, 8, 128, 16, dtype))
+    args = batch.decode_args(0.1)
+    full = ops.decode_attention(*args, 0, 0.0, True)
+    q, k_cache, v_cache, page_table, lens, scale = args
+    for i in range(5):
+        alone = ops.decode_attention(q[i : i + 1], k_cache, v_cache, page_table[i : i + 1], lens[i : i + 1], scale,
+                                     0, 0.0, True)
+        assert torch.equal(alone, full[i : i + 1])
 
 
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(128, 0.0), (0, 30.0), (1000, 50.0)])

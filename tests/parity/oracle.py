@@ -18,43 +18,47 @@ class Reference:
     logprobs: torch.Tensor  # [steps, vocab] fp32 log-softmax of each step's logits
 
 
-def hf_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+def hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     """transformers' model of a checkpoint directory or a GGUF file (which it dequantizes to fp32 first)."""
     from transformers import AutoModelForCausalLM
 
     where = Path(path)
     if where.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
 
 
-def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[Reference]:
+def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device: str = "cpu") -> list[Reference]:
     """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens would
-    mask EOS, while the engine's ignore_eos still picks it when it is the argmax)."""
-    hf = hf_model(path, torch.float32)
+    mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs come back on
+    the CPU."""
+    hf = hf_model(path, torch.float32, device)
     refs = []
     with torch.inference_mode():
         for prompt in prompts:
-            out = hf(torch.tensor([prompt]), use_cache=True)
+            out = hf(torch.tensor([prompt], device=device), use_cache=True)
             tokens, logprobs = [], []
             for _ in range(new_tokens):
-                lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+                lp = torch.log_softmax(out.logits[0, -1].float(), -1).cpu()
                 tokens.append(int(lp.argmax()))
                 logprobs.append(lp)
-                out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = hf(torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
+                         use_cache=True)
             refs.append(Reference(tokens, torch.stack(logprobs)))
     return refs
 
 
-def hf_bf16_error(path: str, prompts: list[list[int]], refs: list[Reference], top: int) -> float:
+def hf_bf16_error(path: str, prompts: list[list[int]], refs: list[Reference], top: int, device: str = "cpu") -> float:
     """How far transformers' own bf16 run is from its fp32 run: the largest |log-prob difference| over fp32's
     `top` most likely tokens at every step, teacher-forced on fp32's tokens."""
-    hf = hf_model(path, torch.bfloat16)
+    hf = hf_model(path, torch.bfloat16, device)
     worst = 0.0
     with torch.inference_mode():
         for prompt, ref in zip(prompts, refs, strict=True):
-            ids = torch.tensor([prompt + ref.tokens[:-1]])
-            lp = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1:].float(), -1)
+            ids = torch.tensor([prompt + ref.tokens[:-1]], device=device)
+            lp = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1:].float(), -1).cpu()
             ids_top = ref.logprobs.topk(top, -1).indices
             worst = max(worst, (lp.gather(1, ids_top) - ref.logprobs.gather(1, ids_top)).abs().max().item())
     return worst

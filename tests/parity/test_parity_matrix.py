@@ -42,8 +42,8 @@ CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
         "Name a famous painter and one of their works.", "How many legs does a spider have?"]
 
 
-def bf16_bound(path: str, prompts: list[list[int]], refs: list) -> float:
-    hf_error = hf_bf16_error(path, prompts, refs, top=GREEDY.logprobs + 1)
+def bf16_bound(path: str, prompts: list[list[int]], refs: list, device: str = "cpu") -> float:
+    hf_error = hf_bf16_error(path, prompts, refs, top=GREEDY.logprobs + 1, device=device)
     print(f"transformers bf16 vs fp32 on {Path(path).name}: max |logprob error| {hf_error:.2e}")
     return 1.5 * hf_error + 0.02
 

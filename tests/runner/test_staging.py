@@ -1,12 +1,13 @@
-"""The staging buffers: a step's host lists reach the device intact, aligned, into a graph's static buffers
-when asked, and a host buffer is rewritten only after its copy has run: the ring grows instead of waiting."""
+"""The staging buffers: a step's host lists reach the device intact, each field a tensor of its own, into a
+graph's static buffers when asked, and a host buffer is rewritten only after its copy has run: the ring grows
+instead of waiting."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compiled_engine.runner.staging import ALIGN, DeviceSlab, Staging, to_device
+from compiled_engine.runner.staging import Staging, to_device
 
 CPU = torch.device("cpu")
 
@@ -44,19 +45,13 @@ def test_upload_round_trips_every_field_with_its_dtype() -> None:
     assert up.fields["empty"].numel() == 0
 
 
-@pytest.mark.parametrize("n", [1, 3, 17, 40])
-def test_every_field_is_as_aligned_as_a_fresh_tensor(n: int) -> None:
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_every_field_is_a_tensor_of_its_own(n: int) -> None:
+    """Graph inputs that were views into one buffer would be guarded on their storage offsets."""
     up = Staging(CPU).upload(fields(n))
-    for name, t in up.fields.items():
-        assert t.storage_offset() % ALIGN == 0, name
-
-
-def test_one_block_per_dtype_holds_all_fields() -> None:
-    up = Staging(CPU).upload(fields(5))
-    assert set(up.blocks) == {torch.long, torch.int32}
-    for t in up.fields.values():
-        if t.numel():
-            assert t.untyped_storage().data_ptr() == up.blocks[t.dtype].untyped_storage().data_ptr()
+    storages = [t.untyped_storage().data_ptr() for t in up.fields.values() if t.numel()]
+    assert len(set(storages)) == len(storages)
+    assert all(t.storage_offset() == 0 for t in up.fields.values())
 
 
 def test_upload_into_static_buffers_writes_them_in_place() -> None:
@@ -94,13 +89,6 @@ def test_a_buffer_whose_copy_is_in_flight_is_not_reused_nor_waited_for() -> None
         staging.upload(fields(3))
         FakeEvent.made[-1].done = True
     assert staging.ring_size == 3
-
-
-def test_device_slab_plan_pads_fields_to_the_alignment() -> None:
-    offsets, totals = DeviceSlab.plan({"a": (3, torch.long), "b": (0, torch.long), "c": (17, torch.long),
-                                       "d": (2, torch.int32)})
-    assert offsets == {"a": 0, "b": ALIGN, "c": ALIGN, "d": 0}
-    assert totals == {torch.long: 3 * ALIGN, torch.int32: ALIGN}
 
 
 def test_to_device_keeps_values_and_dtype() -> None:

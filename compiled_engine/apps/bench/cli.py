@@ -17,7 +17,7 @@ from compiled_engine.apps.bench.datasets import (
     prefix_dataset,
     random_dataset,
 )
-from compiled_engine.apps.bench.models import BENCH_NAME, resolve_bench_model
+from compiled_engine.apps.bench.models import BENCH_NAME, QWEN3_NAME, resolve_bench_model
 from compiled_engine.apps.bench.report import table, write_json
 
 COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")  # hf: transformers generate
@@ -95,7 +95,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     model_dir = resolve_bench_model(args.model)
     sessions = build_dataset(args, prompt_vocab(model_dir, _tokenizer(model_dir)))
     settings = {"enforce_eager": args.enforce_eager, "overlap": False if args.disable_overlap else None,
-                "prefix_cache": args.prefix_cache}
+                "prefix_cache": args.prefix_cache, **_placement(args)}
     if args.num_pages is not None:
         settings["num_pages"] = args.num_pages
     result = OfflineResult(args.model, args.dataset, _workload(args, sessions), settings)
@@ -136,7 +136,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant
         for label, settings in variants:
             _log(f"measuring {label} ...")
-            runs.append(measure(model_dir, label, settings, decode, prefill))
+            runs.append(measure(model_dir, label, {**_placement(args), **settings}, decode, prefill))
     rows = [[r.label, p.batch, p.step_ms, p.tokens_per_s] for r in runs for p in r.decode]
     print(table(["graphs", "batch", "decode step ms", "decode tok/s"], rows))
     print(table(["graphs", "prefill tokens", "prefill tok/s"], [[r.label, r.prefill_len, r.prefill_tokens_per_s]
@@ -220,7 +220,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, online serving")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    model_help = f"'{BENCH_NAME}' (default: the random 768-hidden Llama), 'demo', or a checkpoint directory"
+    model_help = (f"'{BENCH_NAME}' (default: the random 768-hidden Llama), '{QWEN3_NAME}' (random, Qwen3-0.6B's "
+                  "shape), 'demo', or a checkpoint directory")
 
     p = kinds.add_parser("offline", help="throughput of LLM.generate's loop on a workload, with baselines")
     p.add_argument("--model", default=BENCH_NAME, help=model_help)
@@ -236,6 +237,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache", choices=("radix", "naive"), default="radix")
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pool size in pages (default 65536, fixed so that the compile cache is reused)")
+    _add_placement_args(p)
     _add_output_args(p)
     p.set_defaults(func=_cmd_offline)
 
@@ -249,6 +251,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="eager: also measure without graphs; nondeterministic: with --no-deterministic")
     p.add_argument("--repeats", type=int, default=1, help="runs of every variant, alternating")
     p.add_argument("--seed", type=int, default=0)
+    _add_placement_args(p)
     _add_output_args(p)
     p.set_defaults(func=_cmd_latency)
 
@@ -267,6 +270,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run; then the rest fails")
     _add_output_args(p)
     p.set_defaults(func=_cmd_serve)
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when available), cpu, cuda or cuda:N; transformers' baseline runs there too")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of our engine")
+
+
+def _placement(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "tp_size": args.tp}
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:

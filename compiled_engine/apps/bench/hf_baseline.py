@@ -18,15 +18,20 @@ from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 PAD_ID = 0
 
 
-def load_hf_model(model_path: str, dtype: str = "auto") -> torch.nn.Module:
-    """transformers' model of a checkpoint directory, or of a GGUF file (`auto`: the dtype our engine picks)."""
+def load_hf_model(model_path: str, dtype: str = "auto", device: str = "auto") -> torch.nn.Module:
+    """transformers' model of a checkpoint directory, or of a GGUF file (`auto`: the dtype our engine picks),
+    on `device` (`auto`: cuda when available, as our engine)."""
     from transformers import AutoModelForCausalLM
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if is_gguf(model_path):
         where = Path(model_path)
         dtype = open_gguf(where).config_dict["torch_dtype"] if dtype == "auto" else dtype
-        return AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return model.to(device).eval()
 
 
 def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[int]]:
@@ -38,15 +43,19 @@ def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[in
         ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
         mask[i, width - len(r.prompt_ids):] = 1
     new = max(r.output_len for r in group)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, pad_token_id=PAD_ID)
     return [row[width:width + r.output_len] for row, r in zip(out.tolist(), group, strict=True)]
 
 
 def run_hf(model: torch.nn.Module, sessions: list[Session],
-           group_size: int = 16) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
+           group_size: int | None = None) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
     """Timings (latency only: `generate` does not stream), the total duration, and each request's tokens (by
-    index in `all_requests(sessions)`)."""
+    index in `all_requests(sessions)`). Groups of 16 rows on the CPU, 64 on a GPU (wider batches feed it
+    better; the padding a group wastes grows with its width)."""
+    if group_size is None:
+        group_size = 64 if model.device.type == "cuda" else 16
     ordered = all_requests(sessions)
     order = sorted(range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids)))
     reqs = [ordered[i] for i in order]

@@ -1,9 +1,10 @@
-"""The bench checkpoint: a larger random Llama (hidden 768, 12 layers, vocab 32000, bf16) that every
-benchmark loads, our engine and transformers alike.
+"""The bench checkpoints, random weights that every benchmark loads, our engine and transformers alike:
+`bench`, a larger Llama (hidden 768, 12 layers, vocab 32000, bf16), and `qwen3-0.6b`, Qwen3-0.6B's shape
+(28 layers, hidden 1024, GQA 16/8, head dim 128, vocab 151936, bf16: nano-vllm's GPU benchmark model).
 
-Created deterministically on first use in `cache_root()/bench-llama-768` in Hugging Face layout. The
-tokenizer is the demo one (8000 pieces) while the model's vocabulary is 32000: benchmarks use random
-token ids, so only the embedding and LM-head sizes matter.
+Created deterministically on first use under `cache_root()` in Hugging Face layout. The tokenizer is the
+demo one (8000 pieces) whatever the model's vocabulary: benchmarks use random token ids, so only the
+embedding and LM-head sizes matter.
 """
 
 from __future__ import annotations
@@ -36,21 +37,45 @@ BENCH_CONFIG = DEMO_CONFIG | {
     "torch_dtype": "bfloat16",
 }
 
+QWEN3_NAME = "qwen3-0.6b"
+QWEN3_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+BENCH_MODELS = {BENCH_NAME: (BENCH_DIR_NAME, BENCH_CONFIG), QWEN3_NAME: ("bench-qwen3-0.6b", QWEN3_CONFIG)}
+
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "README.md")
 
 
-def bench_model_dir(root: Path | None = None) -> Path:
-    """Path of the bench checkpoint, creating it on first use."""
-    return cached_folder((root or cache_root()) / BENCH_DIR_NAME, write_bench_model)
+def bench_model_dir(root: Path | None = None, name: str = BENCH_NAME) -> Path:
+    """Path of a bench checkpoint, creating it on first use."""
+    folder, config = BENCH_MODELS[name]
+    return cached_folder((root or cache_root()) / folder, lambda out: write_bench_model(out, config))
 
 
 def resolve_bench_model(model: str) -> str:
-    """`bench` -> the bench checkpoint; otherwise as `--model` everywhere else."""
-    return str(bench_model_dir()) if model == BENCH_NAME else resolve_model(model)
+    """A bench model's name -> its checkpoint; otherwise as `--model` everywhere else."""
+    return str(bench_model_dir(name=model)) if model in BENCH_MODELS else resolve_model(model)
 
 
-def write_bench_model(out: Path) -> None:
-    """Write the whole bench checkpoint into `out` (deterministic bytes)."""
+def write_bench_model(out: Path, config: dict = BENCH_CONFIG) -> None:
+    """Write a whole bench checkpoint into `out` (deterministic bytes)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -61,11 +86,11 @@ def write_bench_model(out: Path) -> None:
     tok_config = out / "tokenizer_config.json"
     if tok_config.exists():
         data = json.loads(tok_config.read_text())
-        data["model_max_length"] = BENCH_CONFIG["max_position_embeddings"]
+        data["model_max_length"] = config["max_position_embeddings"]
         dump_json(tok_config, data)
-    dump_json(out / "config.json", BENCH_CONFIG)
+    dump_json(out / "config.json", config)
     dump_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2], "do_sample": False})
-    save_file(random_llama_weights(BENCH_CONFIG, "bfloat16"), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_llama_weights(config, "bfloat16"), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "README.md").write_text(
         "# compiled-engine bench model (random weights)\n\nCreated by compiled_engine/apps/bench/models.py.\n"
     )

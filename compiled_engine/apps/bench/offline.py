@@ -88,10 +88,11 @@ def engine_run(model_dir: str, sessions: list[Session], label: str,
     return OfflineRun(label, summarize(t.timings, t.duration_s), t.cache_hit_rate), t.outputs
 
 
-def hf_run(model_dir: str, sessions: list[Session], dtype: str = "auto") -> tuple[OfflineRun, dict[int, list[int]]]:
+def hf_run(model_dir: str, sessions: list[Session], dtype: str = "auto",
+           device: str = "auto") -> tuple[OfflineRun, dict[int, list[int]]]:
     from compiled_engine.apps.bench.hf_baseline import load_hf_model, run_hf
 
-    timings, duration, outputs = run_hf(load_hf_model(model_dir, dtype), sessions)
+    timings, duration, outputs = run_hf(load_hf_model(model_dir, dtype, device), sessions)
     label = "transformers generate" + ("" if dtype == "auto" else f" ({dtype})")
     return OfflineRun(label, summarize(timings, duration)), outputs
 
@@ -109,7 +110,8 @@ def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare
                 run, outputs = engine_run(model_dir, sessions, base_label, settings)
                 base_outputs = outputs
             elif name in ("hf", "hf-fp32"):
-                run, outputs = hf_run(model_dir, sessions, "auto" if name == "hf" else "float32")
+                run, outputs = hf_run(model_dir, sessions, "auto" if name == "hf" else "float32",
+                                      settings.get("device", "auto"))
             else:
                 label, changes = _variant(name, settings)
                 run, outputs = engine_run(model_dir, sessions, label, {**settings, **changes})

@@ -1,0 +1,148 @@
+"""The engine on a GPU (CUDA machines only; `scripts/gpu_check.sh` runs this module): greedy parity with
+transformers on the same GPU with graphs on and off and overlap on and off (fp32 exact, bf16 within
+transformers' own bf16 error and diverging only at near ties), no compile and no host sync while serving,
+and a `cuda:N` engine that keeps everything on that GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import pytest
+import torch
+
+from compiled_engine import LLM, SamplingParams
+from tests.engine.conftest import ragged_prompts
+from tests.parity.oracle import hf_fp32_greedy
+from tests.parity.test_parity_matrix import FP32_LOGPROB_BOUND, GREEDY, NEW_TOKENS, bf16_bound, check
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 would interpret the CUDA kernels"
+    ),
+]
+
+PROMPTS = ragged_prompts(12, seed=5)
+ENGINE = dict(device="cuda", num_pages=4096, max_running=16, chunk_budget=128)
+
+
+@pytest.fixture(scope="module")
+def references(demo_dir: str) -> dict[str, tuple[list, float]]:
+    refs = hf_fp32_greedy(demo_dir, PROMPTS, NEW_TOKENS, device="cuda")
+    return {"float32": (refs, FP32_LOGPROB_BOUND), "bfloat16": (refs, bf16_bound(demo_dir, PROMPTS, refs, "cuda"))}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_parity_with_transformers_on_the_gpu(demo_dir, references, dtype: str, graphs: bool,
+                                                    overlap: bool) -> None:
+    refs, bound = references[dtype]
+    llm = LLM(demo_dir, dtype=dtype, enforce_eager=not graphs, overlap=overlap, **ENGINE)
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
+    agreement = check(outputs, refs, dtype, bound, f"cuda {dtype} graphs={graphs} overlap={overlap}")
+    if dtype == "float32":
+        assert not agreement.divergences
+    if graphs:
+        assert llm.engine.runner.forward.cuda_graphs  # decode steps replayed captured graphs
+
+
+class CompileCounter:
+    """Graphs dynamo compiles and Triton kernels JIT-compiled (new specializations) inside the block."""
+
+    def __enter__(self) -> CompileCounter:
+        import triton
+
+        self.kernels: list[str] = []
+        self._knobs = triton.knobs.runtime
+        self._previous = self._knobs.jit_post_compile_hook
+        self._knobs.jit_post_compile_hook = lambda **info: self.kernels.append(info["repr"])
+        self._graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._knobs.jit_post_compile_hook = self._previous
+        self.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - self._graphs
+
+
+def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Ragged prompts (1-300 tokens) with ragged outputs and every kind of sampling, so that the steps meet
+    every batch size, prefill chunking, mixed steps and the sampler's paths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))] for _ in range(n)]
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, top_k=20),
+             dict(temperature=0.0, logprobs=3), dict(temperature=0.7, repetition_penalty=1.2, min_tokens=4),
+             dict(temperature=0.0, logit_bias={5: 3.0}, presence_penalty=0.5)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **rng.choice(kinds)) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_serving_compiles_nothing(demo_dir: str, deterministic: bool) -> None:
+    llm = LLM(demo_dir, dtype="bfloat16", deterministic=deterministic, **ENGINE)  # the warm-up compiles here
+    prompts, params = _mixed_workload(48, seed=1)
+    with CompileCounter() as counted:
+        for start in (0, 3, 20):  # batches of several sizes, from 1 request up
+            llm.generate(prompts[start : start + 1 + start], params[start : start + 1 + start])
+        llm.generate(prompts, params)
+    assert counted.graphs == 0, "a graph compiled while serving"
+    assert counted.kernels == [], f"Triton compiled while serving: {counted.kernels}"
+
+
+def test_no_host_sync_between_launches(demo_dir: str) -> None:
+    """Everything a step does on the host raises if it synchronizes with the GPU, except reading the tokens
+    of the step before (`PendingStep.result`)."""
+    llm = LLM(demo_dir, dtype="bfloat16", **ENGINE)
+    engine = llm.engine
+    prompts, params = _mixed_workload(24, seed=2)
+    results = 0
+
+    @contextlib.contextmanager
+    def syncs_allowed():
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    from compiled_engine.runner import model_runner
+
+    result = model_runner.PendingStep.result
+
+    def counted_result(self):
+        nonlocal results
+        results += 1
+        with syncs_allowed():
+            return result(self)
+
+    step = engine.step
+
+    def strict_step():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    model_runner.PendingStep.result = counted_result
+    engine.step = strict_step
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        model_runner.PendingStep.result = result
+        torch.cuda.set_sync_debug_mode("default")
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert results >= engine.steps  # every step's tokens were read once
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_an_engine_on_the_second_gpu_keeps_everything_there(demo_dir: str) -> None:
+    llm = LLM(demo_dir, device="cuda:1", enforce_eager=True, num_pages=512, max_running=4)
+    out = llm.generate(PROMPTS[:3], GREEDY)
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in out)
+    runner = llm.engine.runner
+    assert torch.cuda.current_device() == 1
+    assert {t.device for t in (*runner.k_caches, runner.tables.tokens)} == {torch.device("cuda", 1)}
