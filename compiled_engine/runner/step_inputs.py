@@ -40,7 +40,10 @@ class DeviceTables:
                                         (batch.token_writes, token_at, token_val, "tokens")):
             for w in writes:
                 values = w.slots if table == "slots" else w.tokens
-                base = w.row * self.width + w.start
+                if not values:
+                    continue
+                base = self.flat(w.row, w.start)
+                self.flat(w.row, w.start + len(values) - 1)  # the run ends inside its row
                 at.extend(range(base, base + len(values)))
                 vals.extend(values)
         up = staging.upload({"slot_at": (slot_at, torch.long), "slot_val": (slot_val, torch.int32),
@@ -53,7 +56,9 @@ class DeviceTables:
         return up["sample_next"]
 
     def flat(self, row: int, position: int) -> int:
-        """A table cell's index in the flattened table."""
+        """A table cell's index in the flattened table (a position past the row would land in the next row)."""
+        if not 0 <= position < self.width:
+            raise IndexError(f"position {position} is outside the token table's {self.width} columns")
         return row * self.width + position
 
 
@@ -110,9 +115,9 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None, st
     logits_index = [cu[i + 1] - 1 for i in sampled]
     width = len(rows) if batch.is_decode else max(2, len(logits_index))
     logits_index += [cu[-1] - 1] * (width - len(logits_index))
-    long, i32 = torch.long, torch.int32
+    long, i32, width_t = torch.long, torch.int32, tables.width
     staged = staging.upload({
-        "token_at": ([tables.flat(r, p) for r, p in zip(token_rows, positions)], long),
+        "token_at": ([r * width_t + p for r, p in zip(token_rows, positions)], long),
         "positions": (positions, long), "rows": (rows, long), "out_slots": (out_slots, long),
         "logits_index": (logits_index, long), "seq_lens": (seq_lens, i32), "cu_q_lens": (cu, i32),
     }, None if into is None else into.staged)

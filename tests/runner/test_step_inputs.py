@@ -55,3 +55,21 @@ def test_padded_width_is_the_graph_shape() -> None:
     assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 4, STAGING).logits_index.shape == (4,)
     one = ReqStep("e", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=True, sampling=SP)
     assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), None, STAGING).logits_index.shape == (2,)
+
+
+def test_table_writes_and_sampled_tokens_land_in_their_row_or_nowhere() -> None:
+    """The tables are written through flat indices: a run past its row's end is refused, not wrapped into the
+    next row."""
+    from compiled_engine.runner.step_inputs import sample_targets
+
+    tables = _tables()
+    token_writes = (TokenWrite(1, 14, (7, 8)), TokenWrite(2, 0, ()))
+    sampled = tables.apply_writes(Batch(0, (), (), token_writes, False), STAGING, [tables.flat(3, 15)])
+    assert tables.tokens[1, 13:].tolist() == [113, 7, 8] and tables.tokens[2, 0].item() == 200
+    assert sampled.tolist() == [3 * 16 + 15]
+    with pytest.raises(IndexError, match="outside the token table"):
+        tables.apply_writes(Batch(0, (), (), (TokenWrite(1, 15, (1, 2)),), False), STAGING)
+    assert tables.tokens[2, 0].item() == 200
+    last = ReqStep("z", row=0, start=15, length=1, out_slots=(9,), sample=True, sampling=SP)
+    with pytest.raises(IndexError):
+        sample_targets(Batch(1, (last,), (), (), True), tables)

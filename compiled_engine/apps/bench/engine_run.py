@@ -18,6 +18,7 @@ from compiled_engine.apps.bench.datasets import BenchRequest, Session, all_reque
 from compiled_engine.apps.bench.metrics import RequestTiming
 from compiled_engine.llm import LLM
 from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.startup import resolve_device
 
 
 @dataclass
@@ -28,15 +29,17 @@ class EngineTimings:
     outputs: dict[int, list[int]]  # index in `all_requests(sessions)` -> its generated tokens
 
 
-# KV pool of every bench engine unless --num-pages says otherwise: one fixed size (768 MiB on the bench
-# model), because the pool's shape is part of the compile-cache key and varying it would recompile.
+# KV pool of every CPU bench engine unless --num-pages says otherwise: one fixed size (768 MiB on the bench
+# model), because the pool's shape is part of the compile-cache key and varying it would recompile. On a GPU
+# the pool is sized from its free memory (the same size on every run of one machine).
 BENCH_PAGES = 65536
 _rids = itertools.count()  # request ids unique within the process, across runs on one engine
 
 
 def build_llm(model_dir: str, **engine_kwargs) -> LLM:
     """An `LLM` on `model_dir`, warmed up on two tiny requests."""
-    engine_kwargs.setdefault("num_pages", BENCH_PAGES)
+    if resolve_device(engine_kwargs.get("device", "auto")).type == "cpu":
+        engine_kwargs.setdefault("num_pages", BENCH_PAGES)
     llm = LLM(model_dir, **engine_kwargs)
     rng = random.Random(-1)
     warm = [[BenchRequest([rng.randrange(3, 1000) for _ in range(n)], 4)] for n in (8, 16)]
@@ -45,9 +48,15 @@ def build_llm(model_dir: str, **engine_kwargs) -> LLM:
 
 
 def close_llm(llm: LLM) -> None:
+    """Shut the engine down and give its memory back (a GPU's too: the baseline that runs next needs it)."""
+    device = llm.engine.runner.device if hasattr(llm.engine, "runner") else None
     llm.engine.shutdown()
     del llm
     gc.collect()
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def run_rounds(llm: LLM, sessions: list[Session]) -> EngineTimings:
