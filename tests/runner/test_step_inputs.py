@@ -73,3 +73,24 @@ def test_table_writes_and_sampled_tokens_land_in_their_row_or_nowhere() -> None:
     last = ReqStep("z", row=0, start=15, length=1, out_slots=(9,), sample=True, sampling=SP)
     with pytest.raises(IndexError):
         sample_targets(Batch(1, (last,), (), (), True), tables)
+
+
+def test_a_decode_step_is_written_into_a_captured_graphs_buffers() -> None:
+    """What a CUDA-graph replay reads: the step's inputs land in the static inputs built at capture (same
+    tensors, new values), so that the replay copies nothing."""
+    tables = _tables()
+    capture = tuple(ReqStep(f"w{i}", i, 0, 1, (-1,), True, SP) for i in range(4))
+    static = build_step_inputs(Batch(-1, capture, (), (), True), tables, 4, STAGING)
+    buffers = [static.input_ids, static.positions, static.logits_index, static.meta.page_table, static.meta.seq_lens,
+               static.meta.out_slots, static.meta.cu_q_lens]
+    step = (ReqStep("a", 2, 5, 1, (9,), True, SP), ReqStep("b", 0, 3, 1, (8,), True, SP))
+    inputs = build_step_inputs(Batch(1, step, (), (), True), tables, 4, STAGING, into=static)
+    assert inputs.staged is static.staged
+    got = [inputs.input_ids, inputs.positions, inputs.logits_index, inputs.meta.page_table, inputs.meta.seq_lens,
+           inputs.meta.out_slots, inputs.meta.cu_q_lens]
+    assert [t.data_ptr() for t in got] == [t.data_ptr() for t in buffers]
+    assert static.input_ids.tolist() == [205, 3, 0, 0]  # rows 2 and 0, then the all-zero padding row
+    assert static.positions.tolist() == [5, 3, 0, 0] and static.meta.seq_lens.tolist() == [6, 4, 0, 0]
+    assert static.meta.out_slots.tolist() == [9, 8, -1, -1]
+    with pytest.raises(ValueError, match="do not fit"):
+        build_step_inputs(Batch(2, step, (), (), True), tables, 2, STAGING, into=static)

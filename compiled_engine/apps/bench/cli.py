@@ -106,8 +106,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     print(table(["run", "requests", "time s", "req/s", "output tok/s", "total tok/s", "TTFT p50 s",
                  "cache hit rate"], rows))
     for label, ratio in result.ratios().items():
-        print(f"{result.runs[0].label} vs {label}: {ratio['throughput']:.2f}x output throughput, "
-              f"{ratio['ttft_p50']:.2f}x lower median TTFT")
+        ttft = "" if math.isnan(ratio["ttft_p50"]) else f", {ratio['ttft_p50']:.2f}x lower median TTFT"
+        print(f"{result.runs[0].label} vs {label}: {ratio['throughput']:.2f}x output throughput{ttft}")
     for run in result.runs[1:]:
         agree = run.tokens_vs_base
         print(f"{run.label}: greedy tokens identical to {result.runs[0].label}'s in {agree.identical} of "
