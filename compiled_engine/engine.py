@@ -49,6 +49,7 @@ class TokenOutput:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -160,6 +161,7 @@ class Engine:
         return self._worker.submit(self.runner.execute, batch, rows)
 
     def _commit(self, batch: Batch, output: StepOutput) -> list[TokenOutput]:
+        events = self._fail_rows(batch, output.errors) if output.errors else []
         extras: dict[str, tuple[float | None, list | None]] = {}
         if output.logprobs is not None:
             sampled = [r for r in batch.reqs if r.sample]
@@ -167,7 +169,6 @@ class Engine:
                 top = output.top_logprobs[i] if output.top_logprobs is not None else None
                 if req.sampling.logprobs is not None:
                     extras[req.rid] = (output.logprobs[i], top[: req.sampling.logprobs] if top else [])
-        events = []
         for ev in self.scheduler.commit(batch, output.tokens):
             lp, top = extras.get(ev.rid, (None, None)) if ev.token is not None else (None, None)
             finished, reason = ev.finished, ev.finish_reason
@@ -178,6 +179,17 @@ class Engine:
             events.append(TokenOutput(ev.rid, ev.token, finished, reason, lp, top))
             if finished:
                 self._live.pop(ev.rid, None)
+        return events
+
+    def _fail_rows(self, batch: Batch, errors: dict[int, str]) -> list[TokenOutput]:
+        """End the requests whose logits processor failed (their token of this step is dropped)."""
+        sampled = [r for r in batch.reqs if r.sample]
+        events = []
+        for i, message in sorted(errors.items()):
+            rid = sampled[i].rid
+            if self._live.pop(rid, None) is not None:
+                self.scheduler.finish(rid, "error")
+                events.append(TokenOutput(rid, None, True, "error", error=message))
         return events
 
     def _grammar_of(self, rid: str) -> RequestGrammar | None:

@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # finish_reason "error": why (a logits processor failed)
 
 
 @dataclass
@@ -101,5 +102,6 @@ class LLM:
                 result.outputs.append(CompletionOutput(
                     i, stream.text, stream.token_ids, stream.finish_reason,
                     stream.logprobs if p.logprobs is not None else None, stream.top_logprobs if p.logprobs else None,
+                    stream.error,
                 ))
         return results

@@ -17,6 +17,7 @@ class OutputStream:
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def text(self) -> str:
@@ -39,5 +40,5 @@ class OutputStream:
                 return text, True
         if ev.finished:
             text += self.detok.flush()
-            self.finish_reason = ev.finish_reason
+            self.finish_reason, self.error = ev.finish_reason, ev.error
         return text, False

@@ -31,6 +31,7 @@ class StepOutput:
     tokens: list[int]  # one per sampled request, in plan order
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    errors: dict[int, str] | None = None  # sampled row -> why its request failed (a logits processor)
 
 
 class PendingStep:
@@ -40,6 +41,7 @@ class PendingStep:
     def __init__(self, out: SampleOutput | None, make_event: Callable[[], DeviceEvent]) -> None:
         self._host: dict[str, torch.Tensor] = {}
         self._event: DeviceEvent | None = None
+        self._errors = None if out is None else out.errors
         if out is None:
             return
         for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
@@ -55,7 +57,7 @@ class PendingStep:
             return StepOutput(tokens=[])
         self._event.synchronize()
         h = self._host
-        output = StepOutput(tokens=h["tokens"].tolist())
+        output = StepOutput(tokens=h["tokens"].tolist(), errors=self._errors)
         if "logprobs" in h:
             output.logprobs = h["logprobs"].tolist()
         if "top_ids" in h:

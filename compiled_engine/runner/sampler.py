@@ -39,6 +39,7 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [N] logprob of the chosen token (when any row asked)
     top_ids: torch.Tensor | None = None  # [N, K] top alternatives, K = max requested
     top_logprobs: torch.Tensor | None = None
+    errors: dict[int, str] | None = None  # row -> why its logits processor failed (the row's request fails)
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by a tinier temperature overflows to inf
@@ -48,8 +49,13 @@ def is_greedy(p: SamplingParams) -> bool:
     return p.temperature < GREEDY_BELOW_TEMPERATURE or p.top_k == 1
 
 
-def needs_history(p: SamplingParams) -> bool:
+def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether the row's token history is needed: penalties, and logits processors."""
+    return _penalized(p) or bool(p.logits_processors)
 
 
 class Sampler:
@@ -68,7 +74,10 @@ class Sampler:
             self._apply_token_masks(logits, rows)
             self._apply_bias_and_bans(logits, rows)
             self._apply_penalties(logits, rows)
-        out = SampleOutput(tokens=self._draw(logits, rows))
+            errors = _apply_processors(logits, rows)
+        else:
+            errors = None
+        out = SampleOutput(tokens=self._draw(logits, rows), errors=errors or None)
         want = [p.logprobs for p in params if p.logprobs is not None]
         if want:
             logp = torch.log_softmax(logits, dim=-1)
@@ -121,7 +130,7 @@ class Sampler:
         vocab = logits.shape[1]
         for i, r in enumerate(rows):
             p = r.params
-            if not needs_history(p):
+            if not _penalized(p):
                 continue
             counts = _counts(r.output_ids, vocab, logits)
             row = logits[i]
@@ -175,6 +184,25 @@ class Sampler:
 
 def _processes_logits(r: SamplingRow) -> bool:
     return r.token_mask is not None or bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
+
+
+def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
+    """Each row's JAX logits processors, in order, on its own row (so a row never depends on its batch); a
+    processor that fails leaves its row as it was and fails the row's request: row -> the error."""
+    errors: dict[int, str] = {}
+    for i, r in enumerate(rows):
+        if not r.params.logits_processors or r.prompt_ids is None:  # None: its request ended while planned
+            continue
+        from compiled_engine.jax import bridge
+
+        history = torch.cat([r.prompt_ids, r.output_ids])
+        for processor in r.params.logits_processors:
+            try:
+                bridge.apply(processor, history, logits[i])
+            except bridge.ProcessorError as e:
+                errors[i] = str(e)
+                break
+    return errors
 
 
 def _counts(ids: torch.Tensor | None, vocab: int, logits: torch.Tensor) -> torch.Tensor:

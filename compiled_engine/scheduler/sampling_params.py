@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
@@ -48,6 +49,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     n: int = 1
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
+    # JAX functions f(token_ids, logits) -> logits, applied in order after the built-in processing
+    # (`compiled_engine.jax.bridge`); offline API only
+    logits_processors: tuple[Callable, ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -69,6 +73,8 @@ class SamplingParams:
             _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
         if self.structured is not None:
             self.structured.validate()
+        _check(isinstance(self.logits_processors, tuple | list) and all(callable(f) for f in self.logits_processors),
+               "logits_processors must be a list of functions f(token_ids, logits) -> logits", self.logits_processors)
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:

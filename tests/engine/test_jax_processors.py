@@ -1,0 +1,89 @@
+"""Logits processors in JAX through the offline API: the engine's tensors reach JAX without a copy, a JAX
+rule gives exactly the tokens of the same rule built in (log-probs within 1e-5), greedy and seeded, on the
+compiled and the eager engine, and a processor that fails fails its own request only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.jax import bridge
+from tests.engine.conftest import ragged_prompts
+
+PROMPTS = ragged_prompts(6, seed=11)
+PENALTY = 1.3
+
+
+@jax.jit
+def repetition_penalty(token_ids, logits):
+    """The built-in repetition_penalty, in JAX: every token seen so far is pushed towards zero."""
+    seen = jnp.zeros(logits.shape[0], dtype=bool).at[token_ids].set(True)
+    return jnp.where(seen, jnp.where(logits > 0, logits / PENALTY, logits * PENALTY), logits)
+
+
+def boost_token_5(token_ids, logits):
+    return logits.at[5].add(3.0)
+
+
+def raises(token_ids, logits):
+    raise RuntimeError("scorer unavailable")
+
+
+def wrong_shape(token_ids, logits):
+    return logits[:10]
+
+
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def llm(request) -> LLM:
+    return LLM("demo", enforce_eager=request.param == "eager", num_pages=2048, max_running=8)
+
+
+def test_the_bridge_shares_memory_both_ways() -> None:
+    logits = torch.randn(3, 8000)
+    row = logits[1]
+    as_jax = bridge.to_jax(row)
+    assert as_jax.unsafe_buffer_pointer() == row.data_ptr()
+    back = bridge.to_torch(as_jax)
+    assert back.data_ptr() == row.data_ptr() and torch.equal(back, row)
+    ids = torch.arange(7, dtype=torch.int32)
+    assert bridge.to_jax(ids).unsafe_buffer_pointer() == ids.data_ptr()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_a_jax_rule_gives_the_tokens_of_the_same_rule_built_in(llm: LLM, sampling: dict) -> None:
+    common = dict(max_tokens=16, ignore_eos=True, logprobs=2, **sampling)  # built in: the bias, then the penalty
+    built_in = llm.generate(PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common))
+    in_jax = llm.generate(PROMPTS, SamplingParams(logits_processors=(boost_token_5, repetition_penalty), **common))
+    plain = llm.generate(PROMPTS, SamplingParams(**common))
+    for ours, theirs in zip(in_jax, built_in, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        # XLA may divide by multiplying with the reciprocal: the last bit of a logit can differ
+        assert ours.outputs[0].logprobs == pytest.approx(theirs.outputs[0].logprobs, abs=1e-5)
+        assert ours.finish_reason == "length" and ours.outputs[0].error is None
+    assert [o.token_ids for o in in_jax] != [o.token_ids for o in plain]  # the processors did something
+
+
+@pytest.mark.parametrize(("processor", "message"), [(raises, "raised RuntimeError: scorer unavailable"),
+                                                    (wrong_shape, "expected float[8000]")])
+def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message: str) -> None:
+    good = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    bad = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logits_processors=(processor,))
+    alone = llm.generate(PROMPTS, good)
+    mixed = llm.generate(PROMPTS, [bad if i == 2 else good for i in range(len(PROMPTS))])
+    failed = mixed[2].outputs[0]
+    assert failed.finish_reason == "error" and message in failed.error and failed.token_ids == []
+    for i, (out, ref) in enumerate(zip(mixed, alone, strict=True)):
+        if i != 2:
+            assert out.token_ids == ref.token_ids and out.finish_reason == "length"
+    again = llm.generate(PROMPTS[:2], good)  # the engine serves on
+    assert [o.token_ids for o in again] == [o.token_ids for o in alone[:2]]
+    llm.engine.scheduler.check_integrity()
+
+
+def test_processors_must_be_functions() -> None:
+    with pytest.raises(ValueError, match="logits_processors must be a list of functions"):
+        SamplingParams(logits_processors=("not a function",)).validate()
