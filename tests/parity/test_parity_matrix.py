@@ -5,7 +5,8 @@ file to fp32); fp32 on the random ones. At every greedy step where the tokens ag
 the engine's top tokens are as close to fp32's as transformers' own bf16 run is (fp32: within 1e-4); a
 divergence is accepted only where fp32 itself puts its token and ours within GAP_BOUND. `make test` runs this
 module again under each COMPILED_ENGINE_CPU_ISA level below this CPU's (`-m parity`), so that an AMX machine
-runs the code a Zen4 or an AVX2 machine runs."""
+runs the code a Zen4 or an AVX2 machine runs. The random checkpoints are also compared three ways: engine,
+transformers and the JAX reference forward (`compiled_engine.jax.llama`)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,27 @@ def test_random_checkpoints(random_bf16, mode: str, dtype: str) -> None:
     outputs = [o.outputs[0] for o in llm.generate(RANDOM_PROMPTS, GREEDY)]
     bound = bound if dtype == "bfloat16" else FP32_LOGPROB_BOUND
     check(outputs, refs, dtype, bound, f"{Path(path).name} {mode} {dtype}")
+
+
+def test_random_checkpoints_three_ways(random_bf16) -> None:
+    """The second oracle: the JAX reference forward (fp32) agrees with transformers fp32, and the engine in
+    fp32 agrees with it as it does with transformers."""
+    from compiled_engine.jax.llama import JaxLlama
+    from tests.parity.oracle import Reference
+
+    path, refs, _ = random_bf16
+    jax_model = JaxLlama(path)
+    jax_refs = []
+    for prompt in RANDOM_PROMPTS:
+        tokens, logprobs = jax_model.greedy(prompt, NEW_TOKENS)
+        jax_refs.append(Reference(tokens, torch.from_numpy(logprobs)))
+    for ours, theirs in zip(jax_refs, refs, strict=True):
+        assert ours.tokens == theirs.tokens
+        assert (ours.logprobs - theirs.logprobs).abs().max().item() <= FP32_LOGPROB_BOUND
+    llm = LLM(path, dtype="float32", enforce_eager=True, **ENGINE)
+    outputs = [o.outputs[0] for o in llm.generate(RANDOM_PROMPTS, GREEDY)]
+    agreement = check(outputs, jax_refs, "float32", FP32_LOGPROB_BOUND, f"{Path(path).name} eager fp32 vs JAX")
+    assert not agreement.divergences
 
 
 @pytest.fixture(scope="module")
