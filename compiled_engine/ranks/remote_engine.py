@@ -39,6 +39,9 @@ class RemoteEngine:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
         ready = self.handle.ready
         check_request(rid, prompt_ids, params, ready.max_context, ready.capacity_tokens, ready.vocab_size)
+        if params.logits_processors:
+            raise ValueError(f"request {rid!r}: logits processors run at tp_size 1 only (the ranks cannot be "
+                             "handed a function yet)")
         self._outbox.append(Add(rid, list(prompt_ids), params))
         self._live[rid] = None
 

@@ -1,11 +1,15 @@
 """Logits processors in JAX through the offline API: the engine's tensors reach JAX without a copy, a JAX
 rule gives exactly the tokens of the same rule built in (log-probs within 1e-5), greedy and seeded, on the
-compiled and the eager engine, and a processor that fails fails its own request only."""
+compiled and the eager engine, composes with structured output, and a processor that fails fails its own
+request only."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
+import jsonschema
 import pytest
 import torch
 
@@ -84,6 +88,27 @@ def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message
     llm.engine.scheduler.check_integrity()
 
 
+def test_processors_compose_with_structured_output(llm: LLM) -> None:
+    """The grammar's mask comes first: a processor can reorder the allowed tokens, never allow another."""
+    from tests.engine.test_structured_offline import JSON, SCHEMA
+
+    params = SamplingParams(max_tokens=128, temperature=0.8, seed=3, structured=JSON,
+                            logits_processors=(repetition_penalty,))
+    for out in llm.generate(["Give me JSON", "1 2 3"], params):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
 def test_processors_must_be_functions() -> None:
     with pytest.raises(ValueError, match="logits_processors must be a list of functions"):
         SamplingParams(logits_processors=("not a function",)).validate()
+
+
+def test_tensor_parallel_engines_refuse_processors_clearly() -> None:
+    tp = LLM("demo", tp_size=2, enforce_eager=True, num_pages=256, max_running=2)
+    try:
+        with pytest.raises(ValueError, match="tp_size 1 only"):
+            tp.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logits_processors=(boost_token_5,)))
+        assert len(tp.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids) == 2  # serves on
+    finally:
+        tp.engine.shutdown()
