@@ -1,7 +1,7 @@
 """The engine on a GPU (CUDA machines only; `scripts/gpu_check.sh` runs this module): greedy parity with
 transformers on the same GPU with graphs on and off and overlap on and off (fp32 exact, bf16 within
 transformers' own bf16 error and diverging only at near ties), no compile and no host sync while serving,
-and a `cuda:N` engine that keeps everything on that GPU."""
+a `cuda:N` engine that keeps everything on that GPU, and the JAX bridge's zero copy on CUDA."""
 
 from __future__ import annotations
 
@@ -146,3 +146,16 @@ def test_an_engine_on_the_second_gpu_keeps_everything_there(demo_dir: str) -> No
     runner = llm.engine.runner
     assert torch.cuda.current_device() == 1
     assert {t.device for t in (*runner.k_caches, runner.tables.tokens)} == {torch.device("cuda", 1)}
+
+
+def test_jax_sees_the_engines_cuda_tensors_without_a_copy() -> None:
+    """The JAX bridge on the GPU: a logits row and its result share memory with the torch tensors (needs JAX's
+    CUDA backend)."""
+    pytest.importorskip("jax")
+    from compiled_engine.jax import bridge
+
+    logits = torch.randn(4, 151936, device="cuda")
+    row = logits[2]
+    as_jax = bridge.to_jax(row)
+    assert as_jax.unsafe_buffer_pointer() == row.data_ptr()
+    assert bridge.to_torch(as_jax).data_ptr() == row.data_ptr()
