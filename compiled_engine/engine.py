@@ -26,6 +26,7 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import GrammarBook, RequestGrammar
+from compiled_engine.jax import bridge
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep, StepOutput
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.runner.step_inputs import StepInputs
@@ -91,6 +92,8 @@ class Engine:
                 raise ValueError(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
             params.structured.validate()
             grammar = self.grammars.for_request(params.structured)  # ValueError for a bad constraint
+        for processor in params.logits_processors:
+            bridge.resolve(processor)  # a name that cannot be imported: ValueError now, before anything is queued
         self.scheduler.add_request(rid, prompt_ids, params)  # validates it
         generator = None
         if params.seed is not None:

@@ -1,6 +1,7 @@
 """torch <-> JAX over DLPack, zero-copy on the same device, and the application of one JAX logits processor.
 
-A processor is a function `f(token_ids, logits) -> logits`, as vLLM's classic processors, on JAX arrays:
+A processor is a function `f(token_ids, logits) -> logits`, as vLLM's classic processors, on JAX arrays, or
+its name `"package.module:function"` (what a tensor-parallel engine takes: each rank imports it):
 `token_ids` the request's tokens so far (prompt, then output; int32), `logits` its logits row (float32,
 vocabulary-sized). It may be jitted. The logits row reaches it as a view of the engine's tensor (same memory:
 `to_jax`); its result comes back the same way and is copied into the row.
@@ -8,6 +9,8 @@ vocabulary-sized). It may be jitted. The logits row reaches it as a view of the 
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -17,6 +20,30 @@ Processor = Callable[..., object]
 
 class ProcessorError(ValueError):
     """A logits processor raised, or returned something that is not a logits row."""
+
+
+def resolve(processor: Processor | str) -> Processor:
+    """The function itself, or the one a `"module:function"` name points to (imported once); ValueError if
+    the name leads nowhere."""
+    if callable(processor):
+        return processor
+    if not isinstance(processor, str):
+        raise ValueError(f"logits processor {processor!r} is neither a function nor a 'module:function' name")
+    return _import(processor)
+
+
+@functools.cache
+def _import(name: str) -> Processor:
+    module, _, attr = name.partition(":")
+    try:
+        target = importlib.import_module(module)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"logits processor {name!r}: cannot import it ({type(e).__name__}: {e})") from e
+    if not callable(target):
+        raise ValueError(f"logits processor {name!r} is not a function")
+    return target
 
 
 def to_jax(t: torch.Tensor):

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine import TokenOutput
+from compiled_engine.jax import bridge
 from compiled_engine.ranks.launcher import EngineFailure, launch
 from compiled_engine.ranks.messages import (
     Abort,
@@ -39,9 +40,11 @@ class RemoteEngine:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
         ready = self.handle.ready
         check_request(rid, prompt_ids, params, ready.max_context, ready.capacity_tokens, ready.vocab_size)
-        if params.logits_processors:
-            raise ValueError(f"request {rid!r}: logits processors run at tp_size 1 only (the ranks cannot be "
-                             "handed a function yet)")
+        if any(not isinstance(f, str) for f in params.logits_processors):
+            raise ValueError(f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
+                             "'package.module:function' (each rank imports it): a function cannot be sent to the ranks")
+        for name in params.logits_processors:
+            bridge.resolve(name)  # ValueError now if it cannot be imported
         self._outbox.append(Add(rid, list(prompt_ids), params))
         self._live[rid] = None
 

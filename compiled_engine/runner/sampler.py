@@ -198,8 +198,8 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int
         history = torch.cat([r.prompt_ids, r.output_ids])
         for processor in r.params.logits_processors:
             try:
-                bridge.apply(processor, history, logits[i])
-            except bridge.ProcessorError as e:
+                bridge.apply(bridge.resolve(processor), history, logits[i])
+            except (bridge.ProcessorError, ValueError) as e:
                 errors[i] = str(e)
                 break
     return errors

@@ -49,9 +49,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     n: int = 1
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
-    # JAX functions f(token_ids, logits) -> logits, applied in order after the built-in processing
-    # (`compiled_engine.jax.bridge`); offline API only
-    logits_processors: tuple[Callable, ...] = ()
+    # JAX functions f(token_ids, logits) -> logits, or their names "module:function" (at tp_size > 1), applied in
+    # order after the built-in processing (`compiled_engine.jax.bridge`); offline API only
+    logits_processors: tuple[Callable | str, ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -73,8 +73,10 @@ class SamplingParams:
             _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
         if self.structured is not None:
             self.structured.validate()
-        _check(isinstance(self.logits_processors, tuple | list) and all(callable(f) for f in self.logits_processors),
-               "logits_processors must be a list of functions f(token_ids, logits) -> logits", self.logits_processors)
+        _check(isinstance(self.logits_processors, tuple | list)
+               and all(callable(f) or (isinstance(f, str) and ":" in f) for f in self.logits_processors),
+               "logits_processors must be a list of functions f(token_ids, logits) -> logits or 'module:function' "
+               "names", self.logits_processors)
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:

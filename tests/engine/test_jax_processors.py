@@ -102,13 +102,27 @@ def test_processors_compose_with_structured_output(llm: LLM) -> None:
 def test_processors_must_be_functions() -> None:
     with pytest.raises(ValueError, match="logits_processors must be a list of functions"):
         SamplingParams(logits_processors=("not a function",)).validate()
+    SamplingParams(logits_processors=("pkg.module:function", boost_token_5)).validate()
 
 
-def test_tensor_parallel_engines_refuse_processors_clearly() -> None:
-    tp = LLM("demo", tp_size=2, enforce_eager=True, num_pages=256, max_running=2)
+def test_at_tp2_processors_are_named_and_every_rank_applies_them() -> None:
+    """A TP engine's ranks import a processor by name ('module:function'); a function object is refused."""
+    common = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    names = (f"{__name__}:boost_token_5", f"{__name__}:repetition_penalty")
+    tp = LLM("demo", tp_size=2, enforce_eager=True, num_pages=512, max_running=8)
     try:
-        with pytest.raises(ValueError, match="tp_size 1 only"):
-            tp.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logits_processors=(boost_token_5,)))
-        assert len(tp.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids) == 2  # serves on
+        with pytest.raises(ValueError, match="given by name"):
+            tp.generate(PROMPTS[:1], SamplingParams(logits_processors=(boost_token_5,), **common))
+        with pytest.raises(ValueError, match="cannot import"):
+            tp.generate(PROMPTS[:1], SamplingParams(logits_processors=(f"{__name__}:missing",), **common))
+        named = tp.generate(PROMPTS, SamplingParams(logits_processors=names, **common))
+        built_in = tp.generate(PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common))
     finally:
         tp.engine.shutdown()
+    assert [o.token_ids for o in named] == [o.token_ids for o in built_in]
+
+
+def test_a_name_that_leads_nowhere_is_refused_at_once(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="cannot import"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logits_processors=("no_such_module:f",)))
+    assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids) == 2
