@@ -2,8 +2,8 @@
 batch 1 and 32 on the bench model, against the same rule built in (torch: `repetition_penalty`) and against
 no processing, in one process, variants alternating.
 
-A step's time is the difference between two runs of the same batch that generate `--short` and `--long`
-tokens, divided by the extra tokens: prefill and start-up cancel out.
+Each measurement queues a batch of fresh 128-token prompts on the engine, steps until every request decodes,
+then times `--steps` decode steps one by one; a variant's figure is the median step of its best run.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 import jax
@@ -36,28 +37,35 @@ VARIANTS = {
 }
 
 
-def _generate_s(llm, prompts: list[list[int]], tokens: int, extra: dict) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, **extra)
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0
+def _step_ms(engine, batch: int, rng: random.Random, steps: int, extra: dict, tag: str) -> float:
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True, **extra)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [rng.randrange(3, 1000) for _ in range(128)], params)
+    while engine.scheduler.stats().num_waiting or engine.last_batch is None or not engine.last_batch.is_decode:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_work():
+        engine.step()
+    return statistics.median(times) * 1e3
 
 
-def measure(model: str, batches: list[int], short: int, long: int, repeats: int) -> list[dict]:
+def measure(model: str, batches: list[int], steps: int, repeats: int) -> list[dict]:
     llm = build_llm(resolve_bench_model(model))
     rng = random.Random(0)
     rows = []
     try:
         for batch in batches:
-            prompts = [[rng.randrange(3, 1000) for _ in range(128)] for _ in range(batch)]
             best: dict[str, float] = {}
-            for _ in range(repeats):
+            for r in range(repeats):
                 for name, extra in VARIANTS.items():
-                    step = (_generate_s(llm, prompts, long, extra) - _generate_s(llm, prompts, short, extra))
-                    best[name] = min(best.get(name, float("inf")), step / (long - short))
-            for name, step_s in best.items():
-                rows.append({"batch": batch, "variant": name, "step_ms": step_s * 1e3,
-                             "over_none_ms": (step_s - best["none"]) * 1e3})
+                    ms = _step_ms(llm.engine, batch, rng, steps, extra, f"{batch}-{r}-{len(best)}-{name[:5]}")
+                    best[name] = min(best.get(name, float("inf")), ms)
+            for name, ms in best.items():
+                rows.append({"batch": batch, "variant": name, "step_ms": ms, "over_none_ms": ms - best["none"]})
     finally:
         close_llm(llm)
     return rows
@@ -67,18 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=BENCH_NAME)
     p.add_argument("--batch", default="1,32")
-    p.add_argument("--short", type=int, default=8)
-    p.add_argument("--long", type=int, default=40)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    rows = measure(args.model, [int(b) for b in args.batch.split(",")], args.short, args.long, args.repeats)
+    rows = measure(args.model, [int(b) for b in args.batch.split(",")], args.steps, args.repeats)
     print("| batch | variant | decode step ms | over no processing, ms |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['variant']} | {r['step_ms']:.2f} | {r['over_none_ms']:+.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "short": args.short, "long": args.long, "rows": rows}, f, indent=2)
+            json.dump({"model": args.model, "steps": args.steps, "rows": rows}, f, indent=2)
     return 0
 
 
