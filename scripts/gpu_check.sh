@@ -74,6 +74,11 @@ step() {
   local result=ok
   [ "$rc" = 0 ] || { result="FAILED (rc $rc)"; failed=1; }
   [ "$rc" = 124 ] && result="TIMEOUT after ${limit}s"
+  # On a GPU a test step must have run something: its tests all skipping (no CUDA seen, a missing package) fails.
+  if [ "$rc" = 0 ] && [ "$dry" = 0 ] && [[ " $* " == *" pytest "* ]] && ! grep -qE "[0-9]+ passed" "$out/.step"; then
+    result="FAILED (no test passed: all skipped)"
+    failed=1
+  fi
   local last
   last=$(grep -E "$pattern" "$out/.step" | tail -n 3 | tr '\n|' '; ' | cut -c1-400)
   echo "| $name | $result | $((SECONDS - t0)) | ${last:-} |" >>"$summary"

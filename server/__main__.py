@@ -7,6 +7,7 @@ import logging
 import sys
 
 from compiled_engine.engine_args import engine_config
+from compiled_engine.models.tp_fit import check_tp_size
 from server.args import add_serve_args
 from server.serve import serve
 from server.state import ServerConfig
@@ -17,7 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(engine=engine_config(args), api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,
+    engine = engine_config(args)
+    try:
+        check_tp_size(engine.model, engine.tp_size)
+    except ValueError as e:
+        print(f"compiled-engine serve: error: {e}", file=sys.stderr)
+        return 2
+    config = ServerConfig(engine=engine, api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,
                           tool_call_parser=args.tool_call_parser)
     return serve(config, args.host, args.port)
 

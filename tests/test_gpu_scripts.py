@@ -35,3 +35,21 @@ def test_every_gpu_wheel_has_a_version() -> None:
     for name in names:
         if name.lower() not in pins:
             importlib.metadata.version(name)  # raises if neither pinned nor installed
+
+
+def test_gpu_check_fails_a_step_whose_tests_all_skipped(tmp_path: Path) -> None:
+    """On a GPU machine (here a stand-in interpreter that reports CUDA and whose pytest skips everything), a
+    test step with no test passed is a failure, not 'ok'."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "case \" $* \" in *\" pytest \"*) echo '3 skipped in 0.01s';; esac\n"
+                    "cat >/dev/null 2>&1 || true\nexit 0\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(fake))
+    done = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in (tmp_path / "out" / "gpu_check.md").read_text().splitlines() if line.startswith("| ")}
+    assert rows["kernels"] == rows["engine"] == "FAILED (no test passed: all skipped)", rows
+    assert rows["latency"] == "ok"

@@ -14,6 +14,7 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.models.tp_fit import check_tp_size
 from compiled_engine.ranks.messages import Fatal, Ready, Shutdown
 from compiled_engine.ranks.monitor import RankMonitor
 from compiled_engine.ranks.rank_loop import RankSpec, run_rank
@@ -85,7 +86,12 @@ class EngineHandle:
 
 
 def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle:
-    """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError otherwise)."""
+    """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError otherwise; a model
+    that does not split over `tp_size` ranks before any rank starts)."""
+    try:
+        check_tp_size(config.model, config.tp_size)
+    except ValueError as e:
+        raise EngineStartError(str(e)) from None
     ctx = mp.get_context("spawn")
     world = config.tp_size
     init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""  # the launcher's ranks share one host
