@@ -168,12 +168,13 @@ async def chat_completions(request: Request) -> Response:
 
     def tool_chunk(d: Delta) -> dict:
         """One chunk holding the whole choice: its content, or its calls as OpenAI streams them (by index:
-        id, type and name, then the arguments), and the finish reason."""
+        id, type and name, then the arguments), its logprobs (every token's, when asked) and the finish reason."""
         msg, reason = message(gen.choices[d.index])
         delta: dict = {"content": msg["content"]} if msg["content"] else {}
         if "tool_calls" in msg:
             delta["tool_calls"] = [{"index": i} | t for i, t in enumerate(msg["tool_calls"])]
-        return base | {"choices": [{"index": d.index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        logprobs = chat_logprobs(whole(gen.choices[d.index]), token_text) if req.logprobs else None
+        return base | {"choices": [{"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
     return await stream(st, gen, head, chunk, usage_tail(req, gen, base))
 

@@ -11,14 +11,23 @@ The tools go to the chat template (`apply_chat_template(tools=...)`). What the m
     named      (`{"type": "function", "function": {"name": ...}}`) the output is constrained to that
                function's parameters
     none       no calls: the output is content
-A response with calls has `finish_reason: "tool_calls"`."""
+A call is returned only when it names a function of the request and its arguments validate against that
+function's `parameters` (jsonschema; with `strict: true`, objects that list `properties` are closed, as the
+required and named constraints close them); any other output stays content, with the engine's finish reason (`stop`, or
+`length` when max_tokens cut it). `parallel_tool_calls: false` keeps the first call. A response with calls has
+`finish_reason: "tool_calls"`."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import jsonschema
+from referencing.exceptions import Unresolvable
 
 from compiled_engine.scheduler.sampling_params import StructuredOutput
 from server.request_errors import ProtocolError, check_fields
@@ -28,6 +37,18 @@ TOOL_FIELDS = frozenset({"type", "function"})
 FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_PARALLEL_CALLS = 8  # calls in one `required` answer (so that even a weak model's answer ends)
+# Keywords the constrained decoder (xgrammar) does not enforce: `strict: true` refuses them (a 400) rather than
+# promise arguments it cannot make follow the schema exactly (as it refuses an `allOf` of several schemas, which
+# xgrammar reads as any value, and constraints beside a REPLACING_KEYWORDS one).
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+                       "unevaluatedItems", "contains", "minContains", "maxContains", "propertyNames")
+# A node with one of these is read as that keyword alone: any other constraint beside it is not enforced.
+REPLACING_KEYWORDS = ("$ref", "anyOf", "oneOf", "allOf")
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+                         "$comment", "$defs", "definitions", "$schema", "$id"})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # keyword -> {name: subschema}
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # keyword -> [subschema]
+_SCHEMA_ONES = ("items", "additionalProperties")  # keyword -> subschema
 
 
 @dataclass(frozen=True)
@@ -35,6 +56,15 @@ class Function:
     name: str
     description: str | None
     parameters: dict
+    strict: bool = False
+
+    def accepts(self, arguments: object) -> bool:
+        """Whether `arguments` validate against the parameters (strict: with their objects closed)."""
+        schema = closed_schema(self.parameters) if self.strict else self.parameters
+        try:
+            return jsonschema.validators.validator_for(schema)(schema).is_valid(arguments)
+        except Unresolvable:  # a $ref the schema does not hold
+            return False
 
 
 @dataclass
@@ -61,6 +91,18 @@ class ToolRequest:
 
     def _function(self, name: str | None) -> Function:
         return next(f for f in self.functions if f.name == name)
+
+    def call(self, obj: object, args_key: str) -> ToolCall | None:
+        """The call `obj` ({"name", args_key: arguments object or its JSON text}) makes; None unless it names a
+        function of the request and its arguments are an object that validates."""
+        if not isinstance(obj, dict) or obj.get("name") not in {f.name for f in self.functions}:
+            return None
+        args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+        if isinstance(args, str):
+            args = _loads(args)
+        if not isinstance(args, dict) or not self._function(obj["name"]).accepts(args):
+            return None
+        return ToolCall(obj["name"], json.dumps(args))
 
 
 @dataclass
@@ -119,7 +161,71 @@ def _function(tool: object, where: str) -> Function:
     if not isinstance(parameters, dict):
         raise ProtocolError(f"'{where}.function.parameters' must be a JSON schema object",
                             f"{where}.function.parameters")
-    return Function(name, description, parameters)
+    try:
+        jsonschema.validators.validator_for(parameters).check_schema(parameters)
+    except jsonschema.SchemaError as e:
+        raise ProtocolError(f"'{where}.function.parameters' is not a valid JSON schema: {e.message[:200]}",
+                            f"{where}.function.parameters") from None
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ProtocolError(f"'{where}.function.strict' must be a boolean", f"{where}.function.strict")
+    if strict:
+        _check_strict(parameters, where)
+    return Function(name, description, parameters, bool(strict))
+
+
+def _check_strict(parameters: dict, where: str) -> None:
+    """400 naming `strict` when the schema says something constrained decoding does not enforce."""
+    for path, node in _subschemas(parameters, "parameters"):
+        found = _unenforced(node)
+        if found is not None:
+            raise ProtocolError(f"'{where}.function.strict' cannot be honoured: constrained decoding does not "
+                                f"enforce {found} (in {where}.function.{path[:100]}); drop it or set strict to false",
+                                f"{where}.function.strict")
+
+
+def _unenforced(node: dict) -> str | None:
+    """What of this schema node (its subschemas aside) constrained decoding would not enforce, or None."""
+    found = [k for k in UNENFORCED_KEYWORDS if k in node] + (["uniqueItems"] if node.get("uniqueItems") else [])
+    if found:
+        return f"'{found[0]}'"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' of more than one schema"
+    for key in REPLACING_KEYWORDS:
+        beside = sorted(set(node) - ANNOTATIONS - {key}) if key in node else []
+        if beside:
+            return f"'{beside[0]}' beside '{key}'"
+    return None
+
+
+def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, dict]]:
+    """(path, node) of `schema` and of every subschema in it, depth first."""
+    yield path, schema
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if isinstance(sub, dict):
+                    yield from _subschemas(sub, f"{path}.{key}.{name}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if isinstance(sub, dict):
+                    yield from _subschemas(sub, f"{path}.{key}[{i}]")
+    for key in _SCHEMA_ONES:
+        if isinstance(schema.get(key), dict):
+            yield from _subschemas(schema[key], f"{path}.{key}")
+
+
+def closed_schema(schema: dict) -> dict:
+    """`schema` as strict output reads it (xgrammar's strict mode): an object schema that lists `properties`
+    admits no others unless it says so, and a `prefixItems` array no further items."""
+    out = copy.deepcopy(schema)
+    for _, node in list(_subschemas(out, "")):
+        if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
+            node["additionalProperties"] = False
+        if "prefixItems" in node and "items" not in node:
+            node["items"] = False
+    return out
 
 
 def parser_for_template(template: str | None) -> str:
@@ -133,71 +239,76 @@ def parser_for_template(template: str | None) -> str:
 
 
 def extract_calls(req: ToolRequest, text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output."""
+    """(content, calls) of a finished output. Only calls to the request's functions whose arguments validate
+    are returned (the first of them without parallel_tool_calls); any other output stays content."""
     if req.choice == "none":
         return text, []
     if req.choice == "named":
-        return None, [ToolCall(req.named, _compact(text))]
-    if req.choice == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut off by max_tokens: no call
-        return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in calls]
-    return _PARSE[parser](text, {f.name for f in req.functions})
+        content, calls = _named(req, text)
+    elif req.choice == "required":
+        content, calls = _required(req, text)
+    else:
+        content, calls = _PARSE[parser](text, req.call)
+    return content, calls if req.parallel else calls[:1]
 
 
-def _compact(text: str) -> str:
+def _loads(text: str) -> object:
+    """The JSON value of `text`; None when it is not JSON (a cut output, say)."""
     try:
-        return json.dumps(json.loads(text))
+        return json.loads(text)
     except json.JSONDecodeError:
-        return text
-
-
-def _call(obj: object, names: set[str], args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
-def _hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def _named(req: ToolRequest, text: str) -> tuple[str | None, list[ToolCall]]:
+    call = req.call({"name": req.named, "arguments": _loads(text)}, "arguments")
+    return (None, [call]) if call is not None else (text, [])
+
+
+def _required(req: ToolRequest, text: str) -> tuple[str | None, list[ToolCall]]:
+    items = _loads(text)
+    return _all_or_none(None, text, items if isinstance(items, list) else [None], req.call, "parameters")
+
+
+Check = Callable[[object, str], ToolCall | None]  # ToolRequest.call
+
+
+def _all_or_none(content: str | None, text: str, items: list, check: Check,
+                 args_key: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) when every item is a valid call; else (text, []): one JSON document of calls is taken
+    whole or left as content."""
+    calls = [check(v, args_key) for v in items]
+    return (content, calls) if calls and None not in calls else (text, [])
+
+
+def _hermes(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
+    """Each `<tool_call>` block that holds a valid call becomes that call; the rest of the text is content."""
     calls = []
-    for body in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, flags=re.S):
-        try:
-            call = _call(json.loads(body.strip()), names, "arguments")
-        except json.JSONDecodeError:
-            call = None
-        if call is not None:
-            calls.append(call)
+
+    def take(m: re.Match) -> str:
+        call = check(_loads(m.group(1).strip()), "arguments")
+        if call is None:
+            return m.group(0)
+        calls.append(call)
+        return ""
+
+    content = re.sub(r"<tool_call>(.*?)(?:</tool_call>|$)", take, text, flags=re.S)
     if not calls:
         return text, []
-    content = re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S).strip()
-    return content or None, calls
+    return content.strip() or None, calls
 
 
-def _llama3_json(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    body = text.split("<|python_tag|>", 1)[-1].strip()
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return text, []
-    items = value if isinstance(value, list) else [value]
-    calls = [c for c in (_call(v, names, "parameters") for v in items) if c is not None]
-    return (None, calls) if calls and len(calls) == len(items) else (text, [])
+def _llama3_json(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
+    value = _loads(text.split("<|python_tag|>", 1)[-1].strip())
+    return _all_or_none(None, text, value if isinstance(value, list) else [value], check, "parameters")
 
 
-def _mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def _mistral(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
     head, sep, body = text.partition("[TOOL_CALLS]")
     if not sep:
         return text, []
-    try:
-        value = json.loads(body.strip())
-    except json.JSONDecodeError:
-        return text, []
-    items = value if isinstance(value, list) else [value]
-    calls = [c for c in (_call(v, names, "arguments") for v in items) if c is not None]
-    return (head.strip() or None, calls) if calls else (text, [])
+    value = _loads(body.strip())
+    return _all_or_none(head.strip() or None, text, value if isinstance(value, list) else [value], check, "arguments")
 
 
 _PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
