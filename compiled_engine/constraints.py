@@ -3,8 +3,10 @@ with xgrammar (the grammar engine vLLM and SGLang use; it runs on the CPU).
 
 A `GrammarBook` serves one tokenizer: it compiles each constraint once (xgrammar's compiler caches by the
 constraint's text) and gives each request a `RequestGrammar`, whose matcher fills the token mask of the
-request's next step and advances when one of its tokens commits. The sampler applies the mask before any
-other rule, so log-probabilities are those of the masked distribution. xgrammar is imported on the first
+request's next step and advances when one of its tokens commits. The sampler applies the mask after every
+other rule (logit_bias, penalties, logits processors), so no rule can bring back a token the grammar
+excludes, and log-probabilities are those of the masked distribution. The request's own stop_token_ids are
+allowed wherever the grammar allows its EOS (where the document may end). xgrammar is imported on the first
 constrained request: it costs seconds to import.
 """
 
@@ -41,7 +43,7 @@ class GrammarBook:
         try:
             if spec.kind == "json":  # compact JSON: no runs of whitespace a weak model could fill its budget with
                 schema = _json_schema_text(spec.spec) if spec.spec else ANY_OBJECT
-                return compiler.compile_json_schema(schema, any_whitespace=False)
+                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
@@ -50,11 +52,12 @@ class GrammarBook:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
 
-    def for_request(self, spec: StructuredOutput) -> RequestGrammar:
+    def for_request(self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()) -> RequestGrammar:
+        """A matcher for one request; `stop_token_ids`: the request's own, allowed where the EOS is."""
         import xgrammar as xgr
 
         extra = self._no_control_characters() if spec.kind == "json" else None
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra, stop_token_ids)
 
     def _no_control_characters(self) -> torch.Tensor:
         """The tokens without a control character (U+0000-U+001F), and the stop tokens, as a packed mask.
@@ -65,12 +68,10 @@ class GrammarBook:
                 self._get_compiler()
                 info = self._info
                 stops = set(info.stop_token_ids)
-                allowed = torch.zeros(-(-self.vocab_size // 32) * 32, dtype=torch.bool)
+                allowed = _token_set((), self.vocab_size)
                 for i, piece in enumerate(info.decoded_vocab[: self.vocab_size]):
                     allowed[i] = i in stops or (bool(piece) and min(piece) >= 0x20)
-                weights = 1 << torch.arange(32, dtype=torch.int64)
-                words = (allowed.view(-1, 32).to(torch.int64) * weights).sum(1)
-                self._json_mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+                self._json_mask = _packed(allowed)
             return self._json_mask
 
     def _get_compiler(self):
@@ -86,12 +87,16 @@ class GrammarBook:
 
 class RequestGrammar:
     """One request's matcher: the state after the tokens it has committed. `extra`: a packed mask of tokens
-    allowed on top of the grammar's (None: all)."""
+    allowed on top of the grammar's (None: all); `stop_token_ids`: the request's own stop tokens, allowed
+    wherever the document is complete (as the EOS)."""
 
-    def __init__(self, matcher, vocab_size: int, extra: torch.Tensor | None = None) -> None:
+    def __init__(self, matcher, vocab_size: int, extra: torch.Tensor | None = None,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self._extra = extra
+        self._stop_ids = frozenset(stop_token_ids)
+        self._stops = _packed(_token_set(self._stop_ids, vocab_size)) if self._stop_ids else None
 
     def next_mask(self) -> torch.Tensor:
         """The allowed next tokens as a packed bitmask: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32."""
@@ -99,10 +104,14 @@ class RequestGrammar:
 
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         self._matcher.fill_next_token_bitmask(mask, 0)
-        return mask[0] if self._extra is None else mask[0] & self._extra
+        mask = mask[0] if self._extra is None else mask[0] & self._extra
+        return mask | self._stops if self._stops is not None and self.complete else mask
 
     def accept(self, token: int) -> bool:
-        """Advance past a committed token; False when the grammar does not allow it."""
+        """Advance past a committed token; False when the grammar does not allow it (one of the request's own
+        stop tokens is allowed after a complete document: the request ends on it)."""
+        if token in self._stop_ids and self.complete:
+            return True
         return bool(self._matcher.accept_token(token))
 
     @property
@@ -119,6 +128,20 @@ class RequestGrammar:
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly `choices`."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _token_set(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """bool [ceil(vocab / 32) * 32]: True at `ids`."""
+    allowed = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    allowed[list(ids)] = True
+    return allowed
+
+
+def _packed(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool [n * 32] tensor as a packed bitmask (xgrammar's layout): int32 [n], bit t % 32 of word t // 32."""
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    words = (allowed.view(-1, 32).to(torch.int64) * weights).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _json_schema_text(schema: str) -> str:

@@ -8,9 +8,10 @@ thread instead. The scheduler defers frees until no in-flight step can touch the
 sampled after a request finished.
 
 Structured output: a constrained request's grammar fills its token mask when its step is launched and
-advances when its token commits; the request ends when the grammar does. Under overlap the scheduler does
-not plan a constrained request while its previous token is in flight, so a mask is always computed from
-committed tokens, and unconstrained requests never wait for one.
+advances when its token commits; the request ends when the grammar does, and fails (finish_reason "error")
+if a token its grammar rejects is sampled or its mask allows nothing: it never goes on unconstrained. Under
+overlap the scheduler does not plan a constrained request while its previous token is in flight, so a mask
+is always computed from committed tokens, and unconstrained requests never wait for one.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Engine:
             if self.grammars is None:
                 raise ValueError(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
             params.structured.validate()
-            grammar = self.grammars.for_request(params.structured)  # ValueError for a bad constraint
+            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)  # ValueError if bad
         for processor in params.logits_processors:
             bridge.resolve(processor)  # a name that cannot be imported: ValueError now, before anything is queued
         self.scheduler.add_request(rid, prompt_ids, params)  # validates it
@@ -175,9 +176,12 @@ class Engine:
         for ev in self.scheduler.commit(batch, output.tokens):
             lp, top = extras.get(ev.rid, (None, None)) if ev.token is not None else (None, None)
             finished, reason = ev.finished, ev.finish_reason
-            grammar = self._grammar_of(ev.rid) if ev.token is not None and not finished else None
-            if grammar is not None and (not grammar.accept(ev.token) or grammar.terminated):
-                self.scheduler.finish(ev.rid, "stop")  # the document is complete (or cannot go on)
+            grammar = self._grammar_of(ev.rid) if ev.token is not None else None
+            if grammar is not None and not grammar.accept(ev.token):  # also a last token ("length", EOS)
+                events.extend(self._fail(ev.rid, self._rejected(ev.rid, ev.token)))  # the token is dropped
+                continue
+            if grammar is not None and not finished and grammar.terminated:
+                self.scheduler.finish(ev.rid, "stop")  # the document is complete
                 finished, reason = True, "stop"
             events.append(TokenOutput(ev.rid, ev.token, finished, reason, lp, top))
             if finished:
@@ -185,15 +189,22 @@ class Engine:
         return events
 
     def _fail_rows(self, batch: Batch, errors: dict[int, str]) -> list[TokenOutput]:
-        """End the requests whose logits processor failed (their token of this step is dropped)."""
+        """End the requests whose row failed in the sampler (a logits processor, a mask that allows nothing):
+        their token of this step is dropped."""
         sampled = [r for r in batch.reqs if r.sample]
-        events = []
-        for i, message in sorted(errors.items()):
-            rid = sampled[i].rid
-            if self._live.pop(rid, None) is not None:
-                self.scheduler.finish(rid, "error")
-                events.append(TokenOutput(rid, None, True, "error", error=message))
-        return events
+        return [ev for i, message in sorted(errors.items()) for ev in self._fail(sampled[i].rid, message)]
+
+    def _fail(self, rid: str, message: str) -> list[TokenOutput]:
+        """End a live request with finish_reason "error": its closing event (none if it already ended)."""
+        if self._live.pop(rid, None) is None:
+            return []
+        self.scheduler.finish(rid, "error")
+        return [TokenOutput(rid, None, True, "error", error=message)]
+
+    def _rejected(self, rid: str, token: int) -> str:
+        kind = self._live[rid].params.structured.kind
+        return (f"structured output: token {token} was sampled, which the {kind} constraint does not allow "
+                "(were all the tokens it allows ruled out, by logit_bias or a logits processor?)")
 
     def _grammar_of(self, rid: str) -> RequestGrammar | None:
         info = self._live.get(rid)

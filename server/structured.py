@@ -7,7 +7,9 @@
                                                                            (completions and chat)
     json_schema / regex / ebnf    SGLang, in /generate's sampling_params (one of them)
 
-At most one constraint per request; each problem is a ProtocolError naming the field."""
+`response_format.json_schema.strict` as OpenAI defaults it: true, only the properties and items the schema
+names; false or absent, any document the schema validates. vLLM's and SGLang's fields are strict, as they are
+there. At most one constraint per request; each problem is a ProtocolError naming the field."""
 
 from __future__ import annotations
 
@@ -69,8 +71,8 @@ def _response_format(body: dict) -> tuple[StructuredOutput | None, str | None]:
         raise ProtocolError(f"'{where}.name' is required (a string)", f"{where}.name")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise ProtocolError(f"'{where}.strict' must be a boolean", f"{where}.strict")
-    schema, where = spec.get("schema"), f"{where}.schema"
-    return StructuredOutput("json", "" if schema is None else _schema_text(schema, where)), where
+    schema, strict, where = spec.get("schema"), spec.get("strict") is True, f"{where}.schema"
+    return StructuredOutput("json", "" if schema is None else _schema_text(schema, where), strict), where
 
 
 def _structured_outputs(body: dict) -> tuple[StructuredOutput | None, str | None]:

@@ -31,7 +31,7 @@ class StepOutput:
     tokens: list[int]  # one per sampled request, in plan order
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    errors: dict[int, str] | None = None  # sampled row -> why its request failed (a logits processor)
+    errors: dict[int, str] | None = None  # sampled row -> why its request failed (a logits processor, a mask)
 
 
 class PendingStep:

@@ -1,10 +1,12 @@
 """Sampling on the device, per request within one batch.
 
-Order of logit processing (as vLLM): the structured-output token mask (tokens the request's grammar does
-not allow next), logit_bias and banned ids, repetition / frequency / presence
-penalties, then logprobs are taken from these processed logits, then temperature, top-k, top-p, min-p and
-the draw. Greedy rows (temperature 0, or top_k 1) take the argmax. A seeded request draws from its own
-generator, so its tokens do not depend on its batch neighbours.
+Order of logit processing: logit_bias and banned ids, repetition / frequency / presence penalties, the
+request's JAX logits processors, then the structured-output token mask (tokens the request's grammar does
+not allow next) last, so that no rule brings back a token the grammar excludes (vLLM masks first, and its
+processors can undo the mask); logprobs are taken from these processed logits, then temperature, top-k,
+top-p, min-p and the draw. A row whose mask allows nothing fails its request. Greedy rows (temperature 0,
+or top_k 1) take the argmax. A seeded request draws from its own generator, so its tokens do not depend on
+its batch neighbours.
 Nothing here waits for the device: every per-row setting reaches it through pinned memory (`to_device`), and
 every decision that depends on the rows is taken on the host.
 """
@@ -39,9 +41,11 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [N] logprob of the chosen token (when any row asked)
     top_ids: torch.Tensor | None = None  # [N, K] top alternatives, K = max requested
     top_logprobs: torch.Tensor | None = None
-    errors: dict[int, str] | None = None  # row -> why its logits processor failed (the row's request fails)
+    errors: dict[int, str] | None = None  # row -> why it failed: its logits processor, or a mask allowing nothing
 
 
+NOTHING_ALLOWED = ("structured output: the constraint allows no next token (no token of the vocabulary "
+                   "continues the output so far)")
 GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by a tinier temperature overflows to inf
 
 
@@ -71,10 +75,10 @@ class Sampler:
         logits = logits.float()
         if any(_processes_logits(r) for r in rows):
             logits = logits.clone()
-            self._apply_token_masks(logits, rows)
             self._apply_bias_and_bans(logits, rows)
             self._apply_penalties(logits, rows)
             errors = _apply_processors(logits, rows)
+            errors = self._apply_token_masks(logits, rows) | errors
         else:
             errors = None
         out = SampleOutput(tokens=self._draw(logits, rows), errors=errors or None)
@@ -90,22 +94,24 @@ class Sampler:
                 out.top_logprobs, out.top_ids = ordered[:, :k], ids[:, :k]
         return out
 
-    def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
         """-inf for every token a row's mask excludes: all masked rows at once, each packed byte unpacked
-        to its 8 bits through a 256-entry table. A mask that allows nothing is ignored (it cannot happen
-        with a consistent grammar; -inf everywhere would make NaNs)."""
-        masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
-        if not masked:
-            return
+        to its 8 bits through a 256-entry table. A row whose mask allows nothing (its grammar cannot go on
+        in this vocabulary) is left as it is and returned, row -> why: its request fails."""
         vocab = logits.shape[1]
+        stuck = {i: NOTHING_ALLOWED for i, r in enumerate(rows)
+                 if r.token_mask is not None and _allows_nothing(r.token_mask, vocab)}
+        masked = [i for i, r in enumerate(rows) if r.token_mask is not None and i not in stuck]
+        if not masked:
+            return stuck
         words = torch.stack([rows[i].token_mask for i in masked])
         if logits.is_cuda:
             words = words.pin_memory().to(logits.device, non_blocking=True)
         table = _bit_table(logits.device)
         allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(len(masked), -1)[:, :vocab]
-        allowed |= ~allowed.any(dim=1, keepdim=True)
         index = to_device(masked, torch.long, logits.device)
         logits[index] = torch.where(allowed, logits.index_select(0, index), float("-inf"))
+        return stuck
 
     def _apply_bias_and_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         idx_r, idx_c, vals = [], [], []
@@ -180,6 +186,12 @@ class Sampler:
             m = to_device(min_p, probs.dtype, logits.device)
             probs = probs.masked_fill(probs < m[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
+
+
+def _allows_nothing(mask: torch.Tensor, vocab: int) -> bool:
+    """Whether a packed mask (on the host: no device sync) allows no token below `vocab`."""
+    full, rest = divmod(vocab, 32)
+    return not bool(mask[:full].any()) and (rest == 0 or not int(mask[full]) & ((1 << rest) - 1))
 
 
 def _processes_logits(r: SamplingRow) -> bool:

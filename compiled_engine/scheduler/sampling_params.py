@@ -15,10 +15,14 @@ class StructuredOutput:
         regex    `spec` a regular expression the whole output matches
         choice   `spec` the allowed outputs (a tuple of strings): exactly one of them
         grammar  `spec` an EBNF grammar (GBNF, as llama.cpp and xgrammar write it; `root` is the start)
-    The request ends when the constraint is complete (or at max_tokens, with "length")."""
+    `strict` (json only): True, only the properties and array items the schema names (xgrammar's strict mode,
+    as vLLM and SGLang compile every schema); False, any document the schema validates (extra properties
+    where the schema does not forbid them). The request ends when the constraint is complete (or at
+    max_tokens, with "length")."""
 
     kind: str
     spec: str | tuple[str, ...]
+    strict: bool = True
 
     def validate(self) -> None:
         _check(self.kind in STRUCTURED_KINDS, f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}",
@@ -28,6 +32,7 @@ class StructuredOutput:
             _check(ok, "choice must be a non-empty list of non-empty strings", self.spec)
         else:
             _check(isinstance(self.spec, str), f"a {self.kind} constraint is a string", self.spec)
+        _check(isinstance(self.strict, bool), "structured output strict must be a boolean", self.strict)
 
 
 @dataclass(slots=True)
@@ -50,7 +55,8 @@ class SamplingParams:
     n: int = 1
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
     # JAX functions f(token_ids, logits) -> logits, or their names "module:function" (at tp_size > 1), applied in
-    # order after the built-in processing (`compiled_engine.jax.bridge`); offline API only
+    # order after logit_bias and the penalties, before the structured-output mask (`compiled_engine.jax.bridge`);
+    # offline API only
     logits_processors: tuple[Callable | str, ...] = ()
 
     def validate(self) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.jax import bridge
+from compiled_engine.scheduler.sampling_params import StructuredOutput
 from tests.engine.conftest import ragged_prompts
 
 PROMPTS = ragged_prompts(6, seed=11)
@@ -38,6 +39,11 @@ def raises(token_ids, logits):
 
 def wrong_shape(token_ids, logits):
     return logits[:10]
+
+
+def flat(token_ids, logits):
+    """Every token equally likely: the model's preferences are gone, and so would be a mask applied before."""
+    return jnp.zeros_like(logits)
 
 
 @pytest.fixture(scope="module", params=["compiled", "eager"])
@@ -89,7 +95,7 @@ def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message
 
 
 def test_processors_compose_with_structured_output(llm: LLM) -> None:
-    """The grammar's mask comes first: a processor can reorder the allowed tokens, never allow another."""
+    """The grammar's mask comes last: a processor can reorder the allowed tokens, never allow another."""
     from tests.engine.test_structured_offline import JSON, SCHEMA
 
     params = SamplingParams(max_tokens=128, temperature=0.8, seed=3, structured=JSON,
@@ -97,6 +103,16 @@ def test_processors_compose_with_structured_output(llm: LLM) -> None:
     for out in llm.generate(["Give me JSON", "1 2 3"], params):
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=4)], ids=["greedy", "seeded"])
+def test_a_processor_cannot_lift_the_mask(llm: LLM, sampling: dict) -> None:
+    """A processor that sets every logit alike, under a choice constraint: the answer is still one of them."""
+    choices = ("apple", "banana", "cherry")
+    params = SamplingParams(max_tokens=8, structured=StructuredOutput("choice", choices), logits_processors=(flat,),
+                            **sampling)
+    for out in llm.generate(PROMPTS[:3], params):
+        assert out.text in choices and out.finish_reason == "stop", out.outputs[0]
 
 
 def test_processors_must_be_functions() -> None:

@@ -158,3 +158,71 @@ def test_overlap_scheduling_keeps_masks_on_committed_tokens(eager: LLM) -> None:
             jsonschema.validate(json.loads(out.text), SCHEMA)
     finally:
         llm.engine.shutdown()
+
+
+OPEN_OBJECT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["a"]}  # properties other than "a" are allowed: it does not say otherwise
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_decides_whether_a_schema_admits_properties_it_does_not_name(eager: LLM, strict: bool) -> None:
+    """Strict closes the object after "a"; not strict, the random model opens another property, which the
+    schema allows (JSON Schema's additionalProperties defaults to true)."""
+    spec = StructuredOutput("json", json.dumps(OPEN_OBJECT), strict)
+    out = eager.generate("x", SamplingParams(max_tokens=48, temperature=0, structured=spec))[0]
+    if strict:
+        assert out.finish_reason == "stop" and list(json.loads(out.text)) == ["a"]
+    else:
+        assert re.match(r'\{"a": \d, "', out.text), out.text
+
+
+def test_a_schema_is_strict_by_default() -> None:
+    assert StructuredOutput("json", "{}").strict, "offline, as vLLM and SGLang compile every schema"
+    with pytest.raises(ValueError, match="strict must be a boolean"):
+        StructuredOutput("json", "{}", strict="yes").validate()
+
+
+@pytest.mark.parametrize("max_tokens", [8, 1], ids=["midway", "last token"])
+def test_a_rejected_token_fails_its_request_only(eager: LLM, max_tokens: int) -> None:
+    """logit_bias rules out every token the constraint allows: the token drawn breaks the constraint, so the
+    request fails (finish_reason "error", the token not emitted) instead of ending with "stop" (or "length",
+    when it was the last token)."""
+    choice = StructuredOutput("choice", ("apple", "banana"))
+    vocab = eager.engine.vocab_size
+    doomed = SamplingParams(max_tokens=max_tokens, temperature=0, structured=choice,
+                            logit_bias={t: -math.inf for t in range(vocab)})
+    fine = SamplingParams(max_tokens=8, temperature=0, structured=choice)
+    outs = eager.generate(PROMPTS[:3], [fine, doomed, fine])
+    failed = outs[1].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == [] and failed.text == ""
+    assert "choice constraint does not allow" in failed.error
+    alone = eager.generate([PROMPTS[0], PROMPTS[2]], fine)
+    assert [outs[0].text, outs[2].text] == [o.text for o in alone] and outs[0].text in choice.spec
+    assert outs[0].finish_reason == outs[2].finish_reason == "stop"
+    eager.engine.scheduler.check_integrity()
+
+
+def test_a_constraint_no_token_can_continue_fails_its_request_only(eager: LLM) -> None:
+    """The pattern needs a raw control character, which JSON output never holds (the JSON mask drops those
+    tokens): after '"a' nothing is allowed. The request fails there; it does not go on unconstrained."""
+    stuck = StructuredOutput("json", json.dumps({"type": "string", "pattern": "^a\u0001b$"}))
+    fine = SamplingParams(max_tokens=128, temperature=0, structured=JSON)
+    outs = eager.generate(PROMPTS[:3], [fine, SamplingParams(max_tokens=16, temperature=0, structured=stuck), fine])
+    failed = outs[1].outputs[0]
+    assert failed.finish_reason == "error" and failed.text == '"a', failed
+    assert "allows no next token" in failed.error
+    for out in (outs[0], outs[2]):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    eager.engine.scheduler.check_integrity()
+
+
+def test_a_user_stop_token_can_end_a_complete_document(eager: LLM) -> None:
+    """The request's own stop_token_ids are allowed where the EOS is (the document may end), as in vLLM, never
+    inside it (the output still parses)."""
+    stop = eager.tokenizer.encode("z", add_special_tokens=False)[0]
+    choice = StructuredOutput("choice", ("ab", "abc"))
+    out = eager.generate("x", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=(stop,),
+                                             logit_bias={stop: 50.0}, structured=choice))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+    assert out.text == "abz", "the document, then the stop token (whose text stays, as any stop token's)"

@@ -134,3 +134,16 @@ def test_a_token_mask_restricts_every_rule_and_renormalizes_logprobs() -> None:
         finite = [(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row]) if lp > -math.inf]
         assert sorted(t for t, _ in finite) == allowed
         assert math.isclose(sum(math.exp(lp) for _, lp in finite), 1.0, rel_tol=1e-5)
+
+
+def test_a_mask_that_allows_nothing_fails_its_row_only() -> None:
+    """Not lifted (the row would run unconstrained): the row is reported as an error, its neighbours drawn as
+    usual. Bits past the vocabulary (here token 100 of a 100-token vocabulary) allow nothing."""
+    vocab = 100
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    rows = [SamplingRow(SamplingParams(temperature=0), token_mask=_packed([7, 40], vocab)),
+            SamplingRow(SamplingParams(temperature=0), token_mask=_packed([100], vocab)),
+            SamplingRow(SamplingParams(temperature=0))]
+    out = Sampler(torch.device("cpu"))(logits, rows)
+    assert set(out.errors) == {1} and "allows no next token" in out.errors[1]
+    assert int(out.tokens[0]) in (7, 40) and int(out.tokens[2]) == int(logits[2].argmax())

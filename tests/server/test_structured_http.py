@@ -169,3 +169,37 @@ def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(client: 
         for f in mixed:
             jsonschema.validate(json.loads(f.result()), SCHEMAS["numbers"])
     assert together == alone
+
+
+OPEN_OBJECT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["a"]}  # other properties are allowed: the schema does not say otherwise
+
+
+@pytest.mark.parametrize("strict", [True, False, None], ids=["strict", "not strict", "absent"])
+def test_strict_decides_whether_other_properties_may_appear(client: openai.OpenAI, strict: bool | None) -> None:
+    """OpenAI's `strict`: true, only the properties the schema names (the object closes after "a"); false or
+    absent, any document the schema validates (the random model opens another property)."""
+    spec = {"name": "a", "schema": OPEN_OBJECT} | ({} if strict is None else {"strict": strict})
+    out = client.completions.create(model="demo", prompt="x", max_tokens=48, temperature=0,
+                                    extra_body={"response_format": {"type": "json_schema", "json_schema": spec}})
+    choice = out.choices[0]
+    if strict:
+        assert choice.finish_reason == "stop" and list(json.loads(choice.text)) == ["a"]
+    else:
+        assert re.match(r'\{"a": \d, "', choice.text), choice.text
+
+
+def test_a_constraint_no_token_can_continue_ends_in_error(server) -> None:
+    """The pattern needs a raw control character, which JSON output never holds: after '"a' no token is
+    allowed. The choice ends with finish_reason "error" (not an unconstrained answer); the server serves on."""
+    stuck = {"json": {"type": "string", "pattern": "^a\u0001b$"}}
+    with server.http() as http:
+        r = http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 16, "temperature": 0,
+                                               "structured_outputs": stuck})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "error" and choice["text"] == '"a', choice
+        ok = http.post("/v1/completions", json={"model": "demo", "prompt": "still", "max_tokens": 2,
+                                                "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert_kv_all_free(wait_idle(http))
