@@ -19,6 +19,7 @@ import platform
 
 ENV = "COMPILED_ENGINE_CPU_ISA"
 LEVELS = ("native", "avx512", "avx2")  # from most to least capable
+PORTABLE = "avx2"  # the level every x86 CPU runs (and ARM's code paths)
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
 _GCC_FLAGS = {"native": [], "avx512": _NO_AMX, "avx2": [*_NO_AMX, "-mno-avx512f"]}
 _ENV_CAPS = {
@@ -38,6 +39,11 @@ def level() -> str:
 
 def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def env_caps(name: str) -> dict[str, str]:
+    """The environment that caps oneDNN and ATen at level `name` in a new process (empty off x86)."""
+    return {ENV: name, **_ENV_CAPS[name]} if _x86() else {ENV: name}
 
 
 def apply() -> None:

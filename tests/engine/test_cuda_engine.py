@@ -14,8 +14,8 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from tests.engine.conftest import ragged_prompts
-from tests.parity.oracle import hf_fp32_greedy
-from tests.parity.test_parity_matrix import FP32_LOGPROB_BOUND, GREEDY, NEW_TOKENS, bf16_bound, check
+from tests.parity.oracle import Bounds, check, hf_fp32_greedy
+from tests.parity.test_parity_matrix import FP32, NEW_TOKENS, bf16_bounds
 
 pytestmark = [
     pytest.mark.cuda,
@@ -27,12 +27,13 @@ pytestmark = [
 
 PROMPTS = ragged_prompts(12, seed=5)
 ENGINE = dict(device="cuda", num_pages=4096, max_running=16, chunk_budget=128)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def references(demo_dir: str) -> dict[str, tuple[list, float]]:
+def references(demo_dir: str) -> dict[str, tuple[list, Bounds]]:
     refs = hf_fp32_greedy(demo_dir, PROMPTS, NEW_TOKENS, device="cuda")
-    return {"float32": (refs, FP32_LOGPROB_BOUND), "bfloat16": (refs, bf16_bound(demo_dir, PROMPTS, refs, "cuda"))}
+    return {"float32": (refs, FP32), "bfloat16": (refs, bf16_bounds(demo_dir, PROMPTS, refs, "cuda"))}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -40,10 +41,9 @@ def references(demo_dir: str) -> dict[str, tuple[list, float]]:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_greedy_parity_with_transformers_on_the_gpu(demo_dir, references, dtype: str, graphs: bool,
                                                     overlap: bool) -> None:
-    refs, bound = references[dtype]
+    refs, bounds = references[dtype]
     llm = LLM(demo_dir, dtype=dtype, enforce_eager=not graphs, overlap=overlap, **ENGINE)
-    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
-    agreement = check(outputs, refs, dtype, bound, f"cuda {dtype} graphs={graphs} overlap={overlap}")
+    agreement = check(llm, PROMPTS, refs, bounds, f"cuda {dtype} graphs={graphs} overlap={overlap}")
     if dtype == "float32":
         assert not agreement.divergences
     if graphs:
