@@ -1,5 +1,6 @@
 """Every engine path gives transformers' greedy tokens: eager and compiled, overlap on and off, chunked
-prefill, radix and naive prefix caches, forced retraction, page sizes 1 and 16, batches of 1 and 37."""
+prefill, radix and naive prefix caches, forced retraction, page sizes 1 and 16, batches of 1 and 37, and the
+same with `--no-deterministic`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ PATHS = {
     "page-size-16": dict(page_size=16, num_pages=300),
     "retraction-tiny-pool": dict(num_pages=140, max_running=37),
     "retraction-tiny-pool-pages-16": dict(page_size=16, num_pages=12, max_running=37, overlap=False),
+    "no-deterministic-chunked-naive-cache": dict(deterministic=False, chunk_budget=7, prefix_cache="naive"),
 }
 
 
@@ -54,6 +56,17 @@ def test_radix_cache_reuses_shared_prefixes(demo_dir: str, hf_greedy) -> None:
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     assert_matches_oracle(again, PROMPTS[:3], hf_greedy)
     assert llm.engine.scheduler.stats().cache_hit_rate > 0.4
+
+
+def test_no_deterministic_compiled_with_overlap_and_retraction_matches_transformers(demo_dir: str,
+                                                                                   hf_greedy) -> None:
+    """`--no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as `serve` runs it, overlapped, with
+    a pool small enough to retract."""
+    llm = LLM(demo_dir, deterministic=False, overlap=True, num_pages=140, max_running=37)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert_matches_oracle(outputs, PROMPTS, hf_greedy)
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.scheduler.stats().num_retractions > 0
 
 
 def test_batch_of_one_matches_transformers(demo_dir: str, hf_greedy) -> None:
