@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import jsonschema
+from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from compiled_engine.scheduler.sampling_params import StructuredOutput
@@ -61,8 +62,8 @@ class Function:
     def accepts(self, arguments: object) -> bool:
         """Whether `arguments` validate against the parameters (strict: with their objects closed)."""
         schema = closed_schema(self.parameters) if self.strict else self.parameters
-        try:
-            return jsonschema.validators.validator_for(schema)(schema).is_valid(arguments)
+        try:  # an empty registry: a $ref resolves inside the schema or not at all (never fetched)
+            return jsonschema.validators.validator_for(schema)(schema, registry=Registry()).is_valid(arguments)
         except Unresolvable:  # a $ref the schema does not hold
             return False
 
@@ -166,6 +167,11 @@ def _function(tool: object, where: str) -> Function:
     except jsonschema.SchemaError as e:
         raise ProtocolError(f"'{where}.function.parameters' is not a valid JSON schema: {e.message[:200]}",
                             f"{where}.function.parameters") from None
+    remote = next((path for path, node in _subschemas(parameters, "parameters")
+                   if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#")), None)
+    if remote is not None:
+        raise ProtocolError(f"'{where}.function.{remote}.$ref' must point inside the schema ('#/...'): "
+                            "nothing is fetched", f"{where}.function.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ProtocolError(f"'{where}.function.strict' must be a boolean", f"{where}.function.strict")

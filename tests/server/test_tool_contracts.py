@@ -184,3 +184,30 @@ def test_strict_closes_objects_as_constrained_decoding_does() -> None:
     for args in ({"a": {"b": 1, "x": 2}}, {"a": {}, "x": 1}, {"c": [1, 2]}):
         assert lax.accepts(args) and not strict.accepts(args)
     assert strict.accepts({"a": {"b": 1}, "c": [1]})
+
+
+# ---- a schema's $ref is never fetched ----------------------------------------------------------------
+def test_a_remote_ref_is_a_400(http: httpx.Client) -> None:
+    tools = _tools(None, {"type": "object", "properties": {"zone": {"$ref": "http://127.0.0.1:9/zone.json"}}})
+    r = http.post("/v1/chat/completions", json={"model": "demo", "messages": ASK, "max_tokens": 2, "tools": tools})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools[0].function.parameters"
+    assert "nothing is fetched" in r.json()["error"]["message"]
+
+
+def test_validating_arguments_fetches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even a Function built past the request check: its unresolvable $ref rejects the call, without a fetch."""
+    import urllib.request
+
+    from server.tools import Function
+
+    fetched = []
+
+    def record(request, *args, **kwargs):
+        fetched.append(getattr(request, "full_url", request))
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(urllib.request, "urlopen", record)
+    fn = Function("f", None, {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/a.json"}}})
+    assert not fn.accepts({"a": 1})
+    assert fetched == []
