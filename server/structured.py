@@ -7,15 +7,19 @@
                                                                            (completions and chat)
     json_schema / regex / ebnf    SGLang, in /generate's sampling_params (one of them)
 
-`response_format.json_schema.strict` as OpenAI defaults it: true, only the properties and items the schema
-names; false or absent, any document the schema validates. vLLM's and SGLang's fields are strict, as they are
-there. At most one constraint per request; each problem is a ProtocolError naming the field."""
+`response_format.json_schema.strict`: true or absent, only the properties and items the schema names (xgrammar's
+strict mode, what vLLM and SGLang compile every schema with, so a user coming from them sees the same output);
+false, any document the schema validates. `strict: true` said explicitly also refuses a schema with a keyword
+that decoding does not enforce (`server.json_schemas`), as a function's `strict` does. vLLM's and SGLang's own
+fields are strict, as they are there. At most one constraint per request; each problem is a ProtocolError
+naming the field."""
 
 from __future__ import annotations
 
 import json
 
 from compiled_engine.scheduler.sampling_params import StructuredOutput
+from server.json_schemas import remote_ref, unenforced
 from server.request_errors import ProtocolError, check_fields
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -71,7 +75,14 @@ def _response_format(body: dict) -> tuple[StructuredOutput | None, str | None]:
         raise ProtocolError(f"'{where}.name' is required (a string)", f"{where}.name")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise ProtocolError(f"'{where}.strict' must be a boolean", f"{where}.strict")
-    schema, strict, where = spec.get("schema"), spec.get("strict") is True, f"{where}.schema"
+    schema, strict = spec.get("schema"), spec.get("strict") is not False
+    if spec.get("strict") is True and isinstance(schema, dict):
+        found = unenforced(schema, "schema")
+        if found is not None:
+            raise ProtocolError(f"'{where}.strict' cannot be honoured: constrained decoding does not enforce "
+                                f"{found[1]} (in {where}.{found[0][:100]}); drop it or set strict to false",
+                                f"{where}.strict")
+    where = f"{where}.schema"
     return StructuredOutput("json", "" if schema is None else _schema_text(schema, where), strict), where
 
 
@@ -107,6 +118,9 @@ def _schema_text(value: object, where: str) -> str:
             raise ProtocolError(f"'{where}' is not valid JSON", where) from None
     if not isinstance(value, dict):
         raise ProtocolError(f"'{where}' must be a JSON schema object", where)
+    remote = remote_ref(value, where)
+    if remote is not None:
+        raise ProtocolError(f"'{remote}.$ref' must point inside the schema ('#/...'): nothing is fetched", where)
     return json.dumps(value)
 
 

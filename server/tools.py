@@ -19,11 +19,10 @@ required and named constraints close them); any other output stays content, with
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jsonschema
@@ -31,6 +30,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from compiled_engine.scheduler.sampling_params import StructuredOutput
+from server.json_schemas import closed_schema, remote_ref, unenforced
 from server.request_errors import ProtocolError, check_fields
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -38,20 +38,6 @@ TOOL_FIELDS = frozenset({"type", "function"})
 FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_PARALLEL_CALLS = 8  # calls in one `required` answer (so that even a weak model's answer ends)
-# Keywords the constrained decoder (xgrammar) does not enforce: `strict: true` refuses them (a 400) rather than
-# promise arguments it cannot make follow the schema exactly (as it refuses an `allOf` of several schemas, which
-# xgrammar reads as any value, and constraints beside a REPLACING_KEYWORDS one).
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
-                       "unevaluatedItems", "contains", "minContains", "maxContains", "propertyNames")
-# A node with one of these is read as that keyword alone: any other constraint beside it is not enforced.
-REPLACING_KEYWORDS = ("$ref", "anyOf", "oneOf", "allOf")
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-                         "$comment", "$defs", "definitions", "$schema", "$id"})
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # keyword -> {name: subschema}
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # keyword -> [subschema]
-_SCHEMA_ONES = ("items", "additionalProperties")  # keyword -> subschema
-
-
 @dataclass(frozen=True)
 class Function:
     name: str
@@ -167,8 +153,7 @@ def _function(tool: object, where: str) -> Function:
     except jsonschema.SchemaError as e:
         raise ProtocolError(f"'{where}.function.parameters' is not a valid JSON schema: {e.message[:200]}",
                             f"{where}.function.parameters") from None
-    remote = next((path for path, node in _subschemas(parameters, "parameters")
-                   if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#")), None)
+    remote = remote_ref(parameters, "parameters")
     if remote is not None:
         raise ProtocolError(f"'{where}.function.{remote}.$ref' must point inside the schema ('#/...'): "
                             "nothing is fetched", f"{where}.function.parameters")
@@ -182,56 +167,11 @@ def _function(tool: object, where: str) -> Function:
 
 def _check_strict(parameters: dict, where: str) -> None:
     """400 naming `strict` when the schema says something constrained decoding does not enforce."""
-    for path, node in _subschemas(parameters, "parameters"):
-        found = _unenforced(node)
-        if found is not None:
-            raise ProtocolError(f"'{where}.function.strict' cannot be honoured: constrained decoding does not "
-                                f"enforce {found} (in {where}.function.{path[:100]}); drop it or set strict to false",
-                                f"{where}.function.strict")
-
-
-def _unenforced(node: dict) -> str | None:
-    """What of this schema node (its subschemas aside) constrained decoding would not enforce, or None."""
-    found = [k for k in UNENFORCED_KEYWORDS if k in node] + (["uniqueItems"] if node.get("uniqueItems") else [])
-    if found:
-        return f"'{found[0]}'"
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        return "'allOf' of more than one schema"
-    for key in REPLACING_KEYWORDS:
-        beside = sorted(set(node) - ANNOTATIONS - {key}) if key in node else []
-        if beside:
-            return f"'{beside[0]}' beside '{key}'"
-    return None
-
-
-def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, dict]]:
-    """(path, node) of `schema` and of every subschema in it, depth first."""
-    yield path, schema
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                if isinstance(sub, dict):
-                    yield from _subschemas(sub, f"{path}.{key}.{name}")
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                if isinstance(sub, dict):
-                    yield from _subschemas(sub, f"{path}.{key}[{i}]")
-    for key in _SCHEMA_ONES:
-        if isinstance(schema.get(key), dict):
-            yield from _subschemas(schema[key], f"{path}.{key}")
-
-
-def closed_schema(schema: dict) -> dict:
-    """`schema` as strict output reads it (xgrammar's strict mode): an object schema that lists `properties`
-    admits no others unless it says so, and a `prefixItems` array no further items."""
-    out = copy.deepcopy(schema)
-    for _, node in list(_subschemas(out, "")):
-        if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
-            node["additionalProperties"] = False
-        if "prefixItems" in node and "items" not in node:
-            node["items"] = False
-    return out
+    found = unenforced(parameters, "parameters")
+    if found is not None:
+        raise ProtocolError(f"'{where}.function.strict' cannot be honoured: constrained decoding does not enforce "
+                            f"{found[1]} (in {where}.function.{found[0][:100]}); drop it or set strict to false",
+                            f"{where}.function.strict")
 
 
 def parser_for_template(template: str | None) -> str:
