@@ -131,9 +131,10 @@ def choice_grammar(choices: Sequence[str]) -> str:
 
 
 def _token_set(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """bool [ceil(vocab / 32) * 32]: True at `ids`."""
+    """bool [ceil(vocab / 32) * 32]: True at `ids` (those outside the vocabulary are left to the scheduler's
+    check of the request, which rejects them by name)."""
     allowed = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
-    allowed[list(ids)] = True
+    allowed[[i for i in ids if 0 <= i < vocab_size]] = True
     return allowed
 
 

@@ -202,6 +202,7 @@ class Engine:
         return [TokenOutput(rid, None, True, "error", error=message)]
 
     def _rejected(self, rid: str, token: int) -> str:
+        """Why a constrained request fails when its grammar rejects the token it drew."""
         kind = self._live[rid].params.structured.kind
         return (f"structured output: token {token} was sampled, which the {kind} constraint does not allow "
                 "(were all the tokens it allows ruled out, by logit_bias or a logits processor?)")

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = engine_config(args)
     try:
         check_tp_size(engine.model, engine.tp_size)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # a --tp that does not fit, a model that is not there or not readable
         print(f"compiled-engine serve: error: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(engine=engine, api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,

@@ -42,7 +42,7 @@ def _x86() -> bool:
 
 
 def env_caps(name: str) -> dict[str, str]:
-    """The environment that caps oneDNN and ATen at level `name` in a new process (empty off x86)."""
+    """The environment that caps a new process at level `name`: the switch itself, and off x86 nothing more."""
     return {ENV: name, **_ENV_CAPS[name]} if _x86() else {ENV: name}
 
 

@@ -226,3 +226,11 @@ def test_a_user_stop_token_can_end_a_complete_document(eager: LLM) -> None:
                                              logit_bias={stop: 50.0}, structured=choice))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop
     assert out.text == "abz", "the document, then the stop token (whose text stays, as any stop token's)"
+
+
+def test_a_stop_token_outside_the_vocabulary_is_a_clear_error(eager: LLM) -> None:
+    """Rejected by the request check naming it (it once crashed building the constraint's stop mask)."""
+    choice = StructuredOutput("choice", ("ab", "abc"))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eager.generate("x", SamplingParams(max_tokens=4, stop_token_ids=(10**6,), structured=choice))
+    assert eager.generate("x", SamplingParams(max_tokens=4, structured=choice))[0].outputs[0].text in ("ab", "abc")

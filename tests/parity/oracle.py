@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.llm import LLM, CompletionOutput
+from compiled_engine.llm import LLM
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from kernels.cpu import isa
 
@@ -144,22 +144,25 @@ class Bounds:
                    gap=NEAR_TIE_GAP, rank_slack=top)
 
 
-FORCED_TOP = 20  # log-probs the engine returns per teacher-forced step: fp32's top tokens are found among them
+TOP = 5  # fp32's top tokens compared at each step (the engine's top TOP - 1 checked for rank)
+FORCED_TOP = 20  # log-probs the engine returns per step: fp32's top tokens are found among them
 
 
 @dataclass
 class Agreement:
-    """How an engine agrees with fp32. Teacher-forced on fp32's tokens (every step of every prompt, as the
-    spread is measured), over fp32's top tokens: `step_errors`, each step's largest |engine - fp32|
-    log-probability; `max_chosen_error`, the same on fp32's chosen tokens; `misranked`, (prompt, step, token,
-    how far fp32's log-prob of it is below fp32's k-th) for each token of the engine's top k that fp32 ranks
-    far lower. Greedy, on its own tokens (what a user sees): `divergences`, (prompt, step, fp32 log-prob of its
-    token minus of ours) at each prompt's first token that differs from fp32's."""
+    """How an engine agrees with fp32, over fp32's top tokens at each step compared: every step teacher-forced on
+    fp32's tokens (as the spread is measured; prefill steps), and the greedy run's own steps up to each prompt's
+    first divergence (decode steps, graphs and overlap). `step_errors`, each compared step's largest |engine -
+    fp32| log-probability; `max_chosen_error`, the same on fp32's chosen tokens; `misranked`, (prompt, step,
+    token, how far fp32's log-prob of it is below fp32's k-th) for each token of the engine's top k that fp32
+    ranks far lower; `divergences`, (prompt, step, fp32 log-prob of its token minus of ours) at each prompt's
+    first greedy token that differs from fp32's."""
 
     step_errors: list[float] = field(default_factory=list)
     max_chosen_error: float = 0.0
     misranked: list[tuple[int, int, int, float]] = field(default_factory=list)
     divergences: list[tuple[int, int, float]] = field(default_factory=list)
+    greedy_steps: int = 0
 
     @property
     def steps(self) -> int:
@@ -173,58 +176,63 @@ class Agreement:
     def typical_error(self) -> float:
         return statistics.median(self.step_errors) if self.step_errors else 0.0
 
+    def score(self, where: tuple[int, int], lp: torch.Tensor, chosen: int, ranked: list[tuple[int, float]],
+              top: int, rank_slack: float) -> None:
+        """One step: fp32's log-probs `lp` and its `chosen` token against the engine's `ranked` top tokens."""
+        ours = dict(ranked)
+        wanted = lp.topk(top).indices.tolist()
+        missing = [t for t in wanted if t not in ours]
+        assert not missing, f"prompt {where[0]} step {where[1]}: fp32's top tokens {missing} not in our top " \
+                            f"{len(ranked)}"
+        self.step_errors.append(max(abs(ours[t] - lp[t].item()) for t in wanted))
+        self.max_chosen_error = max(self.max_chosen_error, abs(ours[chosen] - lp[chosen].item()))
+        kth = lp[wanted[top - 2]].item()
+        self.misranked += [(*where, t, kth - lp[t].item()) for t, _ in ranked[:top - 1]
+                           if lp[t].item() < kth - rank_slack]
+
     def report(self, what: str) -> str:
         gaps = ", ".join(f"prompt {p} step {s}: fp32 gap {g:.4f}" for p, s, g in self.divergences) or "none"
         return (f"{what}: |logprob error| chosen tokens max {self.max_chosen_error:.2e}, top tokens median step "
-                f"{self.typical_error:.2e} max {self.max_error:.2e}, over {self.steps} teacher-forced steps; greedy "
-                f"divergences: {gaps}")
+                f"{self.typical_error:.2e} max {self.max_error:.2e}, over {self.steps - self.greedy_steps} "
+                f"teacher-forced and {self.greedy_steps} greedy steps; greedy divergences: {gaps}")
 
 
-def greedy_divergences(outputs: list[CompletionOutput], refs: list[Reference]) -> list[tuple[int, int, float]]:
-    """Each prompt's first greedy token that differs from fp32's, with fp32's gap between its token and ours."""
-    found = []
+def _greedy(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
+            agreement: Agreement) -> None:
+    """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a divergence,
+    fp32's gap between its token and ours."""
+    params = SamplingParams(max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for p, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         assert len(out.token_ids) == len(ref.tokens)
         for step, (ours, theirs) in enumerate(zip(out.token_ids, ref.tokens, strict=True)):
             if ours != theirs:
-                found.append((p, step, (ref.logprobs[step, theirs] - ref.logprobs[step, ours]).item()))
+                agreement.divergences.append((p, step, (ref.logprobs[step, theirs] - ref.logprobs[step, ours]).item()))
                 break
-    return found
+            agreement.score((p, step), ref.logprobs[step], theirs, out.top_logprobs[step], top, rank_slack)
+            agreement.greedy_steps += 1
 
 
-def teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float) -> Agreement:
-    """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one request each),
-    compared over fp32's `top` tokens; and where the engine's own top k (k = `top` - 1, the greedy run's) sits
-    in fp32's ranking."""
+def _teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
+                    agreement: Agreement) -> None:
+    """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one request each)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
     forced = [prompt + ref.tokens[:step] for prompt, ref in zip(prompts, refs, strict=True)
               for step in range(len(ref.tokens))]
     outputs = iter(o.outputs[0] for o in llm.generate(forced, params))
-    agreement = Agreement()
     for p, ref in enumerate(refs):
         for step, lp in enumerate(ref.logprobs):
-            ranked = next(outputs).top_logprobs[0]
-            ours = dict(ranked)
-            wanted = lp.topk(top).indices.tolist()
-            missing = [t for t in wanted if t not in ours]
-            assert not missing, f"prompt {p} step {step}: fp32's top tokens {missing} not in our top {FORCED_TOP}"
-            agreement.step_errors.append(max(abs(ours[t] - lp[t].item()) for t in wanted))
-            chosen = ref.tokens[step]
-            agreement.max_chosen_error = max(agreement.max_chosen_error, abs(ours[chosen] - lp[chosen].item()))
-            kth = lp[wanted[top - 2]].item()
-            agreement.misranked += [(p, step, t, kth - lp[t].item()) for t, _ in ranked[:top - 1]
-                                    if lp[t].item() < kth - rank_slack]
-    return agreement
+            agreement.score((p, step), lp, ref.tokens[step], next(outputs).top_logprobs[0], top, rank_slack)
 
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bounds, what: str,
-          top: int = 5) -> Agreement:
+          top: int = TOP) -> Agreement:
     """Assert what a user of the engine would see as 'the same model' as fp32: greedy tokens equal fp32's up to
-    near ties, and, teacher-forced on fp32's tokens at every step, log-probabilities within `bounds`."""
-    greedy = SamplingParams(max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True)
-    outputs = [o.outputs[0] for o in llm.generate(prompts, greedy)]
-    agreement = teacher_forced(llm, prompts, refs, top, bounds.rank_slack)
-    agreement.divergences = greedy_divergences(outputs, refs)
+    near ties, and log-probabilities within `bounds` at every step teacher-forced on fp32's tokens and at each
+    greedy step before a divergence; the engine's top k (k = `top` - 1) ranked where fp32 ranks it."""
+    agreement = Agreement()
+    _greedy(llm, prompts, refs, top, bounds.rank_slack, agreement)
+    _teacher_forced(llm, prompts, refs, top, bounds.rank_slack, agreement)
     report = agreement.report(what) + f" (bounds {bounds})"
     print(report)
     assert agreement.max_chosen_error <= bounds.chosen, f"chosen-token log-probs too far: {report}"

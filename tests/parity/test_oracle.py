@@ -82,7 +82,8 @@ def _jitter(scale: float):
 
 def test_an_engine_within_bf16_noise_passes() -> None:
     agreement = check(FakeEngine(_jitter(0.02)), PROMPTS, REFS, BOUNDS, "fake")
-    assert agreement.steps == len(PROMPTS) * STEPS and not agreement.divergences
+    assert agreement.greedy_steps == len(PROMPTS) * STEPS and not agreement.divergences
+    assert agreement.steps == 2 * agreement.greedy_steps  # and each teacher-forced
 
 
 def _raise_non_chosen(by: float):

@@ -23,13 +23,12 @@ from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.models.names import resolve_model, smollm2_path
 from compiled_engine.tokenization import encode_chat, load_tokenizer
 from tests.models._model_utils import make_checkpoint
-from tests.parity.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
+from tests.parity.oracle import TOP, Bounds, check, hf_bf16_spread, hf_fp32_greedy
 
 pytestmark = pytest.mark.parity
 
 FP32 = Bounds.exact(1e-4)
 NEW_TOKENS = 12
-TOP = 5  # fp32's top tokens compared at each step
 ENGINE = dict(num_pages=2048, max_running=64, chunk_budget=256)
 RANDOM_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # head_dim 64: the size the native (AMX / AVX512) attention kernels take
