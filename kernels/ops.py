@@ -206,5 +206,16 @@ def amx_available() -> bool:
     return load_cpu_kernels() and build.amx_available()
 
 
+# What the native kernels::linear does with a CPU weight (native/torch_ops.cpp, `Kind`).
+LINEAR_ROUTES = ("amx", "onednn_bf16", "onednn_fp32", "blas_fp32", "invariant", "invariant_dpbf16")
+
+
+def linear_route(weight: torch.Tensor, invariant: bool) -> str:
+    """The route of a CPU weight through kernels::linear, by name ("portable" without the native library)."""
+    if not load_cpu_kernels():
+        return "portable"
+    return LINEAR_ROUTES[torch.ops.kernels.linear_route(weight, invariant)]
+
+
 if not torch.cuda.is_available():
     load_cpu_kernels()

@@ -27,7 +27,7 @@ NATIVE = Path(__file__).with_name("native")
 SOURCES = [
     NATIVE / name
     for name in ("attention.cpp", "extend_attention.cpp", "invariant_attention.cpp", "invariant_linear.cpp",
-                 "linear.cpp", "sampling.cpp", "torch_ops.cpp")
+                 "invariant_linear_dpbf16.cpp", "linear.cpp", "sampling.cpp", "torch_ops.cpp")
 ]
 HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # + cpu_isa.compiler_flags()

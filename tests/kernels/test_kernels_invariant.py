@@ -112,3 +112,15 @@ def test_decode_rows_do_not_depend_on_the_batch_or_padding(impl):
         alone = decode(batch.q[b : b + 1], batch.k_cache, batch.v_cache, batch.page_table[b : b + 1],
                        batch.seq_lens[b : b + 1], 0.1)
         assert torch.equal(alone, out[b : b + 1]), b
+
+
+DPBF16 = NATIVE and "avx512bf16" in (ops.native_isa() or set())
+
+
+@pytest.mark.skipif(not DPBF16, reason="needs avx512_bf16 (the CPU flag, COMPILED_ENGINE_CPU_ISA avx512 or native)")
+def test_deterministic_bf16_linears_take_the_avx512_bf16_kernel_where_the_cpu_has_it():
+    """Even K: the dot-product kernel (K = 80: not the AMX route's multiple of 32, on a CPU that has AMX too);
+    odd K, or float32 weights: the FMA kernel. Both are held to the invariance tests above."""
+    assert ops.linear_route(torch.randn(64, 80).bfloat16(), invariant=True) == "invariant_dpbf16"
+    assert ops.linear_route(torch.randn(64, 37).bfloat16(), invariant=True) == "invariant"
+    assert ops.linear_route(torch.randn(64, 80), invariant=True) == "invariant"

@@ -31,6 +31,10 @@ int64_t ce_invariant_packed_size(int w_dt, int64_t N, int64_t K);
 void ce_invariant_pack(int w_dt, const void* w, void* out, int64_t N, int64_t K);
 void ce_invariant_linear(int w_dt, const float* x, const void* packed, const float* bias, void* out, int64_t M,
                          int64_t N, int64_t K);
+int ce_dpbf16_available();
+int64_t ce_dpbf16_packed_size(int64_t N, int64_t K);
+void ce_dpbf16_pack(const void* w, void* out, int64_t N, int64_t K);
+void ce_dpbf16_linear(const void* x, const void* packed, const float* bias, void* out, int64_t M, int64_t N, int64_t K);
 int ce_compiled_isa();
 int ce_argmax(int dt, const void* x, int64_t rows, int64_t n, int64_t row_stride, int64_t* out);
 int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
@@ -186,8 +190,10 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // entries of freed weights are dropped when a new weight is prepared. Memory: the bf16 weights twice over,
 // three times with an fp32 copy. The batch-invariant kernel (deterministic mode, bf16 and float32 weights)
 // has its own copies, its panels:
-//     invariant    invariant_linear.cpp's panels, in the weight's dtype
-enum class Kind : int { amx = 0, onednn_bf16 = 1, onednn_fp32 = 2, blas_fp32 = 3, invariant = 4 };
+//     invariant         invariant_linear.cpp's panels, in the weight's dtype (FMA chains on fp32 inputs)
+//     invariant_dpbf16  invariant_linear_dpbf16.cpp's pair-major panels: bf16 weights with even K on a CPU with
+//                       AVX512-BF16 (checked once per process; else the FMA kernel)
+enum class Kind : int { amx = 0, onednn_bf16 = 1, onednn_fp32 = 2, blas_fp32 = 3, invariant = 4, invariant_dpbf16 = 5 };
 
 struct Prepared {
     Kind kind;
@@ -252,6 +258,32 @@ bool amx_rows_invariant() {
 }
 #endif
 
+// Whether the AVX512-BF16 invariant kernel is built here and gives a row the same bits whatever the number of
+// rows beside it, and close to the float32 product (its instruction at work): a 40-row product against its
+// first 1, 17 and 33 rows, once per process. Deterministic mode uses it only when this holds, and says so when
+// it does not.
+bool dpbf16_ready() {
+    static const bool ready = [] {
+        if (!ce_dpbf16_available()) return false;
+        constexpr int64_t M = 40, N = 112, K = 320;
+        const at::Tensor w = at::arange(N * K, at::kFloat).mul(0.37).sin().to(at::kBFloat16).view({N, K});
+        const at::Tensor x = at::arange(M * K, at::kFloat).mul(0.11).cos().to(at::kBFloat16).view({M, K});
+        at::Tensor packed = at::empty({ce_dpbf16_packed_size(N, K)}, w.options());
+        ce_dpbf16_pack(w.data_ptr(), packed.data_ptr(), N, K);
+        at::Tensor full = at::empty({M, N}, w.options()), part = at::empty({M, N}, w.options());
+        ce_dpbf16_linear(x.data_ptr(), packed.data_ptr(), nullptr, full.data_ptr(), M, N, K);
+        bool ok = at::linear(x.to(at::kFloat), w.to(at::kFloat)).sub(full.to(at::kFloat)).abs().max().item<float>() < 0.5f;
+        for (const int64_t m : {1, 17, 33}) {
+            ce_dpbf16_linear(x.data_ptr(), packed.data_ptr(), nullptr, part.data_ptr(), m, N, K);
+            ok = ok && std::memcmp(part.data_ptr(), full.data_ptr(), m * N * 2) == 0;
+        }
+        if (!ok) TORCH_WARN("the AVX512-BF16 invariant linear failed its start-up check: deterministic mode's bf16 "
+                            "linears run the FMA kernel instead");
+        return ok;
+    }();
+    return ready;
+}
+
 Prepared prepare(const at::Tensor& weight, bool invariant) {
     const at::Tensor w = weight.detach().contiguous();
     const int64_t N = w.size(0), K = w.size(1);
@@ -263,6 +295,11 @@ Prepared prepare(const at::Tensor& weight, bool invariant) {
         return {Kind::amx, packed};
     }
 #endif
+    if (invariant && w.scalar_type() == at::kBFloat16 && K % 2 == 0 && dpbf16_ready()) {
+        at::Tensor packed = at::empty({ce_dpbf16_packed_size(N, K)}, w.options());
+        ce_dpbf16_pack(w.data_ptr(), packed.data_ptr(), N, K);
+        return {Kind::invariant_dpbf16, packed};
+    }
     if (invariant) {
         const int w_dt = w.scalar_type() == at::kFloat ? 0 : 1;
         at::Tensor packed = at::empty({ce_invariant_packed_size(w_dt, N, K)}, w.options());
@@ -317,8 +354,16 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const
         return out.view(shape);
     }
 #endif
-    const at::Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
     const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    if (p.kind == Kind::invariant_dpbf16) {  // x is bf16, as the weight (linear() checks)
+        const at::Tensor xb = x.reshape({-1, K}).contiguous();
+        at::Tensor out = at::empty({xb.size(0), N}, x.options());
+        if (xb.size(0) > 0)
+            ce_dpbf16_linear(xb.data_ptr(), p.copy.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+                             out.data_ptr(), xb.size(0), N, K);
+        return out.view(shape);
+    }
+    const at::Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
     at::Tensor out = at::empty({rows.size(0), N}, x.options());
     ce_invariant_linear(weight.scalar_type() == at::kFloat ? 0 : 1, rows.data_ptr<float>(), p.copy.data_ptr(),
                         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), rows.size(0), N, K);
@@ -387,9 +432,17 @@ at::Tensor argmax(const at::Tensor& x) {
 // on), 3 AMX tiles granted to this process (the AMX kernels run).
 int64_t native_isa() { return ce_compiled_isa() | (amx_ready() ? 8 : 0); }
 
+// Which route kernels::linear takes for this weight (the Kind above: tests and benchmarks read it).
+int64_t linear_route(const at::Tensor& weight, bool invariant) {
+    return static_cast<int64_t>(prepared_weight(weight, invariant).kind);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kernels, m) { m.def("native_isa() -> int", &native_isa); }
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+    m.def("native_isa() -> int", &native_isa);
+    m.def("linear_route(Tensor weight, bool invariant) -> int", &linear_route);
+}
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) {
     m.impl("store_kv", store_kv);
