@@ -39,5 +39,6 @@ class EngineConfig:
     compile_mode: str = "default"  # CPU inductor options: one of COMPILE_MODE_NAMES
     # Batch-invariant kernels: a request's tokens and logprobs depend on the request (and its seed) only, never
     # on its batch, chunking, the prefix cache, overlap or the step kind (README, "Deterministic inference").
-    deterministic: bool = True
+    # None: the device's measured default (runner.device_defaults).
+    deterministic: bool | None = None
     extra: dict = field(default_factory=dict)

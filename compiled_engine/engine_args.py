@@ -31,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(fastest bf16 steps, compiles on every start)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=EngineConfig.deterministic,
                    help="batch-invariant kernels: a request's tokens and logprobs do not depend on what shares its "
-                        "batch or what is cached (default: on; --no-deterministic: the GEMMs of oneDNN / BLAS)")
+                        "batch or what is cached (default: per device, where measured nearly free: README; "
+                        "--no-deterministic: the GEMMs of oneDNN / BLAS)")
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     p.add_argument("--enable-overlap", action="store_true",
                    help="overlap scheduling also on the CPU (default: on with CUDA only)")

@@ -24,6 +24,7 @@ from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
+from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
 from compiled_engine.scheduler.config import SchedulerConfig
@@ -101,6 +102,11 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     if device.type == "cpu":
         keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
         kernel_ops.load_cpu_kernels()  # the native CPU kernels (built once; a no-op where already loaded)
+    if config.deterministic is None:
+        on, why = deterministic_default(device)
+        if ps.get_tp_rank() == 0:
+            log.info("%s (--deterministic / --no-deterministic to choose)", why)
+        config = dataclasses.replace(config, deterministic=on)
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
     model, hf_config = load_model(model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format)

@@ -201,6 +201,11 @@ def native_isa() -> set[str] | None:
     return build.compiled_isa() if load_cpu_kernels() else None
 
 
+def cpu_has_avx2() -> bool:
+    """Whether the CPU has AVX2 and FMA, which the native kernels' vector paths need (else they run scalar code)."""
+    return {"avx2", "fma"} <= isa.cpu_flags()
+
+
 def amx_available() -> bool:
     """Whether the AMX bf16 kernels (linear, extend attention) run here."""
     return load_cpu_kernels() and build.amx_available()

@@ -28,7 +28,8 @@ def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default=EngineConfig.compile_mode,
                    help="CPU inductor options (freezing modes are not precompiled: they compile on every start)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=EngineConfig.deterministic,
-                   help="warm the graphs of serve's --deterministic (default) or --no-deterministic")
+                   help="warm the graphs of serve's --deterministic or --no-deterministic (default: the device's, as "
+                        "serve)")
     p.add_argument("--cache-dir", default=None, help="compile cache root (default: <cache root>/compile)")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--list", action="store_true", help="show cache entries with their key fields and sizes")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
 # The settings of every engine below (the compile-cache key covers them): buckets 1, 2, 4, 8.
-SETTINGS = dict(num_pages=1024, max_running=8, chunk_budget=64)
+SETTINGS = dict(num_pages=1024, max_running=8, chunk_budget=64, deterministic=True)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def warm_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("compile-cache")
     out = subprocess.run(
         [sys.executable, "-m", "compiled_engine.apps.cli", "warmup", "--model", "demo", "--tp", "2", "--num-pages",
-         "1024", "--max-running", "8", "--cache-dir", str(root)], capture_output=True, text=True, timeout=900)
+         "1024", "--max-running", "8", "--deterministic", "--cache-dir", str(root)], capture_output=True, text=True,
+        timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("rank ")]
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], out.stdout

