@@ -75,7 +75,7 @@ def cache_key(config: EngineConfig, model_config: PretrainedConfig, dtype: torch
         page_size=runner.page_size,
         num_pages=runner.num_pages,
         compile_mode=config.compile_mode,
-        deterministic=config.deterministic,
+        deterministic=runner.deterministic,
         torch=torch.__version__,
         triton=_triton_version(),
         python=platform.python_version(),
