@@ -22,7 +22,8 @@ DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
     "cpu-avx512-bf16": DeviceDefault(False, "measured 0.79-0.84x --no-deterministic's offline throughput (its decode "
                                             "attention is the cost)"),
     "cpu-amx": DeviceDefault(False, "not measured on an AMX CPU yet"),
-    "cpu-portable": DeviceDefault(False, "no native kernels (or a CPU without AVX2): one row at a time, slow"),
+    "cpu-portable": DeviceDefault(False, "no native kernels (one row at a time) or no AVX2 (ARM: scalar C++ "
+                                         "kernels): not measured, slow"),
     "cuda": DeviceDefault(False, "not measured on a GPU yet"),
 }
 

@@ -33,7 +33,8 @@ def scenario(llm: LLM, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
 
 def test_demo_llama_overlap_chunked_radix_retraction_then_a_hang(demo_dir: str) -> None:
     prompts = ragged_prompts(12, vocab=8000)
-    settings = dict(enforce_eager=True, num_pages=110, max_running=12, chunk_budget=16, overlap=True)
+    settings = dict(deterministic=True, enforce_eager=True,
+                    num_pages=110, max_running=12, chunk_budget=16, overlap=True)
     tp2 = LLM(demo_dir, tp_size=2, tp_debug=True, rank_timeout_s=10, **settings)
     try:
         got = scenario(tp2, prompts)
@@ -61,7 +62,8 @@ def assert_a_hung_rank_fails_the_engine(llm: LLM) -> None:
 
 def test_qwen3_without_overlap_pages_of_4(qwen3_dir: str) -> None:
     prompts = ragged_prompts(12, vocab=500)
-    settings = dict(enforce_eager=True, num_pages=400, page_size=4, max_running=12, chunk_budget=48, overlap=False)
+    settings = dict(deterministic=True, enforce_eager=True,
+                    num_pages=400, page_size=4, max_running=12, chunk_budget=48, overlap=False)
     tp2 = LLM(qwen3_dir, tp_size=2, tp_debug=True, **settings)
     try:
         # Rejected when added, as by the in-process engine, not at a later step; nothing is queued.

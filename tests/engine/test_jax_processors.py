@@ -48,7 +48,7 @@ def flat(token_ids, logits):
 
 @pytest.fixture(scope="module", params=["compiled", "eager"])
 def llm(request) -> LLM:
-    return LLM("demo", enforce_eager=request.param == "eager", num_pages=2048, max_running=8)
+    return LLM("demo", deterministic=True, enforce_eager=request.param == "eager", num_pages=2048, max_running=8)
 
 
 def test_the_bridge_shares_memory_both_ways() -> None:
@@ -125,7 +125,7 @@ def test_at_tp2_processors_are_named_and_every_rank_applies_them() -> None:
     """A TP engine's ranks import a processor by name ('module:function'); a function object is refused."""
     common = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     names = (f"{__name__}:boost_token_5", f"{__name__}:repetition_penalty")
-    tp = LLM("demo", tp_size=2, enforce_eager=True, num_pages=512, max_running=8)
+    tp = LLM("demo", deterministic=True, tp_size=2, enforce_eager=True, num_pages=512, max_running=8)
     try:
         with pytest.raises(ValueError, match="given by name"):
             tp.generate(PROMPTS[:1], SamplingParams(logits_processors=(boost_token_5,), **common))

@@ -9,7 +9,7 @@ from compiled_engine import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(demo_dir: str) -> LLM:
-    return LLM(demo_dir, enforce_eager=True, num_pages=1000, max_running=8)
+    return LLM(demo_dir, deterministic=True, enforce_eager=True, num_pages=1000, max_running=8)
 
 
 def test_text_token_and_chat_prompts(llm: LLM) -> None:

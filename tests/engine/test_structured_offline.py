@@ -29,14 +29,14 @@ PROMPTS = ["Hello there", "What is a cat?", "Give me JSON", "1 2 3"]
 
 @pytest.fixture(scope="module")
 def compiled() -> LLM:
-    llm = LLM("demo", num_pages=2048, max_running=8)
+    llm = LLM("demo", deterministic=True, num_pages=2048, max_running=8)
     yield llm
     llm.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def eager() -> LLM:
-    llm = LLM("demo", enforce_eager=True, num_pages=2048, max_running=8)
+    llm = LLM("demo", deterministic=True, enforce_eager=True, num_pages=2048, max_running=8)
     yield llm
     llm.engine.shutdown()
 
@@ -85,14 +85,14 @@ def test_limits_compose_with_the_constraint(eager: LLM) -> None:
 
 def test_retraction_keeps_the_constraint() -> None:
     """A pool so small that requests are retracted and recomputed: the grammar state survives it."""
-    llm = LLM("demo", enforce_eager=True, num_pages=96, max_running=4, chunk_budget=32)
+    llm = LLM("demo", deterministic=True, enforce_eager=True, num_pages=96, max_running=4, chunk_budget=32)
     try:
         outs = llm.generate(PROMPTS * 2, SamplingParams(max_tokens=40, temperature=0, structured=JSON))
         assert llm.engine.scheduler.num_retractions > 0
         for out in outs:
             if out.finish_reason == "stop":
                 jsonschema.validate(json.loads(out.text), SCHEMA)
-        plain = LLM("demo", enforce_eager=True, num_pages=2048, max_running=4)
+        plain = LLM("demo", deterministic=True, enforce_eager=True, num_pages=2048, max_running=4)
         alone = plain.generate(PROMPTS * 2, SamplingParams(max_tokens=40, temperature=0, structured=JSON))
         assert [o.text for o in outs] == [o.text for o in alone]
     finally:
@@ -133,7 +133,7 @@ def test_random_schemas_always_validate(eager: LLM, schema: dict, seed: int) -> 
 @pytest.mark.slow
 def test_tp2_compiled_serves_the_same_constrained_outputs(eager: LLM) -> None:
     """`--tp 2` with its defaults (compiled): each rank's matcher sees the same tokens and masks alike."""
-    tp = LLM("demo", num_pages=1024, max_running=8, chunk_budget=64, tp_size=2)
+    tp = LLM("demo", deterministic=True, num_pages=1024, max_running=8, chunk_budget=64, tp_size=2)
     try:
         params = SamplingParams(max_tokens=128, temperature=0, structured=JSON)
         outs = tp.generate(PROMPTS, params)
@@ -147,7 +147,7 @@ def test_tp2_compiled_serves_the_same_constrained_outputs(eager: LLM) -> None:
 def test_overlap_scheduling_keeps_masks_on_committed_tokens(eager: LLM) -> None:
     """With overlap a constrained request skips the step after each of its own (its next mask needs the token
     in flight); the documents still validate and unconstrained neighbours are token-identical."""
-    llm = LLM("demo", enforce_eager=True, num_pages=2048, max_running=8, overlap=True)
+    llm = LLM("demo", deterministic=True, enforce_eager=True, num_pages=2048, max_running=8, overlap=True)
     try:
         params = [SamplingParams(max_tokens=128, temperature=0, structured=JSON),
                   SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 2

@@ -134,7 +134,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
                                         prompt_vocab(model_dir, _tokenizer(model_dir)), args.seed)
     others = {"eager": {"enforce_eager": True}, "nondeterministic": {"deterministic": False}}
     base = {"deterministic": True} if "nondeterministic" in (args.compare or []) else {}  # the mode's A/B
-    variants = [("compiled", base)] + [(name, others[name]) for name in args.compare or []]
+    variants = [("compiled", base)] + [(name, base | others[name]) for name in args.compare or []]
     runs = []
     for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant
         for label, settings in variants:
