@@ -98,8 +98,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
                 "prefix_cache": args.prefix_cache, **_placement(args)}
     if args.num_pages is not None:
         settings["num_pages"] = args.num_pages
-    if "nondeterministic" in (args.compare or []):
-        settings["deterministic"] = True  # the A/B of the mode, whatever the device's default
+    settings |= _mode_ab_base(args.compare)
     result = OfflineResult(args.model, args.dataset, _workload(args, sessions), settings)
     result.runs = run_offline(model_dir, sessions, settings, args.compare or [], log=_log, repeats=args.repeats)
     rows = [[r.label, r.summary.completed, r.summary.duration_s, r.summary.request_throughput,
@@ -125,6 +124,11 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
 # ---- latency ------------------------------------------------------------------------------------------
 
+def _mode_ab_base(compare: list[str] | None) -> dict:
+    """The base run's settings under `--compare nondeterministic`: deterministic, whatever the device's default."""
+    return {"deterministic": True} if "nondeterministic" in (compare or []) else {}
+
+
 def _cmd_latency(args: argparse.Namespace) -> int:
     from compiled_engine.apps.bench.latency import latency_workloads, measure
 
@@ -133,7 +137,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     decode, prefill = latency_workloads(batches, args.input_len, args.output_len, args.prefill_len,
                                         prompt_vocab(model_dir, _tokenizer(model_dir)), args.seed)
     others = {"eager": {"enforce_eager": True}, "nondeterministic": {"deterministic": False}}
-    base = {"deterministic": True} if "nondeterministic" in (args.compare or []) else {}  # the mode's A/B
+    base = _mode_ab_base(args.compare)
     variants = [("compiled", base)] + [(name, base | others[name]) for name in args.compare or []]
     runs = []
     for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant

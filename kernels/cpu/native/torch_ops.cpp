@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -233,26 +234,45 @@ bool onednn_bf16() {
     return supported;
 }
 
+// The bf16 inputs of the start-up checks: rows x [M, K] and a weight [N, K].
+at::Tensor check_rows(int64_t M, int64_t K) {
+    return at::arange(M * K, at::kFloat).mul(0.11).cos().to(at::kBFloat16).view({M, K});
+}
+
+at::Tensor check_weight(int64_t N, int64_t K) {
+    return at::arange(N * K, at::kFloat).mul(0.37).sin().to(at::kBFloat16).view({N, K});
+}
+
+// A packed bf16 kernel's start-up check, `product(x, out, m)` computing the first m rows of x against the weight
+// the caller packed from `w`: the 40-row product, if its first 1, 17 and 33 rows come out bit for bit the same
+// when computed alone (nullopt if not).
+using RowsProduct = std::function<void(const at::Tensor& x, at::Tensor& out, int64_t m)>;
+std::optional<at::Tensor> rows_invariant_product(const at::Tensor& w, const RowsProduct& product) {
+    constexpr int64_t M = 40;
+    const int64_t N = w.size(0), K = w.size(1);
+    const at::Tensor x = check_rows(M, K);
+    at::Tensor full = at::empty({M, N}, w.options()), part = at::empty({M, N}, w.options());
+    product(x, full, M);
+    for (const int64_t m : {1, 17, 33}) {
+        product(x, part, m);
+        if (std::memcmp(part.data_ptr(), full.data_ptr(), m * N * 2) != 0) return std::nullopt;
+    }
+    return full;
+}
+
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // Whether the AMX panel kernel gives a row the same bits whatever the number of rows beside it. The ISA
 // defines each element of a tile product on its own, and the kernel walks k alike for every row block, so it
 // should; checked once per process on this CPU all the same (the kernel was written where it could not
-// run): a 40-row product against its first 1, 17 and 33 rows. Deterministic mode uses the AMX route only
-// when it holds.
+// run): `rows_invariant_product`. Deterministic mode uses the AMX route only when it holds.
 bool amx_rows_invariant() {
     static const bool invariant = [] {
-        constexpr int64_t M = 40, N = 64, K = 64;
-        const at::Tensor w = at::arange(N * K, at::kFloat).mul(0.37).sin().to(at::kBFloat16).view({N, K});
-        const at::Tensor x = at::arange(M * K, at::kFloat).mul(0.11).cos().to(at::kBFloat16).view({M, K});
-        at::Tensor packed = at::empty({ce_packed_bf16_size(N, K)}, w.options());
-        ce_pack_bf16_weight(w.data_ptr(), packed.data_ptr(), N, K);
-        at::Tensor full = at::empty({M, N}, w.options()), part = at::empty({M, N}, w.options());
-        ce_linear_bf16(x.data_ptr(), packed.data_ptr(), nullptr, full.data_ptr(), M, N, K);
-        for (const int64_t m : {1, 17, 33}) {
-            ce_linear_bf16(x.data_ptr(), packed.data_ptr(), nullptr, part.data_ptr(), m, N, K);
-            if (std::memcmp(part.data_ptr(), full.data_ptr(), m * N * 2) != 0) return false;
-        }
-        return true;
+        const at::Tensor w = check_weight(64, 64);
+        at::Tensor packed = at::empty({ce_packed_bf16_size(64, 64)}, w.options());
+        ce_pack_bf16_weight(w.data_ptr(), packed.data_ptr(), 64, 64);
+        return rows_invariant_product(w, [&](const at::Tensor& x, at::Tensor& out, int64_t m) {
+                   ce_linear_bf16(x.data_ptr(), packed.data_ptr(), nullptr, out.data_ptr(), m, 64, 64);
+               }).has_value();
     }();
     return invariant;
 }
@@ -265,18 +285,16 @@ bool amx_rows_invariant() {
 bool dpbf16_ready() {
     static const bool ready = [] {
         if (!ce_dpbf16_available()) return false;
-        constexpr int64_t M = 40, N = 112, K = 320;
-        const at::Tensor w = at::arange(N * K, at::kFloat).mul(0.37).sin().to(at::kBFloat16).view({N, K});
-        const at::Tensor x = at::arange(M * K, at::kFloat).mul(0.11).cos().to(at::kBFloat16).view({M, K});
+        constexpr int64_t N = 112, K = 320;  // a partial panel, two blocks of k
+        const at::Tensor w = check_weight(N, K);
         at::Tensor packed = at::empty({ce_dpbf16_packed_size(N, K)}, w.options());
         ce_dpbf16_pack(w.data_ptr(), packed.data_ptr(), N, K);
-        at::Tensor full = at::empty({M, N}, w.options()), part = at::empty({M, N}, w.options());
-        ce_dpbf16_linear(x.data_ptr(), packed.data_ptr(), nullptr, full.data_ptr(), M, N, K);
-        bool ok = at::linear(x.to(at::kFloat), w.to(at::kFloat)).sub(full.to(at::kFloat)).abs().max().item<float>() < 0.5f;
-        for (const int64_t m : {1, 17, 33}) {
-            ce_dpbf16_linear(x.data_ptr(), packed.data_ptr(), nullptr, part.data_ptr(), m, N, K);
-            ok = ok && std::memcmp(part.data_ptr(), full.data_ptr(), m * N * 2) == 0;
-        }
+        const std::optional<at::Tensor> full = rows_invariant_product(w, [&](const at::Tensor& x, at::Tensor& out,
+                                                                                int64_t m) {
+            ce_dpbf16_linear(x.data_ptr(), packed.data_ptr(), nullptr, out.data_ptr(), m, N, K);
+        });
+        const bool ok = full.has_value() && at::linear(check_rows(40, K).to(at::kFloat), w.to(at::kFloat))
+                                                        .sub(full->to(at::kFloat)).abs().max().item<float>() < 0.5f;
         if (!ok) TORCH_WARN("the AVX512-BF16 invariant linear failed its start-up check: deterministic mode's bf16 "
                             "linears run the FMA kernel instead");
         return ok;
