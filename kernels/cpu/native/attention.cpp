@@ -322,61 +322,71 @@ void attend_bf16_pairs(const uint16_t* qb, const uint16_t* k_cache, const uint16
 }
 #endif
 
-// One query per row b; the G = H / Hkv query heads of a KV head share each K/V row read. A task is a
-// whole row (all heads: sequential reads) when there are enough rows for every thread, else one
-// (row, KV head) pair.
+// One query per row b (`q_stride` elements after row b - 1), attending to the first seq_lens[b] slots of page-table
+// row rows_req[b] (b itself when rows_req is null); the G = H / Hkv query heads of a KV head share each K / V
+// row read. A task is a whole row (all heads: sequential reads) when there are enough rows for every thread,
+// else one (row, KV head) pair. Each (row, head) result is one fixed computation over its own query, keys and
+// values, whatever the other rows and the task split: the kernel is batch-invariant, so deterministic mode
+// runs an extend through it too, one row per query token (torch_ops.cpp).
 template <typename E>
-void decode_attention(const typename E::T* q, const typename E::T* k_cache, const typename E::T* v_cache,
-                      const int32_t* table, int64_t table_stride, const int32_t* seq_lens, typename E::T* out,
-                      int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window,
-                      float soft_cap) {
+void decode_attention(const typename E::T* q, int64_t q_stride, const typename E::T* k_cache,
+                      const typename E::T* v_cache, const int32_t* table, int64_t table_stride, const int32_t* rows_req,
+                      const int32_t* seq_lens, typename E::T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                      int64_t S, float scale, int64_t window, float soft_cap) {
     const int64_t G = H / Hkv;
     const int64_t nkh = B >= 2 * omp_get_max_threads() ? Hkv : 1;  // KV heads per task
     const int64_t tasks_per_row = Hkv / nkh;
-#pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < B * tasks_per_row; ++task) {
-        const int64_t b = task / tasks_per_row, kh0 = (task % tasks_per_row) * nkh;
-        const int64_t len = seq_lens[b];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - start;
-        const int64_t heads = nkh * G;
-        typename E::T* o = out + (b * H + kh0 * G) * D;
-        std::vector<float> qf(heads * D), acc(heads * D, 0.0f), p(heads * (n > 0 ? n : 0));
-        if (n > 0) {
-            load_row<E>(q + (b * H + kh0 * G) * D, qf.data(), heads * D);
-            const int32_t* slots = table + b * table_stride + start;
-            bool done = false;
+    const int64_t heads = nkh * G;
+#pragma omp parallel
+    {
+        thread_local std::vector<float> qf, acc, p;  // kept between calls: no allocation per task
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * tasks_per_row; ++task) {
+            const int64_t b = task / tasks_per_row, kh0 = (task % tasks_per_row) * nkh;
+            const int64_t len = seq_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t n = len > 0 ? len - start : 0;
+            typename E::T* o = out + (b * H + kh0 * G) * D;
+            const typename E::T* qrow = q + b * q_stride + kh0 * G * D;
+            qf.resize(heads * D);
+            acc.assign(heads * D, 0.0f);
+            p.resize(heads * n + 1);  // + 1: bf16_pairs_in_place's zero after an odd n
+            if (n > 0) {
+                load_row<E>(qrow, qf.data(), heads * D);
+                const int32_t* slots = table + (rows_req ? rows_req[b] : b) * table_stride + start;
+                bool done = false;
 #if defined(__AVX512BF16__)
-            if constexpr (std::is_same_v<E, BF16>) {
-                const uint16_t* qb = q + (b * H + kh0 * G) * D;
-                done = true;
-                switch (D) {
-                    case 32: attend_bf16_pairs<1>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    case 64: attend_bf16_pairs<2>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    case 128: attend_bf16_pairs<4>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    case 256: attend_bf16_pairs<8>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                    default: done = false;
+                if constexpr (std::is_same_v<E, BF16>) {
+                    const uint16_t* qb = qrow;
+                    done = true;
+                    switch (D) {
+                        case 32: attend_bf16_pairs<1>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        case 64: attend_bf16_pairs<2>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        case 128: attend_bf16_pairs<4>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        case 256: attend_bf16_pairs<8>(qb, k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        default: done = false;
+                    }
                 }
-            }
 #endif
 #if defined(__AVX512F__)
-            if (!done) {
-            done = true;
-            switch (D) {
-                case 32: attend_avx512<E, 2>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                case 64: attend_avx512<E, 4>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                case 128: attend_avx512<E, 8>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                case 256: attend_avx512<E, 16>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
-                default: done = false;
-            }
-            }
+                if (!done) {
+                    done = true;
+                    switch (D) {
+                        case 32: attend_avx512<E, 2>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        case 64: attend_avx512<E, 4>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        case 128: attend_avx512<E, 8>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        case 256: attend_avx512<E, 16>(qf.data(), k_cache, v_cache, slots, n, S, Hkv, kh0, nkh, G, scale, soft_cap, p.data(), acc.data()); break;
+                        default: done = false;
+                    }
+                }
 #endif
-            if (!done)
-                for (int64_t j = 0; j < nkh; ++j)
-                    attend_generic<E>(qf.data() + j * G * D, k_cache, v_cache, slots, n, S, Hkv, kh0 + j, G, D, scale,
-                                      soft_cap, p.data() + j * G * n, acc.data() + j * G * D);
+                if (!done)
+                    for (int64_t j = 0; j < nkh; ++j)
+                        attend_generic<E>(qf.data() + j * G * D, k_cache, v_cache, slots, n, S, Hkv, kh0 + j, G, D, scale,
+                                          soft_cap, p.data() + j * G * n, acc.data() + j * G * D);
+            }
+            for (int64_t i = 0; i < heads * D; ++i) o[i] = E::store(acc[i]);  // zeros for an empty row
         }
-        for (int64_t i = 0; i < heads * D; ++i) o[i] = E::store(acc[i]);  // zeros for an empty row
     }
 }
 
@@ -401,13 +411,14 @@ int64_t store_kv(char* k_cache, char* v_cache, const char* k, const char* v, int
 
 extern "C" {
 
-int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
-                        int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
-                        int64_t D, int64_t S, float scale, int64_t window, float soft_cap) {
-#define CE_DECODE(E)                                                                                            \
-    decode_attention<E>(static_cast<const E::T*>(q), static_cast<const E::T*>(k_cache),                         \
-                        static_cast<const E::T*>(v_cache), table, table_stride, seq_lens, static_cast<E::T*>(out), \
-                        B, H, Hkv, D, S, scale, window, soft_cap)
+int ce_decode_attention(int dt, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                        const int32_t* table, int64_t table_stride, const int32_t* rows_req, const int32_t* seq_lens,
+                        void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window,
+                        float soft_cap) {
+#define CE_DECODE(E)                                                                                               \
+    decode_attention<E>(static_cast<const E::T*>(q), q_stride, static_cast<const E::T*>(k_cache),                  \
+                        static_cast<const E::T*>(v_cache), table, table_stride, rows_req, seq_lens,                \
+                        static_cast<E::T*>(out), B, H, Hkv, D, S, scale, window, soft_cap)
     switch (dt) {
         case 0: CE_DECODE(F32); return 0;
         case 1: CE_DECODE(BF16); return 0;

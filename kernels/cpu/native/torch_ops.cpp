@@ -38,9 +38,10 @@ void ce_dpbf16_pack(const void* w, void* out, int64_t N, int64_t K);
 void ce_dpbf16_linear(const void* x, const void* packed, const float* bias, void* out, int64_t M, int64_t N, int64_t K);
 int ce_compiled_isa();
 int ce_argmax(int dt, const void* x, int64_t rows, int64_t n, int64_t row_stride, int64_t* out);
-int ce_decode_attention(int dt, const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
-                        int64_t table_stride, const int32_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
-                        int64_t D, int64_t S, float scale, int64_t window, float soft_cap);
+int ce_decode_attention(int dt, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                        const int32_t* table, int64_t table_stride, const int32_t* rows_req, const int32_t* seq_lens,
+                        void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window,
+                        float soft_cap);
 int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, int64_t k_stride, int64_t v_stride,
                     const int64_t* slots, int64_t T, int64_t row, int64_t elem, int64_t S);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -101,8 +102,43 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
     TORCH_CHECK_INDEX(bad == 0, "store_kv: ", bad, " slot(s) out of range for a cache of ", k_cache.size(0), " slots");
 }
 
-// Deterministic mode, both attention ops: q [T, H, D], request b's queries cu[b] .. cu[b + 1]
-// (invariant_attention.cpp). Rows of no request, and of requests of length 0, are zeros.
+// attention.cpp's decode kernel: query row b of q [R, H, D] attends to the first lens[b] slots of page-table
+// row rows_req[b] (row b when rows_req is undefined); rows of length 0 are zeros.
+at::Tensor decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& page_table, const std::optional<at::Tensor>& rows_req, const at::Tensor& lens,
+                       double scale, int64_t sliding_window, double soft_cap) {
+    const at::Tensor qc = token_rows(q) ? q : q.contiguous();
+    const at::Tensor table = page_table.to(at::kInt).contiguous(), lc = lens.to(at::kInt).contiguous();
+    at::Tensor out = at::empty(qc.sizes(), qc.options());
+    ce_decode_attention(dtype_code(q.scalar_type()), qc.data_ptr(), qc.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                        table.data_ptr<int32_t>(), table.stride(0), rows_req ? rows_req->data_ptr<int32_t>() : nullptr,
+                        lc.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1), k_cache.size(1), qc.size(2),
+                        k_cache.size(0), static_cast<float>(scale), sliding_window, static_cast<float>(soft_cap));
+    return out;
+}
+
+// An extend as decode rows: query token j of request b reads table row b with length its position + 1, so it
+// gets the bits of a decode step at its position. q [T, H, D], request b's queries cu[b] .. cu[b + 1]; rows
+// of no request, and of requests of length 0, are zeros.
+at::Tensor extend_as_decodes(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
+                             double scale, int64_t sliding_window, double soft_cap) {
+    const at::Tensor cu = cu_q_lens.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
+    const int64_t T = q.size(0), B = lens.numel();
+    at::Tensor rows_req = at::zeros({T}, cu.options()), rows_len = at::zeros({T}, cu.options());
+    const int32_t *c = cu.data_ptr<int32_t>(), *l = lens.data_ptr<int32_t>();
+    int32_t *req = rows_req.data_ptr<int32_t>(), *len = rows_len.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = c[b]; j < c[b + 1] && j < T; ++j) {
+            req[j] = static_cast<int32_t>(b);
+            len[j] = l[b] > 0 ? l[b] - (c[b + 1] - static_cast<int32_t>(j)) + 1 : 0;
+        }
+    return decode_rows(q, k_cache, v_cache, page_table, rows_req, rows_len, scale, sliding_window, soft_cap);
+}
+
+// Deterministic mode on builds without AVX512 (on AVX512 ones the decode kernel is batch-invariant as it is):
+// invariant_attention.cpp's AVX2 FMA chains, an extend's queries computed as decodes in one pass over shared
+// K / V rows. q [T, H, D] as extend_as_decodes.
 at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
                                double scale, int64_t sliding_window, double soft_cap) {
@@ -117,6 +153,15 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k_cache, c
     return out;
 }
 
+// The native decode kernel is batch-invariant on AVX512 builds (and there serves an extend too, as decode
+// rows); elsewhere deterministic mode takes invariant_attention.
+constexpr bool kDecodeKernelServesExtend =
+#if defined(__AVX512F__)
+    true;
+#else
+    false;
+#endif
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                             double soft_cap, bool invariant) {
@@ -127,24 +172,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                                                    const at::Tensor&, double, int64_t, double, bool)>("kernels::decode_attention_portable");
         return op.call(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, soft_cap, invariant);
     }
-    if (invariant)  // a decode step is an extend of one token per row
+    if (invariant && !kDecodeKernelServesExtend)  // a decode step is an extend of one token per row
         return invariant_attention(q, k_cache, v_cache, page_table, at::arange(q.size(0) + 1, seq_lens.options().dtype(at::kInt)),
                                    seq_lens, scale, sliding_window, soft_cap);
-    const at::Tensor qc = q.contiguous(), table = page_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
-    at::Tensor out = at::empty_like(qc);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     // Rows sharing a cached prefix (radix hits): the shared blocks once for all of them, on AMX.
-    if (code == 1 && sliding_window <= 0 && soft_cap <= 0 && amx_ready() &&
-        ce_decode_shared_prefix_bf16(qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
-                                     table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1),
-                                     k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale)) == 0)
-        return out;
+    if (!invariant && code == 1 && sliding_window <= 0 && soft_cap <= 0 && amx_ready()) {
+        const at::Tensor qc = q.contiguous(), table = page_table.to(at::kInt).contiguous(),
+                         lens = seq_lens.to(at::kInt).contiguous();
+        at::Tensor out = at::empty_like(qc);
+        if (ce_decode_shared_prefix_bf16(qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
+                                         table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0),
+                                         qc.size(1), k_cache.size(1), qc.size(2), k_cache.size(0),
+                                         static_cast<float>(scale)) == 0)
+            return out;
+    }
 #endif
-    ce_decode_attention(code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int32_t>(),
-                        table.stride(0), lens.data_ptr<int32_t>(), out.data_ptr(), qc.size(0), qc.size(1),
-                        k_cache.size(1), qc.size(2), k_cache.size(0), static_cast<float>(scale), sliding_window,
-                        static_cast<float>(soft_cap));
-    return out;
+    return decode_rows(q, k_cache, v_cache, page_table, std::nullopt, seq_lens, scale, sliding_window, soft_cap);
 }
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -152,10 +196,10 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             double scale, int64_t sliding_window, double soft_cap, bool invariant) {
     const bool typed = dtype_code(q.scalar_type()) >= 0 && k_cache.scalar_type() == q.scalar_type() &&
                        v_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous();
-    if (invariant && typed)
+    if (invariant && typed && !kDecodeKernelServesExtend)
         return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    const bool native = sliding_window <= 0 && soft_cap <= 0 && q.size(-1) % 64 == 0 && amx_ready() &&
+    const bool native = !invariant && sliding_window <= 0 && soft_cap <= 0 && q.size(-1) % 64 == 0 && amx_ready() &&
                         q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                         v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous();
     if (native) {
@@ -172,6 +216,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         if (bad == 0) return out;
     }
 #endif
+    // Without the AMX kernel, decode rows beat the portable op's padded batches by 2-3x (docs/benchmarks.md).
+    if (typed && kDecodeKernelServesExtend)
+        return extend_as_decodes(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap);
     static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&, const at::Tensor&, double, int64_t, double, bool)>(
         "kernels::extend_attention_portable");
