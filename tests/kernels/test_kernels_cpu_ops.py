@@ -10,6 +10,9 @@ from kernels import ops, reference
 from kernels.portable import attention as cpu_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# The op (the native kernels where they load: on an AVX512 CPU without AMX an extend runs as decode rows) and
+# its portable implementation (CPUs without the native library, inputs the kernels decline).
+EXTENDS = {"op": ops.extend_attention, "portable": torch.ops.kernels.extend_attention_portable.default}
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -32,20 +35,22 @@ def test_decode_realistic(dtype: torch.dtype, page_size: int, head_dim: int) -> 
     _close(ops.decode_attention(*args), reference.decode_attention_reference(*args))
 
 
+@pytest.mark.parametrize("impl", EXTENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_extend_realistic(dtype: torch.dtype, page_size: int) -> None:
+def test_extend_realistic(impl: str, dtype: torch.dtype, page_size: int) -> None:
     q_lens = [64, 1, 17, 40, 16, 0, 5, 33]
     prefixes = [0, 900, 0, 300, 16, 0, 1, 128]
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     batch = make_batch(seq_lens, q_lens, 8, 2, 128, page_size, dtype, seed=page_size)
     args = batch.extend_args(128**-0.5)
-    _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
+    _close(EXTENDS[impl](*args, 0, 0.0, False), reference.extend_attention_reference(*args))
 
 
+@pytest.mark.parametrize("impl", EXTENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("soft_cap", [0.0, 3.0])
-def test_extend_of_many_similar_suffixes_runs_padded(dtype: torch.dtype, soft_cap: float) -> None:
+def test_extend_of_many_similar_suffixes_runs_padded(impl: str, dtype: torch.dtype, soft_cap: float) -> None:
     """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same result."""
     q_lens = [8, 8, 7, 8, 16, 15, 16, 1, 64, 64]
     prefixes = [100, 100, 101, 90, 100, 99, 100, 120, 0, 0]
@@ -56,12 +61,13 @@ def test_extend_of_many_similar_suffixes_runs_padded(dtype: torch.dtype, soft_ca
     assert all(len(g) == 1 for g in cpu_attention._attention_groups(reqs, 8))
     batch = make_batch(seq_lens, q_lens, 6, 2, 64, 16, dtype, seed=7)
     args = (*batch.extend_args(64**-0.5), 0, soft_cap)
-    _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
+    _close(EXTENDS[impl](*args, False), reference.extend_attention_reference(*args))
 
 
+@pytest.mark.parametrize("impl", EXTENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(8, 0.0), (0, 5.0), (20, 2.0), (1, 0.0)])
-def test_window_and_soft_cap(dtype: torch.dtype, sliding_window: int, soft_cap: float) -> None:
+def test_window_and_soft_cap(impl: str, dtype: torch.dtype, sliding_window: int, soft_cap: float) -> None:
     seq_lens = [1, 7, 8, 9, 33, 70, 0]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 4, 2, 32, 16, dtype, seed=sliding_window)
     args = (*batch.decode_args(0.3), sliding_window, soft_cap)
@@ -69,7 +75,7 @@ def test_window_and_soft_cap(dtype: torch.dtype, sliding_window: int, soft_cap: 
     q_lens = [1, 7, 3, 9, 20, 35, 0]
     batch = make_batch(seq_lens, q_lens, 4, 2, 32, 16, dtype, seed=sliding_window)
     args = (*batch.extend_args(0.3), sliding_window, soft_cap)
-    _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
+    _close(EXTENDS[impl](*args, False), reference.extend_attention_reference(*args))
 
 
 def test_decode_padding_rows_are_zero() -> None:
