@@ -11,14 +11,15 @@ import pytest
 from kernels.cpu import isa as cpu_isa
 
 cpu_isa.apply()  # COMPILED_ENGINE_CPU_ISA, before torch first dispatches (see kernels/cpu/isa.py)
-# inductor's graph cache does not key on the ISA cap: a graph that the tests compiled at the native level and
-# then reused at `avx2` gave wrong results (test_ops_inside_torch_compile). So each capped level gets its own
-# folder. (The engine's compile cache keys its entries by level itself.)
-if cpu_isa.level() != "native" and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-    capped = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"isa-{cpu_isa.level()}")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = capped
-
 import torch  # noqa: E402
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: E402
+
+# inductor's graph cache does not key on the ISA cap: a graph that the tests compiled at the native level and
+# then reused at `avx2` gave wrong results (test_ops_inside_torch_compile; not explained yet). So each capped
+# level gets its own folder. (The engine's compile cache keys its entries by level itself.)
+if cpu_isa.level() != "native":
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"isa-{cpu_isa.level()}")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -98,20 +98,22 @@ def test_extend_random_batches_match_reference(seed: int) -> None:
     torch.testing.assert_close(native.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-@amx_only
-def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries() -> None:
+@pytest.mark.parametrize("invariant", [False, True])
+def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries(invariant: bool) -> None:
+    """Every native route (the AMX kernel, decode rows on AVX512, the invariant routine, the portable op)."""
     batch = make_batch([40, 9], [40, 3], 4, 2, 64, 1, torch.bfloat16, seed=7)
     fused = torch.randn(batch.q.shape[0] + 2, 6, 64, dtype=torch.bfloat16)  # q, then padding rows
     q = fused[:, :4]  # a token-strided view, like a slice of the QKV projection
     q[: batch.q.shape[0]] = batch.q
-    native = ops.extend_attention(q, *batch.extend_args(0.125)[1:])
+    native = ops.extend_attention(q, *batch.extend_args(0.125)[1:], 0, 0.0, invariant)
     expected = reference.extend_attention_reference(*batch.extend_args(0.125))
     torch.testing.assert_close(native[: batch.q.shape[0]].float(), expected.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(native[batch.q.shape[0] :], torch.zeros_like(native[batch.q.shape[0] :]))
 
 
 def test_extend_op_serves_what_the_amx_kernel_declines() -> None:
-    """Sliding windows, soft caps, fp32 and head sizes not a multiple of 64 take the torch path."""
+    """Sliding windows, soft caps, fp32 and head sizes not a multiple of 64 take the other routes (decode rows
+    on an AVX512 build, the portable op elsewhere)."""
     cases = [(torch.bfloat16, 64, 0, 0.0), (torch.bfloat16, 64, 8, 0.0), (torch.bfloat16, 64, 0, 5.0),
              (torch.float32, 64, 0, 0.0), (torch.bfloat16, 96, 0, 0.0)]
     for dtype, head_dim, sliding_window, soft_cap in cases:

@@ -1,8 +1,10 @@
 // Paged decode attention and the KV store on the CPU (AVX512 / AVX512-BF16 where the build has them),
-// the CPU kernels of kernels::decode_attention and store_kv (torch_ops.cpp).
+// the CPU kernels of kernels::decode_attention and store_kv, and on an AVX512 build without the AMX extend
+// kernel of kernels::extend_attention too, as one decode row per query token (torch_ops.cpp).
 //
 // Element type codes (`dt`): 0 float32, 1 bfloat16, 2 float16. Math is in float32.
-// Layouts: caches [S, Hkv, D]; q / out [B, H, D]; k / v [T, Hkv, D]; all contiguous.
+// Layouts: caches [S, Hkv, D]; q / out [B, H, D] (q rows `q_stride` elements apart, else contiguous);
+// k / v [T, Hkv, D].
 
 #include <omp.h>
 
@@ -339,7 +341,7 @@ void decode_attention(const typename E::T* q, int64_t q_stride, const typename E
     const int64_t heads = nkh * G;
 #pragma omp parallel
     {
-        thread_local std::vector<float> qf, acc, p;  // kept between calls: no allocation per task
+        thread_local std::vector<float> qf, acc, p;  // kept between calls
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * tasks_per_row; ++task) {
             const int64_t b = task / tasks_per_row, kh0 = (task % tasks_per_row) * nkh;
@@ -350,7 +352,7 @@ void decode_attention(const typename E::T* q, int64_t q_stride, const typename E
             const typename E::T* qrow = q + b * q_stride + kh0 * G * D;
             qf.resize(heads * D);
             acc.assign(heads * D, 0.0f);
-            p.resize(heads * n + 1);  // + 1: bf16_pairs_in_place's zero after an odd n
+            p.resize(heads * n);
             if (n > 0) {
                 load_row<E>(qrow, qf.data(), heads * D);
                 const int32_t* slots = table + (rows_req ? rows_req[b] : b) * table_stride + start;

@@ -1,7 +1,9 @@
 // Batch-invariant paged attention: the kernel of kernels::decode_attention and extend_attention in
-// deterministic mode (torch_ops.cpp). A decode step is an extend of one token per row, so both ops run
-// the one routine below, and every query row's result is a function of its own query and the keys and
-// values it attends to, never of the batch, the chunking of its prompt, what is cached or the ISA:
+// deterministic mode on builds without AVX512 (AVX2 x86, ARM: torch_ops.cpp; with AVX512 the decode kernel
+// of attention.cpp serves the mode). A decode step is an extend of one token per row, so both ops run the
+// one routine below, and every query row's result is a function of its own query and the keys and values
+// it attends to, never of the batch, the chunking of its prompt or what is cached (the scalar and the AVX2
+// forms give the same bits):
 //     score_t = dot(q, k_t) * scale (soft-capped), dot in eight fused multiply-add chains over d mod 8
 //               summed in a fixed tree;
 //     weights = softmax over the query's own keys, in full (no split of the keys), exp by one polynomial,

@@ -26,7 +26,7 @@ namespace {
 
 constexpr int kMr = 8, kNv = 3;               // 24 accumulators + 3 weight vectors of 32 registers
 constexpr int64_t kNr = kNv * 16;             // columns per panel
-constexpr int64_t kKp = 1024;             // pairs of k per register block (the panel's slice stays in L2)
+constexpr int64_t kKp = 1024;                 // pairs of k per register block (the panel's slice stays in L2)
 constexpr int64_t kMc = 48;                   // rows per task (a multiple of kMr)
 
 // Rows [0, R) x the panel's kNr columns over pairs [p0, p1): c (R x kNr floats) holds the sums so far, or

@@ -216,7 +216,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         if (bad == 0) return out;
     }
 #endif
-    // Without the AMX kernel, decode rows beat the portable op's padded batches by 2-3x (docs/benchmarks.md).
+    // Without the AMX kernel, decode rows: faster than the portable op's padded SDPA (docs/benchmarks.md).
     if (typed && kDecodeKernelServesExtend)
         return extend_as_decodes(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap);
     static const auto op = torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
