@@ -77,7 +77,8 @@ def test_serving_settings_do_not_change_the_key(model_dir: Path) -> None:
 
 def test_an_engine_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     names = {root.name for root in key_mod.TRACED_SOURCES}
-    assert {"models", "layers", "runner", "kernels"} <= names
+    assert {"models", "layers", "runner", "kernels", "parallel_state.py"} <= names
+    assert all(root.exists() for root in key_mod.TRACED_SOURCES)  # a moved file would silently leave the key
     copy = tmp_path / "src" / "runner"
     shutil.copytree(next(r for r in key_mod.TRACED_SOURCES if r.name == "runner"), copy)
     monkeypatch.setattr(key_mod, "TRACED_SOURCES", (copy,))

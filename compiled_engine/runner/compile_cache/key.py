@@ -22,7 +22,7 @@ from kernels import ops
 _PACKAGE_ROOT = Path(compiled_engine.__file__).resolve().parent
 TRACED_SOURCES: tuple[Path, ...] = (
     *(_PACKAGE_ROOT / name for name in ("models", "layers", "runner")),
-    _PACKAGE_ROOT / "distributed" / "parallel_state.py",
+    Path(ps.__file__).resolve(),  # the ordered all-reduce that TP graphs trace
     _PACKAGE_ROOT.parent / "kernels",
 )
 UNTRACED = frozenset({"bench.py", "reference.py", "loader.py", "gguf_checkpoint.py", "errors.py", "weight_utils.py",
