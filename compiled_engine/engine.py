@@ -31,7 +31,7 @@ from compiled_engine.jax import bridge
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep, StepOutput
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.runner.step_inputs import StepInputs
-from compiled_engine.scheduler.plan import Batch
+from compiled_engine.scheduler.plan import Batch, TokenEvent
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler
 
@@ -39,19 +39,6 @@ if TYPE_CHECKING:
     from compiled_engine.runner.compile_cache.session import CompileReport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """One event for one request: a new token, the end of the request, or both."""
-
-    rid: str
-    token: int | None
-    finished: bool
-    finish_reason: str | None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -115,7 +102,7 @@ class Engine:
         return self.scheduler.has_work() or bool(self._inflight)
 
     # ---- the loop -----------------------------------------------------------------------------
-    def step(self) -> list[TokenOutput]:
+    def step(self) -> list[TokenEvent]:
         """Plan and launch one step; commit the previous one (overlap) or this one. Returns the events."""
         batch = self.scheduler.schedule()
         self.last_batch = batch
@@ -123,7 +110,7 @@ class Engine:
             self._inflight.append((batch, self._launch(batch)))
             self.steps += 1
         keep = 1 if (self._overlap and batch is not None) else 0
-        events: list[TokenOutput] = []
+        events: list[TokenEvent] = []
         while len(self._inflight) > keep:
             done, pending = self._inflight.popleft()
             events.extend(self._commit(done, pending.result()))
@@ -164,7 +151,7 @@ class Engine:
             self._worker = ThreadPoolExecutor(1, "forward")
         return self._worker.submit(self.runner.execute, batch, rows)
 
-    def _commit(self, batch: Batch, output: StepOutput) -> list[TokenOutput]:
+    def _commit(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
         events = self._fail_rows(batch, output.errors) if output.errors else []
         extras: dict[str, tuple[float | None, list | None]] = {}
         if output.logprobs is not None:
@@ -183,23 +170,23 @@ class Engine:
             if grammar is not None and not finished and grammar.terminated:
                 self.scheduler.finish(ev.rid, "stop")  # the document is complete
                 finished, reason = True, "stop"
-            events.append(TokenOutput(ev.rid, ev.token, finished, reason, lp, top))
+            events.append(TokenEvent(ev.rid, ev.token, finished, reason, lp, top))
             if finished:
                 self._live.pop(ev.rid, None)
         return events
 
-    def _fail_rows(self, batch: Batch, errors: dict[int, str]) -> list[TokenOutput]:
+    def _fail_rows(self, batch: Batch, errors: dict[int, str]) -> list[TokenEvent]:
         """End the requests whose row failed in the sampler (a logits processor, a mask that allows nothing):
         their token of this step is dropped."""
         sampled = [r for r in batch.reqs if r.sample]
         return [ev for i, message in sorted(errors.items()) for ev in self._fail(sampled[i].rid, message)]
 
-    def _fail(self, rid: str, message: str) -> list[TokenOutput]:
+    def _fail(self, rid: str, message: str) -> list[TokenEvent]:
         """End a live request with finish_reason "error": its closing event (none if it already ended)."""
         if self._live.pop(rid, None) is None:
             return []
         self.scheduler.finish(rid, "error")
-        return [TokenOutput(rid, None, True, "error", error=message)]
+        return [TokenEvent(rid, None, True, "error", error=message)]
 
     def _rejected(self, rid: str, token: int) -> str:
         """Why a constrained request fails when its grammar rejects the token it drew."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compiled_engine.engine import TokenOutput
+from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.tokenization import IncrementalDetokenizer
 
 
@@ -23,7 +23,7 @@ class OutputStream:
     def text(self) -> str:
         return self.detok.text
 
-    def apply(self, ev: TokenOutput) -> tuple[str, bool]:
+    def apply(self, ev: TokenEvent) -> tuple[str, bool]:
         """Fold in one event of this request. Returns the text it added and whether a stop string ended the
         request here: the caller then tells the engine to finish it (no event says so). Events after the
         end (a token already in flight when a stop string matched) change nothing."""

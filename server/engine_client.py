@@ -14,7 +14,6 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from compiled_engine.engine import TokenOutput
 from compiled_engine.ranks.launcher import EngineFailure, EngineHandle
 from compiled_engine.ranks.messages import (
     Abort,
@@ -25,6 +24,7 @@ from compiled_engine.ranks.messages import (
     StatsReply,
     StatsRequest,
 )
+from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.scheduler.sampling_params import SamplingParams
 
 
@@ -52,10 +52,10 @@ class RequestGroup:
 
     def __init__(self, client: EngineClient, rids: list[str]) -> None:
         self._client = client
-        self.queue: asyncio.Queue[TokenOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self.pending = list(rids)
 
-    async def events(self) -> AsyncIterator[TokenOutput]:
+    async def events(self) -> AsyncIterator[TokenEvent]:
         """Events of the pending sub-requests (late events of ones the server finished are dropped)."""
         while self.pending:
             item = await self.queue.get()
@@ -171,7 +171,7 @@ class EngineClient:
 
     def _dispatch(self, events: list) -> None:
         for ev in events:
-            if isinstance(ev, TokenOutput):
+            if isinstance(ev, TokenEvent):
                 q = self._queues.get(ev.rid)
                 if q is not None:
                     q.put_nowait(ev)

@@ -20,11 +20,11 @@ import os
 import sys
 from typing import TextIO
 
-from compiled_engine.engine import TokenOutput
 from compiled_engine.engine_args import add_engine_args, engine_config
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.messages import Add, RequestError, Shutdown
 from compiled_engine.ranks.rank_loop import RankSpec, serve_rank
+from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.tokenization import encode_prompt, load_tokenizer
 
@@ -46,7 +46,7 @@ class JsonlChannel:
 
     def send(self, events: list) -> None:
         for ev in events:
-            if isinstance(ev, TokenOutput) and ev.rid in self._tokens:
+            if isinstance(ev, TokenEvent) and ev.rid in self._tokens:
                 if ev.token is not None:
                     self._tokens[ev.rid].append(ev.token)
                 if ev.finished:

@@ -9,8 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from compiled_engine.engine import TokenOutput
-from compiled_engine.scheduler.plan import Batch
+from compiled_engine.scheduler.plan import Batch, TokenEvent
 
 ENV_FLAG = "COMPILED_ENGINE_TP_DEBUG"
 
@@ -25,7 +24,7 @@ def debug_enabled(config_flag: bool) -> bool:
 
 def ledger_digest(step: int, batch: Batch | None, events: list) -> int:
     """A 63-bit hash of the plan (request order, positions, KV slots, page-table writes) and the tokens."""
-    tokens = [(e.rid, e.token, e.finished, e.finish_reason) for e in events if isinstance(e, TokenOutput)]
+    tokens = [(e.rid, e.token, e.finished, e.finish_reason) for e in events if isinstance(e, TokenEvent)]
     text = repr((step, batch, tokens)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 

@@ -7,7 +7,6 @@ import itertools
 from dataclasses import fields
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine import TokenOutput
 from compiled_engine.jax import bridge
 from compiled_engine.ranks.launcher import EngineFailure, launch
 from compiled_engine.ranks.messages import (
@@ -19,6 +18,7 @@ from compiled_engine.ranks.messages import (
     StatsReply,
     StatsRequest,
 )
+from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import SchedulerStats
 from compiled_engine.scheduler.validation import check_request
@@ -61,7 +61,7 @@ class RemoteEngine:
     def has_work(self) -> bool:
         return bool(self._live)
 
-    def step(self) -> list[TokenOutput]:
+    def step(self) -> list[TokenEvent]:
         """The next events of live requests (blocks until there are some, or nothing is live)."""
         while self._live:
             batch = self._backlog or self._recv()
@@ -92,7 +92,7 @@ class RemoteEngine:
         if isinstance(ev, RequestError) and ev.rid in self._live:
             del self._live[ev.rid]
             raise ValueError(ev.message)
-        if not isinstance(ev, TokenOutput) or ev.rid not in self._live:
+        if not isinstance(ev, TokenEvent) or ev.rid not in self._live:
             return False  # a late event of a request that was finished or aborted here
         if ev.finished:
             del self._live[ev.rid]

@@ -47,9 +47,14 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One output of ``Scheduler.commit``: a new token and/or the end of a request."""
+    """One event for one request: a new token, the end of the request, or both. ``Scheduler.commit`` makes
+    them; the engine adds what sampling knows (log-probs) and the events it ends requests with ("error"), and
+    they go on the wire as they are (ranks, server)."""
 
     rid: str
     token: int | None  # None: the request ended without a new token (e.g. max_tokens=0)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" when finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from compiled_engine.engine import TokenOutput
 from compiled_engine.ranks.digest import LedgerDivergence, check_digests, ledger_digest
 from compiled_engine.ranks.monitor import describe_exit
-from compiled_engine.scheduler.plan import Batch, ReqStep
+from compiled_engine.scheduler.plan import Batch, ReqStep, TokenEvent
 from compiled_engine.scheduler.sampling_params import SamplingParams
 
 
@@ -17,11 +16,11 @@ def _batch(order: tuple[str, ...]) -> Batch:
 
 
 def test_digest_sees_batch_order_and_tokens() -> None:
-    events = [TokenOutput("a", 5, False, None)]
+    events = [TokenEvent("a", 5, False, None)]
     base = ledger_digest(3, _batch(("a", "b")), events)
     assert base == ledger_digest(3, _batch(("a", "b")), list(events))
     assert base != ledger_digest(3, _batch(("b", "a")), events)  # a set-ordered batch on one rank
-    assert base != ledger_digest(3, _batch(("a", "b")), [TokenOutput("a", 6, False, None)])
+    assert base != ledger_digest(3, _batch(("a", "b")), [TokenEvent("a", 6, False, None)])
 
 
 def test_divergence_names_the_step() -> None:
