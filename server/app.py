@@ -17,7 +17,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiled_engine.constraints import GrammarBook
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
-from compiled_engine.models.loader import load_config
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
@@ -36,9 +35,8 @@ def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
     if config.engine.model == DEMO_NAME:
         log.warning("model: %s", DEMO_LABEL)
     tokenizer = load_tokenizer(model_dir)
-    vocab = getattr(load_config(model_dir), "vocab_size", None) or len(tokenizer)
     handle = launch(config.engine)
-    return tokenizer, Limits(handle.ready.max_context, vocab), handle
+    return tokenizer, Limits(handle.ready.max_context, handle.ready.vocab_size or len(tokenizer)), handle
 
 
 def create_app(config: ServerConfig) -> Starlette:
