@@ -19,8 +19,7 @@ import torch._inductor.config as inductor_config
 
 from compiled_engine.config import COMPILE_MODE_NAMES
 from compiled_engine.layers.attention import AttentionMetadata
-from compiled_engine.runner import precompiled
-from compiled_engine.runner.attention_backend import PAGED
+from compiled_engine.runner import attention_metadata, precompiled
 from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.step_inputs import StepInputs
 from kernels import ops
@@ -235,7 +234,7 @@ class _CapturedDecode:
         s.input_ids.copy_(inputs.input_ids)
         s.positions.copy_(inputs.positions)
         s.logits_index.copy_(inputs.logits_index)
-        PAGED.copy_for_replay(s.meta, inputs.meta)
+        attention_metadata.copy_for_replay(s.meta, inputs.meta)
         self.graph.replay()
         return self.output
 
@@ -243,6 +242,6 @@ class _CapturedDecode:
 def _mark_dynamic(args: tuple) -> tuple:
     """`args` of a dynamic graph, with the token / request / sampled-row dimension of each tensor marked."""
     _, input_ids, positions, meta, logits_index = args
-    for t in (input_ids, positions, logits_index, *PAGED.dynamic_tensors(meta)):
+    for t in (input_ids, positions, logits_index, *attention_metadata.dynamic_tensors(meta)):
         torch._dynamo.mark_dynamic(t, 0)
     return args

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from compiled_engine.layers.attention import AttentionMetadata
-from compiled_engine.runner.attention_backend import PAGED, AttentionBackend
+from compiled_engine.runner.attention_metadata import build_metadata
 from compiled_engine.runner.staging import DeviceSlab, Staging
 from compiled_engine.scheduler.plan import Batch
 
@@ -79,7 +79,7 @@ def sample_targets(batch: Batch, tables: DeviceTables) -> list[int]:
 
 
 def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None, staging: Staging,
-                      into: StepInputs | None = None, attention: AttentionBackend = PAGED) -> StepInputs:
+                      into: StepInputs | None = None) -> StepInputs:
     """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a captured
     graph's static inputs, which the step's inputs are then written into (and returned)."""
     reqs = batch.reqs
@@ -128,5 +128,5 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None, st
     else:
         input_ids = torch.index_select(tables.tokens.view(-1), 0, f["token_at"], out=into.input_ids)
         page_rows = torch.index_select(tables.slots, 0, f["rows"], out=into.meta.page_table)
-    meta = attention.metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], batch.is_decode)
+    meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], batch.is_decode)
     return StepInputs(input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["rows"], staged)
