@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import GrammarBook
 from compiled_engine.engine import Engine
@@ -95,13 +96,13 @@ def _host_memory() -> tuple[int, int]:
 
 def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
     device = resolve_device(config.device)
+    kernels.init(device)  # the ISA caps; on the CPU the native kernels (built once; a no-op where loaded)
     if device.type == "cuda":
         # Make it current, so that every allocation, stream, event and Triton launch without an explicit
         # device lands there (a TP rank sets its own; at tp=1 `cuda:1` would otherwise run half on cuda:0).
         torch.cuda.set_device(device)
     if device.type == "cpu":
         keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
-        kernel_ops.load_cpu_kernels()  # the native CPU kernels (built once; a no-op where already loaded)
     if config.deterministic is None:
         on, why = deterministic_default(device)
         if ps.get_tp_rank() == 0:

@@ -11,9 +11,9 @@ Each op has one schema and, per device, one implementation:
 Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined with
 `torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose Python
 wrapper costs more per call of a mutating op than the CPU decode attention itself (docs/benchmarks.md).
-The native library is built and loaded on the first CPU use (`load_cpu_kernels`; at import on a machine
-without CUDA), and the Triton module is imported on the first CUDA call, so that tests can set
-TRITON_INTERPRET before anything decorates a kernel.
+The native library is built and loaded by `kernels.init` (or the first `load_cpu_kernels` call; never at
+import), and the Triton module is imported on the first CUDA call, so that tests can set TRITON_INTERPRET
+before anything decorates a kernel.
 """
 
 from __future__ import annotations
@@ -221,6 +221,3 @@ def linear_route(weight: torch.Tensor, invariant: bool) -> str:
         return "portable"
     return LINEAR_ROUTES[torch.ops.kernels.linear_route(weight, invariant)]
 
-
-if not torch.cuda.is_available():
-    load_cpu_kernels()

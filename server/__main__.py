@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+import kernels
 from compiled_engine.engine_args import engine_config
 from compiled_engine.models.tp_fit import check_tp_size
 from server.args import add_serve_args
@@ -20,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = engine_config(args)
     try:
+        kernels.apply_isa_caps()  # before torch first dispatches; the ranks inherit them
         check_tp_size(engine.model, engine.tp_size)
-    except (ValueError, OSError) as e:  # a --tp that does not fit, a model that is not there or not readable
+    except (ValueError, OSError) as e:  # an unknown ISA level, a --tp that does not fit, a model not readable
         print(f"compiled-engine serve: error: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(engine=engine, api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,

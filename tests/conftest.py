@@ -12,6 +12,10 @@ from kernels.cpu import isa as cpu_isa
 
 cpu_isa.apply()  # COMPILED_ENGINE_CPU_ISA, before torch first dispatches (see kernels/cpu/isa.py)
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: E402
 
 # inductor's graph cache does not key on the ISA cap: a graph that the tests compiled at the native level and
@@ -20,9 +24,6 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: E
 if cpu_isa.level() != "native":
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"isa-{cpu_isa.level()}")
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

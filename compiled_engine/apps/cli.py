@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+import kernels
 from compiled_engine.apps.bench.cli import add_bench_parser
 from compiled_engine.apps.chat import run_chat
 from compiled_engine.apps.warmup import add_warmup_parser
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "prompt", ()) is None:
         args.prompt = ["Hello! What can a serving engine do?"]
     try:
+        kernels.apply_isa_caps()  # before anything runs torch (an in-process transformers baseline included)
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ import os
 import sys
 from typing import TextIO
 
+import kernels
 from compiled_engine.engine_args import add_engine_args, engine_config
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.messages import Add, RequestError, Shutdown
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)
+    kernels.apply_isa_caps()  # before the process group's first tensor
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     config = dataclasses.replace(engine_config(args), tp_size=world)

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+import kernels
 from compiled_engine.config import EngineConfig
 from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
 from compiled_engine.ranks.messages import (
@@ -66,6 +67,7 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
     """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on `conn`
     (rank 0) and end the process with exit code 1."""
     try:
+        kernels.apply_isa_caps()  # before the process group's first tensor
         config, control = _init_distributed(spec)
         from compiled_engine.startup import build_engine
 

@@ -8,8 +8,9 @@ A level caps, it never adds: `avx512` on an AVX2-only CPU runs AVX2. It reaches 
 code by ISA: our native kernels (`-mno-...` on top of `-march=native`: the C++ takes its non-AMX /
 non-AVX512 branches), oneDNN (`ONEDNN_MAX_CPU_ISA`, read at its first use) and ATen's kernels plus
 inductor's generated C++ (`ATEN_CPU_CAPABILITY`, read by ATen once and by inductor at each compile). This
-module imports no torch: `apply()` must run before torch first dispatches (importing `kernels` runs it, and
-`tests/conftest.py` imports it before torch); a variable the user set stays as set.
+module imports no torch: `apply()` must run before torch first dispatches (`kernels.apply_isa_caps()`, which
+each process entry point calls first, and `kernels.init`; `tests/conftest.py` before it imports torch); a
+variable the user set stays as set.
 """
 
 from __future__ import annotations

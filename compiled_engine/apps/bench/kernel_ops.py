@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import kernels
 from kernels import ops, reference
 
 
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    kernels.init("cuda" if args.cuda else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cuda:
