@@ -24,13 +24,16 @@ from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.step_inputs import StepInputs
 from kernels import ops
 
-# One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
-torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
-torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
-# With dynamic=True dynamo traces float module attributes (RMSNorm eps, attention scale) as symbolic floats,
-# then restarts the trace to specialize them: that first attempt missed the AOT autograd cache on every
-# start, and aot_compile has no restart at all (it raises TensorifyScalarRestartAnalysis).
-torch._dynamo.config.specialize_float = True
+
+def _configure_dynamo() -> None:
+    """Dynamo's process-wide settings that the engine's graphs need (set by the first CompiledForward)."""
+    # One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    # With dynamic=True dynamo traces float module attributes (RMSNorm eps, attention scale) as symbolic
+    # floats, then restarts the trace to specialize them: that first attempt missed the AOT autograd cache on
+    # every start, and aot_compile has no restart at all (it raises TensorifyScalarRestartAnalysis).
+    torch._dynamo.config.specialize_float = True
 
 
 # `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in the
@@ -75,6 +78,8 @@ class CompiledForward:
         self.buckets = sorted(set(buckets)) if enabled else []
         self.cuda_graphs: dict[int, _CapturedDecode] = {}
         self.precompiled_dir: Path | None = None
+        if enabled:
+            _configure_dynamo()
         self.set_compile_mode(compile_mode)
 
     def set_compile_mode(self, mode: str) -> None:
