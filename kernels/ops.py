@@ -18,9 +18,7 @@ before anything decorates a kernel.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch._inductor.config as inductor_config
@@ -60,34 +58,13 @@ store_kv = torch.ops.kernels.store_kv.default
 decode_attention = torch.ops.kernels.decode_attention.default
 """decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
 invariant=False): one new query per row, q [B, H, D] -> [B, H, D]; page_table [B, W] holds raw KV slots;
-rows with seq_len 0 give zeros. `invariant`: see `batch_invariant`."""
+rows with seq_len 0 give zeros. `invariant`: as `linear`'s, for each query row."""
 
 extend_attention = torch.ops.kernels.extend_attention.default
 """extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
 soft_cap=0.0, invariant=False): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries
 cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included).
 With `invariant`, a query's output is bit-identical to `decode_attention`'s for the same query and keys."""
-
-_invariant = False
-
-
-@contextlib.contextmanager
-def batch_invariant(enabled: bool) -> Iterator[None]:
-    """Deterministic mode for the ops called inside (the engine wraps its forward in it): linear and attention
-    give each row (each query) a result that depends on that row and its keys only, never on the batch, its
-    size, chunking, cached prefixes or the step kind. Read when a graph is traced (baked into the ops'
-    `invariant` argument) and by eager calls."""
-    global _invariant
-    before, _invariant = _invariant, enabled
-    try:
-        yield
-    finally:
-        _invariant = before
-
-
-def invariant() -> bool:
-    """Whether the ops called now run batch-invariant (`batch_invariant`)."""
-    return _invariant
 
 argmax = torch.ops.kernels.argmax.default
 """argmax(x [R, V]) -> [R] int64: `torch.argmax(x, -1)` (the first maximum, or the first NaN)."""
@@ -101,11 +78,13 @@ def _packed_linears() -> bool:
     return not inductor_config.freezing
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           invariant: bool = False) -> torch.Tensor:
     """`F.linear`; CPU bf16 weights go through `kernels::linear` (a copy of the weight prepared once for
-    the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch. In deterministic
-    mode (`batch_invariant`) every linear takes the op, with `invariant=True`."""
-    if _invariant:
+    the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch. `invariant`
+    (deterministic mode): every linear takes the op, and each row's result depends on that row only, never
+    on the batch, its size, chunking, cached prefixes or the step kind."""
+    if invariant:
         return torch.ops.kernels.linear.default(x, weight, bias, True)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_linears():
         return torch.ops.kernels.linear.default(x, weight, bias)

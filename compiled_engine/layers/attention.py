@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.batch_invariant = False  # deterministic mode (layers/invariance.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -50,7 +51,7 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 self.scale,
                 self.sliding_window,
-                invariant=ops.invariant(),
+                invariant=self.batch_invariant,
             )
         return ops.extend_attention(
             q,
@@ -61,5 +62,5 @@ class Attention(nn.Module):
             meta.seq_lens,
             self.scale,
             self.sliding_window,
-            invariant=ops.invariant(),
+            invariant=self.batch_invariant,
         )

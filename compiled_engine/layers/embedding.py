@@ -40,12 +40,13 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__(vocab_size, hidden_size)
+        self.batch_invariant = False  # deterministic mode (layers/invariance.py)
         if tie_to is not None:
             self.weight = tie_to.weight
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the vocabulary: [N, rows_per_rank]."""
-        return ops.linear(hidden, self.weight)
+        return ops.linear(hidden, self.weight, invariant=self.batch_invariant)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's slice, in rank order, without the padding rows: [N, vocab_size]."""

@@ -22,6 +22,7 @@ class _Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.get_tp_rank(), ps.get_tp_size()
+        self.batch_invariant = False  # deterministic mode (layers/invariance.py)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -44,7 +45,7 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(narrow(src, 0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.batch_invariant)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -108,5 +109,5 @@ class RowParallelLinear(_Linear):
         param.data.copy_(narrow(src, 1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(ops.linear(x, self.weight), ordered=ops.invariant())
+        y = ps.all_reduce(ops.linear(x, self.weight, invariant=self.batch_invariant), ordered=self.batch_invariant)
         return y if self.bias is None else y + self.bias

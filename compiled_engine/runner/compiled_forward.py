@@ -19,10 +19,10 @@ import torch._inductor.config as inductor_config
 
 from compiled_engine.config import COMPILE_MODE_NAMES
 from compiled_engine.layers.attention import AttentionMetadata
+from compiled_engine.layers.invariance import set_batch_invariant
 from compiled_engine.runner import attention_metadata, precompiled
 from compiled_engine.runner.buckets import next_bucket
 from compiled_engine.runner.step_inputs import StepInputs
-from kernels import ops
 
 
 def _configure_dynamo() -> None:
@@ -72,6 +72,7 @@ class CompiledForward:
         self.model = model
         self.enabled = enabled
         self.deterministic = deterministic  # every graph is traced, and every eager step runs, batch-invariant
+        set_batch_invariant(model, deterministic)
         self.device = device
         if enabled and device.type == "cuda":
             buckets = [max(b, 2) for b in buckets]  # captured from the dynamic graph, whose batch is >= 2
@@ -123,8 +124,7 @@ class CompiledForward:
         all-gather runs outside them: its functional collective takes the process group as an `Any`
         argument, which inductor's C++ wrapper cannot pass (compiling a TP graph raised
         `arg type Any is not yet supported by custom_op_wrapper`)."""
-        with ops.batch_invariant(self.deterministic):
-            return self.model.gather_logits(self._local_logits(inputs))
+        return self.model.gather_logits(self._local_logits(inputs))
 
     def _local_logits(self, inputs: StepInputs) -> torch.Tensor:
         if not self.enabled:
@@ -173,10 +173,9 @@ class CompiledForward:
         """Capture every decode bucket, largest first, into one memory pool, each from the one dynamic-batch
         decode graph (CUDA only)."""
         pool = torch.cuda.graph_pool_handle()
-        with ops.batch_invariant(self.deterministic):
-            for batch in sorted(self.buckets, reverse=True):
-                self.cuda_graphs[batch] = _CapturedDecode(lambda *args: self._run("decode", args),
-                                                          make_inputs(batch), pool)
+        for batch in sorted(self.buckets, reverse=True):
+            self.cuda_graphs[batch] = _CapturedDecode(lambda *args: self._run("decode", args),
+                                                      make_inputs(batch), pool)
 
     def static_inputs(self, batch: int) -> StepInputs | None:
         """The input buffers of the CUDA graph captured for this decode batch size (None: no graph)."""

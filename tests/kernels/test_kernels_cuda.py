@@ -81,10 +81,9 @@ def test_deterministic_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> No
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 1024, generator=gen).to(dtype).cuda()
     w = torch.randn(3072, 1024, generator=gen).to(dtype).cuda()
-    with ops.batch_invariant(True):
-        full = ops.linear(x, w)
-        for i in (0, 5, 36):
-            assert torch.equal(ops.linear(x[i : i + 1], w), full[i : i + 1])
+    full = ops.linear(x, w, invariant=True)
+    for i in (0, 5, 36):
+        assert torch.equal(ops.linear(x[i : i + 1], w, invariant=True), full[i : i + 1])
     torch.testing.assert_close(full.float(), (x.float() @ w.float().T), atol=0.05 if dtype == torch.bfloat16 else 1e-3,
                                rtol=2e-2)
     seq_lens = [7, 1000, 64, 2048, 300]
