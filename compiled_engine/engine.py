@@ -31,7 +31,7 @@ from compiled_engine.jax import bridge
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep, StepOutput
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.scheduler.plan import Batch, ReqStep, TokenEvent
+from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
 from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # tests check that nothing holds it once its request ends
 class RequestState:
     """What the engine keeps about one request. It hangs off the request's ledger entry
     (`Request.engine_state`), so it ends with it: there is no other registry to clear."""
@@ -58,7 +58,7 @@ class _Launched:
     """A step in flight: its plan, the state of each request that samples in it (in plan order, taken at
     launch: a request may end before the step commits), and its tokens on their way."""
 
-    plan: Batch
+    plan: StepPlan
     sampled: list[RequestState]
     pending: Future | PendingStep
 
@@ -78,7 +78,7 @@ class Engine:
         self._overlap = bool(config.overlap)
         self._worker: ThreadPoolExecutor | None = None  # overlap's forward thread, on a synchronous device
         self.steps = 0
-        self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
+        self.last_plan: StepPlan | None = None  # the plan of the latest step() (the TP debug digest reads it)
 
     @property
     def compile_summary(self) -> str:
@@ -119,12 +119,12 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """Plan and launch one step; commit the previous one (overlap) or this one. Returns the events."""
-        batch = self.scheduler.schedule()
-        self.last_batch = batch
-        if batch is not None:
-            self._inflight.append(self._launch(batch))
+        plan = self.scheduler.schedule()
+        self.last_plan = plan
+        if plan is not None:
+            self._inflight.append(self._launch(plan))
             self.steps += 1
-        keep = 1 if (self._overlap and batch is not None) else 0
+        keep = 1 if (self._overlap and plan is not None) else 0
         events: list[TokenEvent] = []
         while len(self._inflight) > keep:
             done = self._inflight.popleft()
@@ -136,22 +136,22 @@ class Engine:
             self._worker.shutdown(wait=True)
         gc.unfreeze()  # `startup.build_engine` froze the engine's objects: they may be collected again
 
-    def _launch(self, batch: Batch) -> _Launched:
+    def _launch(self, plan: StepPlan) -> _Launched:
         # Every request of a plan is live until its step is launched (nothing runs in between).
-        sampled = [(step, self.scheduler.get_request(step.rid)) for step in batch.reqs if step.sample]
+        sampled = [(step, self.scheduler.get_request(step.rid)) for step in plan.reqs if step.sample]
         # The sampler's rows (token masks included) now, on this thread: under overlap the previous step's
         # forward runs meanwhile.
-        rows = [_sampling_row(step, req) for step, req in sampled]
+        sampling = [_sampling_row(step, req) for step, req in sampled]
         states = [req.engine_state for _, req in sampled]
         if not self._overlap or self.runner.asynchronous:
-            return _Launched(batch, states, self.runner.launch(batch, rows))
+            return _Launched(plan, states, self.runner.launch(plan, sampling))
         if self._worker is None:  # a synchronous device computes in its launch: overlap runs it on a thread
             self._worker = ThreadPoolExecutor(1, "forward")
-        return _Launched(batch, states, self._worker.submit(self.runner.execute, batch, rows))
+        return _Launched(plan, states, self._worker.submit(self.runner.execute, plan, sampling))
 
     def _commit(self, launched: _Launched, output: StepOutput) -> list[TokenEvent]:
-        batch = launched.plan
-        sampled = [r for r in batch.reqs if r.sample]
+        plan = launched.plan
+        sampled = [r for r in plan.reqs if r.sample]
         events = self._fail_rows(sampled, output.errors) if output.errors else []
         by_rid: dict[str, tuple[RequestState, float | None, list | None]] = {}
         for i, (req, state) in enumerate(zip(sampled, launched.sampled)):
@@ -160,7 +160,7 @@ class Engine:
                 lp = output.logprobs[i]
                 top = output.top_logprobs[i][: state.params.logprobs] if output.top_logprobs is not None else []
             by_rid[req.rid] = (state, lp, top)
-        for ev in self.scheduler.commit(batch, output.tokens):
+        for ev in self.scheduler.commit(plan, output.tokens):
             if ev.token is None:
                 events.append(ev)
                 continue
@@ -176,7 +176,7 @@ class Engine:
             events.append(TokenEvent(ev.rid, ev.token, finished, reason, lp, top))
         return events
 
-    def _fail_rows(self, sampled: list, errors: dict[int, str]) -> list[TokenEvent]:
+    def _fail_rows(self, sampled: list[ReqStep], errors: dict[int, str]) -> list[TokenEvent]:
         """End the requests whose row failed in the sampler (a logits processor, a mask that allows nothing):
         their token of this step is dropped. One that ended meanwhile (aborted) gets no event."""
         live = [(sampled[i].rid, message) for i, message in sorted(errors.items())]

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from compiled_engine.scheduler import Batch, LedgerParams, RequestRejected, Scheduler, SchedulerConfig
+from compiled_engine.scheduler import LedgerParams, RequestRejected, Scheduler, SchedulerConfig, StepPlan
 from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
@@ -89,7 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.exe = FakeExecutor(self.cfg, vocab_size=VOCAB)
         self.lag = lag
         self.bases = bases
-        self.pending: deque[tuple[Batch, list[int]]] = deque()
+        self.pending: deque[tuple[StepPlan, list[int]]] = deque()
         self.expected: dict[str, list[int]] = {}  # rid -> reference output
         self.outputs: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}  # finished through an event
@@ -171,7 +171,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not self.sched.has_work(), "stalled: work left, nothing planned, nothing in flight"
         self.sched.check_integrity()
 
-    def plan(self) -> Batch | None:
+    def plan(self) -> StepPlan | None:
         """schedule(), checking that it admitted a prefix of the waiting queue and kept its budget."""
         before = [r.rid for r in self.sched.waiting]
         batch = self.sched.schedule()

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from compiled_engine.scheduler.plan import Batch, TokenEvent
+from compiled_engine.scheduler.plan import StepPlan, TokenEvent
 
 ENV_FLAG = "COMPILED_ENGINE_TP_DEBUG"
 
@@ -22,7 +22,7 @@ def debug_enabled(config_flag: bool) -> bool:
     return config_flag or os.environ.get(ENV_FLAG, "") not in ("", "0")
 
 
-def ledger_digest(step: int, batch: Batch | None, events: list) -> int:
+def ledger_digest(step: int, batch: StepPlan | None, events: list) -> int:
     """A 63-bit hash of the plan (request order, positions, KV slots, page-table writes) and the tokens."""
     tokens = [(e.rid, e.token, e.finished, e.finish_reason) for e in events if isinstance(e, TokenEvent)]
     text = repr((step, batch, tokens)).encode()

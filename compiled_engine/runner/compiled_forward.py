@@ -64,11 +64,11 @@ CPU_OPTIONS: dict[str, bool] = {"size_asserts": False}
 
 @dataclass(frozen=True, slots=True)
 class DecodeGraph:
-    """The graph a decode batch runs: the `rows` it is padded to, the key of its compiled graph (its
+    """The graph a decode batch runs: the `n_rows` it is padded to, the key of its compiled graph (its
     bucket, or "decode": the dynamic-batch graph beyond the largest bucket), and on CUDA its captured graph,
     whose input buffers the step's inputs are built into."""
 
-    rows: int
+    n_rows: int
     key: int | str
     captured: _CapturedDecode | None = None
 
@@ -188,9 +188,9 @@ class CompiledForward:
         """Capture every decode bucket, largest first, into one memory pool, each from the one dynamic-batch
         decode graph (CUDA only)."""
         pool = torch.cuda.graph_pool_handle()
-        for batch in sorted(self.buckets, reverse=True):
-            self.cuda_graphs[batch] = _CapturedDecode(lambda *args: self._run("decode", args),
-                                                      make_inputs(batch), pool)
+        for n_rows in sorted(self.buckets, reverse=True):
+            self.cuda_graphs[n_rows] = _CapturedDecode(lambda *args: self._run("decode", args),
+                                                       make_inputs(n_rows), pool)
 
 
 def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:

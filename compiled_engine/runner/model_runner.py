@@ -13,7 +13,7 @@ from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.staging import DeviceEvent, Staging, event_factory
 from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs, sample_targets
 from compiled_engine.runner.warmup import warm_up
-from compiled_engine.scheduler.plan import Batch
+from compiled_engine.scheduler.plan import StepPlan
 
 
 @dataclass
@@ -89,32 +89,32 @@ class ModelRunner:
         # next step before it reads this one's tokens, on its own thread. On the CPU a launch computes.
         self.asynchronous = device.type == "cuda"
 
-    def launch(self, batch: Batch, rows: list[SamplingRow]) -> PendingStep:
-        """The one entry of a step: apply the plan's writes, run the forward, sample (`rows`: one per
+    def launch(self, plan: StepPlan, sampling: list[SamplingRow]) -> PendingStep:
+        """The one entry of a step: apply the plan's writes, run the forward, sample (`sampling`: one row per
         sampling request, in plan order), and write the sampled tokens to the token table, all queued on the
         device without a host sync; the tokens come back through the returned `PendingStep`."""
         # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must agree.
         with torch.inference_mode():
-            targets = self.tables.apply_writes(batch, self.staging, sample_targets(batch, self.tables))
-            logits = self.logits(batch)
-            if not rows:
+            targets = self.tables.apply_writes(plan, self.staging, sample_targets(plan, self.tables))
+            logits = self.logits(plan)
+            if not sampling:
                 return PendingStep(None, self.make_event)
-            for row in rows:
+            for row in sampling:
                 if row.history is not None:
                     row.prompt_ids, row.output_ids = self.tables.history(*row.history)
-            out = self.sampler(logits, rows)
+            out = self.sampler(logits, sampling)
             self.tables.tokens.view(-1).index_copy_(0, targets, out.tokens)
             return PendingStep(out, self.make_event)
 
-    def execute(self, batch: Batch, rows: list[SamplingRow]) -> StepOutput:
+    def execute(self, plan: StepPlan, sampling: list[SamplingRow]) -> StepOutput:
         """`launch`, then wait for the tokens."""
-        return self.launch(batch, rows).result()
+        return self.launch(plan, sampling).result()
 
-    def logits(self, batch: Batch) -> torch.Tensor:
+    def logits(self, plan: StepPlan) -> torch.Tensor:
         """The logits of the plan's sampling requests (the forward only: no writes, no sampling). A decode
         step runs its bucket's graph, its inputs built into that graph's buffers where it has them."""
-        graph = self.forward.graph_for(len(batch.reqs)) if batch.is_decode else None
-        inputs = build_step_inputs(batch, self.tables, graph and graph.rows, self.staging, graph and graph.inputs)
+        graph = self.forward.graph_for(len(plan.reqs)) if plan.is_decode else None
+        inputs = build_step_inputs(plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs)
         return self.forward(inputs, graph)[: inputs.num_sampled]
 
     def warm_up(self, progress: Callable[[str, int], None] | None = None,

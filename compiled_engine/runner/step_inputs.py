@@ -1,4 +1,4 @@
-"""Where the ledger becomes kernel arguments: a `Batch` plan -> the tensors of one forward.
+"""Where the ledger becomes kernel arguments: a `StepPlan` plan -> the tensors of one forward.
 
 Token ids and page-table rows live on the device (`DeviceTables`); a plan only says which positions of
 which rows to compute, so the token sampled in step k is read by step k+1 without a host round trip.
@@ -16,7 +16,7 @@ import torch
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner.attention_metadata import build_metadata
 from compiled_engine.runner.staging import DeviceSlab, Staging
-from compiled_engine.scheduler.plan import Batch
+from compiled_engine.scheduler.plan import StepPlan
 
 
 class DeviceTables:
@@ -26,18 +26,18 @@ class DeviceTables:
         self.pad_row = max_rows
         self.width = max_context
         self.tokens = torch.zeros(max_rows + 1, max_context, dtype=torch.long, device=device)
-        self.slots = torch.zeros(max_rows + 1, max_context, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_rows + 1, max_context, dtype=torch.int32, device=device)
         self.device = device
 
-    def apply_writes(self, batch: Batch, staging: Staging, sample_next: list[int] | None = None) -> torch.Tensor:
+    def apply_writes(self, plan: StepPlan, staging: Staging, sample_next: list[int] | None = None) -> torch.Tensor:
         """One upload and one scatter per table for all of the plan's writes. `sample_next`: the flat table
         positions the step's sampled tokens go to, uploaded with them; returns them on the device."""
         slot_at: list[int] = []
         slot_val: list[int] = []
         token_at: list[int] = []
         token_val: list[int] = []
-        for writes, at, vals, table in ((batch.slot_writes, slot_at, slot_val, "slots"),
-                                        (batch.token_writes, token_at, token_val, "tokens")):
+        for writes, at, vals, table in ((plan.slot_writes, slot_at, slot_val, "slots"),
+                                        (plan.token_writes, token_at, token_val, "tokens")):
             for w in writes:
                 values = w.slots if table == "slots" else w.tokens
                 if not values:
@@ -50,7 +50,7 @@ class DeviceTables:
                              "token_at": (token_at, torch.long), "token_val": (token_val, torch.long),
                              "sample_next": (sample_next or [], torch.long)}).fields
         if slot_at:
-            self.slots.view(-1).index_copy_(0, up["slot_at"], up["slot_val"])
+            self.page_table.view(-1).index_copy_(0, up["slot_at"], up["slot_val"])
         if token_at:
             self.tokens.view(-1).index_copy_(0, up["token_at"], up["token_val"])
         return up["sample_next"]
@@ -73,26 +73,26 @@ class StepInputs:
     meta: AttentionMetadata
     logits_index: torch.Tensor  # [N'] token index of each sampled request, in plan order, then padding
     num_sampled: int  # the first num_sampled entries of logits_index (and rows of the logits) are real
-    rows: torch.Tensor  # [B'] table row of each (padded) request
+    table_rows: torch.Tensor  # [B'] table row of each (padded) request
     staged: DeviceSlab  # the device tensors the step's host lists were uploaded into (the fields above)
 
 
-def sample_targets(batch: Batch, tables: DeviceTables) -> list[int]:
+def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
     """Where each sampled request's token lands in the (flattened) token table, in plan order."""
-    return [tables.flat(r.row, r.start + r.length) for r in batch.reqs if r.sample]
+    return [tables.flat(r.row, r.start + r.length) for r in plan.reqs if r.sample]
 
 
-def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None, staging: Staging,
+def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, staging: Staging,
                       into: StepInputs | None = None) -> StepInputs:
     """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a captured
     graph's static inputs, which the step's inputs are then written into (and returned)."""
-    reqs = batch.reqs
+    reqs = plan.reqs
     pad = tables.pad_row
     rows = [r.row for r in reqs]
     lengths = [r.length for r in reqs]
     seq_lens = [r.start + r.length for r in reqs]
     out_slots = [s for r in reqs for s in r.out_slots]
-    if batch.is_decode:
+    if plan.is_decode:
         n_pad = (pad_to or len(reqs)) - len(reqs)
         rows += [pad] * n_pad
         positions = [r.start for r in reqs] + [0] * n_pad
@@ -117,20 +117,20 @@ def build_step_inputs(batch: Batch, tables: DeviceTables, pad_to: int | None, st
     # and >= 2 in an extend step, so that no dynamic dimension is 1.
     sampled = [i for i, r in enumerate(reqs) if r.sample]
     logits_index = [cu[i + 1] - 1 for i in sampled]
-    width = len(rows) if batch.is_decode else max(2, len(logits_index))
+    width = len(rows) if plan.is_decode else max(2, len(logits_index))
     logits_index += [cu[-1] - 1] * (width - len(logits_index))
     long, i32, width_t = torch.long, torch.int32, tables.width
     staged = staging.upload({
         "token_at": ([r * width_t + p for r, p in zip(token_rows, positions)], long),
-        "positions": (positions, long), "rows": (rows, long), "out_slots": (out_slots, long),
+        "positions": (positions, long), "table_rows": (rows, long), "out_slots": (out_slots, long),
         "logits_index": (logits_index, long), "seq_lens": (seq_lens, i32), "cu_q_lens": (cu, i32),
     }, None if into is None else into.staged)
     f = staged.fields
     if into is None:
         input_ids = tables.tokens.view(-1).index_select(0, f["token_at"])
-        page_rows = tables.slots.index_select(0, f["rows"])
+        page_rows = tables.page_table.index_select(0, f["table_rows"])
     else:
         input_ids = torch.index_select(tables.tokens.view(-1), 0, f["token_at"], out=into.input_ids)
-        page_rows = torch.index_select(tables.slots, 0, f["rows"], out=into.meta.page_table)
-    meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], batch.is_decode)
-    return StepInputs(input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["rows"], staged)
+        page_rows = torch.index_select(tables.page_table, 0, f["table_rows"], out=into.meta.page_table)
+    meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode)
+    return StepInputs(input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["table_rows"], staged)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
-from compiled_engine.scheduler.plan import Batch, ReqStep
+from compiled_engine.scheduler.plan import ReqStep, StepPlan
 from kernels import ops as kernel_ops
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
         if progress is not None:
             progress(graph, total)
 
-    def decode(n: int) -> Batch:
+    def decode(n: int) -> StepPlan:
         tick("decode, any batch" if n == beyond else f"decode, batch {n}")
         return _plan([1] * n, max_rows, decode=True)
 
@@ -69,7 +69,7 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
              time.perf_counter() - t0)
 
 
-def _plan(lengths: list[int], max_rows: int, decode: bool) -> Batch:
+def _plan(lengths: list[int], max_rows: int, decode: bool) -> StepPlan:
     """A plan that samples every request and writes nowhere; rows are shared when the pool has fewer."""
     reqs = tuple(ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True) for i, n in enumerate(lengths))
-    return Batch(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)
+    return StepPlan(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)

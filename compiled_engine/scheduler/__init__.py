@@ -2,7 +2,7 @@
 
 from compiled_engine.scheduler.allocator import IdPool, PageAllocator
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.plan import Batch, ReqStep, SlotWrite, TokenEvent, TokenWrite
+from compiled_engine.scheduler.plan import ReqStep, SlotWrite, StepPlan, TokenEvent, TokenWrite
 from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import LedgerParams, Request, Status
@@ -10,7 +10,7 @@ from compiled_engine.scheduler.scheduler import Scheduler, SchedulerStats
 from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [
-    "Batch",
+    "StepPlan",
     "IdPool",
     "LedgerParams",
     "NaiveCache",

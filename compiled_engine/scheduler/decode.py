@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
     ps = sched.book.page_size
     for req in list(sched.running):
-        c = req.cached_len
+        c = req.planned_len
         d = req.device_len
         if req.status is not Status.RUNNING or c < req.fill_to or d >= req.max_len:
             continue  # retracted in this loop, still prefilling, or finishing at a pending commit
@@ -32,7 +32,7 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
             pages.append(page)
         slots = (pages[c // ps] * ps + c % ps,)
         draft.add(req, ReqStep(req.rid, req.row, c, 1, slots, True), SlotWrite(req.row, c, slots))
-        req.cached_len = c + 1
+        req.planned_len = c + 1
         req.device_len = d + 1
 
 
@@ -49,7 +49,7 @@ def _page_for(sched: Scheduler, req: Request) -> int | None:
             return page
         if book.cache.evict(1):
             continue
-        if book.deferred or any(r.cached_len >= r.fill_to and r.device_len == r.max_len for r in sched.running):
+        if book.deferred or any(r.planned_len >= r.fill_to and r.device_len == r.max_len for r in sched.running):
             return None
         victim = sched.running[-1]
         deferred = victim.last_step > book.committed

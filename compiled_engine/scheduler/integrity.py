@@ -41,14 +41,14 @@ def check_integrity(sched: Scheduler) -> None:
         assert req.lock is not None, f"{name} runs without a prefix-cache lock"
         assert req.row >= 0, f"{name} runs without a table row"
         claim_row(req.row, name)
-        assert 0 <= req.cached_len <= req.device_len <= req.max_len, (
-            f"{name}: lengths cached {req.cached_len} device {req.device_len} max {req.max_len}"
+        assert 0 <= req.planned_len <= req.device_len <= req.max_len, (
+            f"{name}: lengths cached {req.planned_len} device {req.device_len} max {req.max_len}"
         )
-        assert req.cached_len < req.device_len or req.device_len == req.max_len, (
+        assert req.planned_len < req.device_len or req.device_len == req.max_len, (
             f"{name}: nothing left to compute but not at its maximum length"
         )
-        assert len(req.pages) == -(-req.cached_len // ps), (
-            f"{name}: {len(req.pages)} pages for {req.cached_len} computed positions"
+        assert len(req.pages) == -(-req.planned_len // ps), (
+            f"{name}: {len(req.pages)} pages for {req.planned_len} computed positions"
         )
         shared = tuple(req.pages[: req.prefix_pages])
         assert shared == book.cache.pages_of(req.lock), f"{name}: row prefix differs from its cached path"

@@ -66,9 +66,9 @@ class KvBook:
 
     def release(self, req: Request) -> None:
         """Cache the computed prefix, then return pages, row and lock (deferred while in flight)."""
-        dups = self.cache_prefix(req, min(req.cached_len, req.known_len), live=False)
+        dups = self.cache_prefix(req, min(req.planned_len, req.known_len), live=False)
         d = DeferredRelease(req.last_step, req.lock, req.pages[req.prefix_pages :] + dups, req.row)
-        req.pages, req.lock, req.prefix_pages, req.row, req.cached_len, req.rewrite = [], None, 0, -1, 0, None
+        req.pages, req.lock, req.prefix_pages, req.row, req.planned_len, req.rewrite = [], None, 0, -1, 0, None
         self._defer(d)
 
     def commit_step(self, step: int) -> None:

@@ -34,7 +34,7 @@ class TokenWrite:
 
 
 @dataclass(frozen=True, slots=True)
-class Batch:
+class StepPlan:
     step: int  # increasing step id
     reqs: tuple[ReqStep, ...]  # in a deterministic order
     slot_writes: tuple[SlotWrite, ...]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
     book = sched.book
-    chunked = [r for r in sched.running if r.cached_len < r.fill_to]
+    chunked = [r for r in sched.running if r.planned_len < r.fill_to]
     if not chunked and not sched.waiting:
         return
     # Optimistic admission, one step ahead only: leave the pages running decodes need next step.
@@ -25,12 +25,12 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
     reserve = sum(
         1
         for r in sched.running
-        if r.cached_len >= r.fill_to and r.device_len < r.max_len and r.cached_len == len(r.pages) * ps
+        if r.planned_len >= r.fill_to and r.device_len < r.max_len and r.planned_len == len(r.pages) * ps
     )
     for req in chunked:
         if budget <= 0:
             return
-        if not plan_chunk(book, req, draft, budget, req.cached_len, reserve):
+        if not plan_chunk(book, req, draft, budget, req.planned_len, reserve):
             return
         budget -= draft.reqs[-1].length
     waiting = sched.waiting
@@ -46,13 +46,13 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
         book.cache.lock(handle)
         row = book.rows.alloc_one()
         assert row is not None
-        req.lock, req.pages, req.prefix_pages, req.cached_len = handle, list(hit), len(hit), len(hit) * ps
+        req.lock, req.pages, req.prefix_pages, req.planned_len = handle, list(hit), len(hit), len(hit) * ps
         req.fill_to = len(tokens)
         req.row = row
         if not plan_chunk(book, req, draft, budget, 0, reserve):
             book.cache.unlock(handle)
             book.rows.free([row])
-            req.lock, req.pages, req.prefix_pages, req.cached_len, req.row = None, [], 0, 0, -1
+            req.lock, req.pages, req.prefix_pages, req.planned_len, req.row = None, [], 0, 0, -1
             return
         book.cache.record(len(tokens), len(hit) * ps)
         waiting.popleft()
@@ -68,7 +68,7 @@ def plan_chunk(book: KvBook, req: Request, draft: StepDraft, budget: int, write_
     False (nothing changed) when the chunk's pages are not available beyond `reserve` pages.
     """
     ps = book.page_size
-    start = req.cached_len
+    start = req.planned_len
     n = min(req.fill_to - start, budget)
     end = start + n
     need = -(-end // ps) - len(req.pages)
@@ -83,7 +83,7 @@ def plan_chunk(book: KvBook, req: Request, draft: StepDraft, budget: int, write_
     out = book.slots(req, start, end)
     step = ReqStep(req.rid, req.row, start, n, out, sample)
     draft.add(req, step, SlotWrite(req.row, write_from, book.slots(req, write_from, start) + out))
-    req.cached_len = end
+    req.planned_len = end
     if sample:
         req.device_len += 1
     return True

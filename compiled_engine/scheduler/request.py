@@ -46,9 +46,9 @@ class Request:
     output: list[int] = field(default_factory=list)  # committed generated tokens
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Lengths: positions [0, cached_len) have their KV planned; [0, device_len) have a token on the
-    # device (committed or sampled by an in-flight step). 0 <= cached_len <= device_len <= max_len.
-    cached_len: int = 0
+    # Lengths: positions [0, planned_len) have their KV planned; [0, device_len) have a token on the
+    # device (committed or sampled by an in-flight step). 0 <= planned_len <= device_len <= max_len.
+    planned_len: int = 0
     device_len: int = 0
     fill_to: int = 0  # prefill (or recompute after retraction) target set at admission
     row: int = -1

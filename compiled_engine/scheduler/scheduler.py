@@ -20,7 +20,7 @@ from compiled_engine.scheduler.decode import plan_decodes
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.integrity import check_integrity
 from compiled_engine.scheduler.kv_book import KvBook
-from compiled_engine.scheduler.plan import Batch, TokenEvent
+from compiled_engine.scheduler.plan import StepPlan, TokenEvent
 from compiled_engine.scheduler.prefill import plan_prefills
 from compiled_engine.scheduler.prefix_cache import PrefixCache
 from compiled_engine.scheduler.request import LedgerParams, Request, Status
@@ -48,7 +48,7 @@ class Scheduler:
         self.live: dict[str, Request] = {}  # waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (retraction takes the last)
-        self.inflight: deque[tuple[Batch, tuple[Request, ...]]] = deque()
+        self.inflight: deque[tuple[StepPlan, tuple[Request, ...]]] = deque()
         self.num_retractions = 0
         self.num_prefix_waits = 0  # steps a waiting request deferred admission to share a running prefill
         self._eos = frozenset(config.eos_token_ids)
@@ -101,7 +101,7 @@ class Scheduler:
 
     # -- planning --------------------------------------------------------------------------------
 
-    def schedule(self) -> Batch | None:
+    def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when nothing can run now (commit in-flight steps first)."""
         if len(self.inflight) >= MAX_IN_FLIGHT:
             raise RuntimeError(f"at most {MAX_IN_FLIGHT} steps may be in flight: commit one first")
@@ -117,15 +117,15 @@ class Scheduler:
         if not draft.reqs:
             return None
         self._next_step += 1
-        batch = Batch(
+        plan = StepPlan(
             step=draft.step,
             reqs=tuple(draft.reqs),
             slot_writes=tuple(self.book.take_rewrites() + draft.slot_writes),
             token_writes=tuple(draft.token_writes),
             is_decode=all(r.length == 1 for r in draft.reqs),
         )
-        self.inflight.append((batch, tuple(draft.members)))
-        return batch
+        self.inflight.append((plan, tuple(draft.members)))
+        return plan
 
     def retract(self, req: Request) -> None:
         """Free a running request's KV and queue it first to recompute prompt + generated tokens."""
@@ -137,15 +137,15 @@ class Scheduler:
 
     # -- commit ----------------------------------------------------------------------------------
 
-    def commit(self, batch: Batch, sampled_tokens: list[int]) -> list[TokenEvent]:
+    def commit(self, plan: StepPlan, sampled_tokens: list[int]) -> list[TokenEvent]:
         """Apply the sampled tokens of the oldest in-flight step (one per sampling ReqStep, in order)."""
-        if not self.inflight or self.inflight[0][0] is not batch:
-            raise ValueError(f"commit of step {batch.step} out of order: steps are committed as planned")
+        if not self.inflight or self.inflight[0][0] is not plan:
+            raise ValueError(f"commit of step {plan.step} out of order: steps are committed as planned")
         _, members = self.inflight.popleft()
-        self.book.committed = batch.step
+        self.book.committed = plan.step
         tokens = iter(sampled_tokens)
         events: list[TokenEvent] = []
-        for rs, req in zip(batch.reqs, members, strict=True):
+        for rs, req in zip(plan.reqs, members, strict=True):
             status = req.status
             if rs.sample:
                 tok = next(tokens)
@@ -159,14 +159,14 @@ class Scheduler:
                 elif status is Status.RUNNING and rs.start < req.fill_to:
                     self.book.cache_prefix(req, rs.start + rs.length)
             elif status is Status.RUNNING:
-                if req.device_len == req.max_len and req.cached_len == req.device_len:
+                if req.device_len == req.max_len and req.planned_len == req.device_len:
                     events.append(TokenEvent(req.rid, None, True, "length"))  # max_tokens == 0
                     self._end(req, Status.FINISHED, "length")
                 else:
                     self.book.cache_prefix(req, rs.start + rs.length)
         if next(tokens, None) is not None:
-            raise ValueError(f"step {batch.step}: more sampled tokens than sampling requests")
-        self.book.commit_step(batch.step)
+            raise ValueError(f"step {plan.step}: more sampled tokens than sampling requests")
+        self.book.commit_step(plan.step)
         return events
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:

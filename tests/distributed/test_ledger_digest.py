@@ -6,12 +6,12 @@ import pytest
 
 from compiled_engine.ranks.digest import LedgerDivergence, check_digests, ledger_digest
 from compiled_engine.ranks.monitor import describe_exit
-from compiled_engine.scheduler.plan import Batch, ReqStep, TokenEvent
+from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
 
 
-def _batch(order: tuple[str, ...]) -> Batch:
+def _batch(order: tuple[str, ...]) -> StepPlan:
     reqs = tuple(ReqStep(rid, i, 0, 1, (10 + i,), True) for i, rid in enumerate(order))
-    return Batch(step=3, reqs=reqs, slot_writes=(), token_writes=(), is_decode=True)
+    return StepPlan(step=3, reqs=reqs, slot_writes=(), token_writes=(), is_decode=True)
 
 
 def test_digest_sees_batch_order_and_tokens() -> None:

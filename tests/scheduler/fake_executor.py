@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.plan import Batch, TokenEvent
+from compiled_engine.scheduler.plan import StepPlan, TokenEvent
 from compiled_engine.scheduler.scheduler import Scheduler
 
 _MOD = (1 << 61) - 1
@@ -44,7 +44,7 @@ def reference_output(
 
 
 class FakeExecutor:
-    """Runs a ``Batch`` like the runner would: table writes, gather, KV store, sample (greedy)."""
+    """Runs a ``StepPlan`` like the runner would: table writes, gather, KV store, sample (greedy)."""
 
     def __init__(self, config: SchedulerConfig, vocab_size: int = 64, verify: bool = True) -> None:
         self.vocab_size = vocab_size
@@ -56,7 +56,7 @@ class FakeExecutor:
         self.dummy_slots = range(config.page_size)  # page 0: padding rows only ever read it
         self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()  # step, slot/row -> rid
 
-    def execute(self, batch: Batch) -> list[int]:
+    def execute(self, batch: StepPlan) -> list[int]:
         slots_used: dict[int, str] = {}
         rows_used: dict[int, str] = {}
         for tw in batch.token_writes:
@@ -124,7 +124,7 @@ class FakeExecutor:
 def run_to_completion(scheduler: Scheduler, executor: FakeExecutor, lag: int = 0) -> list[TokenEvent]:
     """Drive until idle; ``lag=1`` plans step k+1 before committing step k (overlap)."""
     events: list[TokenEvent] = []
-    pending: deque[tuple[Batch, list[int]]] = deque()
+    pending: deque[tuple[StepPlan, list[int]]] = deque()
     while scheduler.has_work():
         batch = scheduler.schedule() if len(pending) <= lag else None
         if batch is not None:

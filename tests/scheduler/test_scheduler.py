@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.scheduler import Batch, LedgerParams, RequestRejected, Scheduler, SchedulerConfig, Status
+from compiled_engine.scheduler import LedgerParams, RequestRejected, Scheduler, SchedulerConfig, Status, StepPlan
 from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
 
 VOCAB = 16
@@ -34,13 +34,13 @@ def outputs(events) -> dict[str, list[int]]:
     return out
 
 
-def step(sched: Scheduler, exe: FakeExecutor) -> tuple[Batch, list[int]]:
+def step(sched: Scheduler, exe: FakeExecutor) -> tuple[StepPlan, list[int]]:
     batch = sched.schedule()
     assert batch is not None
     return batch, exe.execute(batch)
 
 
-def commit(sched: Scheduler, exe: FakeExecutor, planned: tuple[Batch, list[int]]):
+def commit(sched: Scheduler, exe: FakeExecutor, planned: tuple[StepPlan, list[int]]):
     events = sched.commit(*planned)
     exe.retire(planned[0].step)
     sched.check_integrity()
@@ -147,7 +147,7 @@ def test_abort_anywhere_releases_everything(where):
         if where == "running":
             commit(sched, exe, step(sched, exe))
             commit(sched, exe, step(sched, exe))
-            assert sched.get_request("a").cached_len >= 7
+            assert sched.get_request("a").planned_len >= 7
     sched.abort("a")
     sched.check_integrity()
     assert not sched.has_work()
@@ -326,7 +326,7 @@ def test_plans_identical_across_hash_seeds():
             [sys.executable, "-c", _plans_script()], cwd=ROOT, env=env, capture_output=True, text=True, check=True
         )
         runs.append(res.stdout)
-    assert runs[0] == runs[1] and runs[0].count("Batch(") > 5
+    assert runs[0] == runs[1] and runs[0].count("StepPlan(") > 5
 
 
 def test_two_schedulers_same_inputs_same_plans():

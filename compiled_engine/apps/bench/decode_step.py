@@ -27,7 +27,7 @@ from compiled_engine.models.loader import load_model
 from compiled_engine.runner.compiled_forward import COMPILE_MODES, CompiledForward
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
-from compiled_engine.scheduler.plan import Batch, ReqStep
+from compiled_engine.scheduler.plan import ReqStep, StepPlan
 
 
 class Setup:
@@ -51,18 +51,18 @@ class Setup:
     def rows(self, lengths: list[int]) -> None:
         """Give row b a fresh run of `lengths[b]` KV slots in its page-table row."""
         for b, n in enumerate(lengths):
-            self.runner.tables.slots[b, :n] = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
+            self.runner.tables.page_table[b, :n] = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
             self.next_slot += n
 
     def decode(self, positions: list[int], bucket: int) -> StepInputs:
         t = self.runner.tables
-        reqs = tuple(ReqStep(f"r{b}", b, p, 1, (int(t.slots[b, p]),), True) for b, p in enumerate(positions))
-        return build_step_inputs(Batch(0, reqs, (), (), True), t, bucket, self.runner.staging)
+        reqs = tuple(ReqStep(f"r{b}", b, p, 1, (int(t.page_table[b, p]),), True) for b, p in enumerate(positions))
+        return build_step_inputs(StepPlan(0, reqs, (), (), True), t, bucket, self.runner.staging)
 
     def extend(self, length: int) -> StepInputs:
         t = self.runner.tables
-        reqs = (ReqStep("p", 0, 0, length, tuple(t.slots[0, :length].tolist()), True),)
-        return build_step_inputs(Batch(0, reqs, (), (), False), t, None, self.runner.staging)
+        reqs = (ReqStep("p", 0, 0, length, tuple(t.page_table[0, :length].tolist()), True),)
+        return build_step_inputs(StepPlan(0, reqs, (), (), False), t, None, self.runner.staging)
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
@@ -84,7 +84,7 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
 
 def _step(fwd: CompiledForward, inputs: StepInputs) -> torch.Tensor:
     """One forward, on the graph the engine would pick for it."""
-    return fwd(inputs, fwd.graph_for(inputs.rows.shape[0]) if inputs.meta.is_decode else None)
+    return fwd(inputs, fwd.graph_for(inputs.table_rows.shape[0]) if inputs.meta.is_decode else None)
 
 
 def _compile(fwd: CompiledForward, inputs: StepInputs) -> float:

@@ -41,7 +41,7 @@ def _step_ms(engine, batch: int, rng: random.Random, steps: int, extra: dict, ta
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True, **extra)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [rng.randrange(3, 1000) for _ in range(128)], params)
-    while engine.scheduler.stats().num_waiting or engine.last_batch is None or not engine.last_batch.is_decode:
+    while engine.scheduler.stats().num_waiting or engine.last_plan is None or not engine.last_plan.is_decode:
         engine.step()
     times = []
     for _ in range(steps):
