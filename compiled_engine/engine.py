@@ -73,16 +73,20 @@ class Engine:
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError (RequestRejected) with a clear message if it can never run."""
-        grammar = None
-        if params.structured is not None:
-            if self.grammars is None:
-                raise ValueError(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
-            params.structured.validate()
-            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)  # ValueError if bad
+        """Queue a request; raises ValueError (RequestRejected; ConstraintError for a constraint that does not
+        compile) with a clear message if it can never run."""
+        if params.structured is not None and self.grammars is None:
+            raise ValueError(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
         for processor in params.logits_processors:
             bridge.resolve(processor)  # a name that cannot be imported: ValueError now, before anything is queued
-        self.scheduler.add_request(rid, prompt_ids, params)  # validates it
+        self.scheduler.add_request(rid, prompt_ids, params)  # validates it (the one check of its parameters)
+        grammar = None
+        if params.structured is not None:
+            try:  # compiled here only: the server leaves a bad constraint's 400 to this
+                grammar = self.grammars.for_request(params.structured, params.stop_token_ids)
+            except ValueError:
+                self.scheduler.abort(rid)
+                raise
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)

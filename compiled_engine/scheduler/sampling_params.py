@@ -86,11 +86,13 @@ class SamplingParams:
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
-    """A request's `n` samples as `n` single-sample requests (ValueError for bad parameters); sample i of a
-    seeded request uses seed + i (mod 2**63, the range of torch's generators)."""
-    params.validate()
-    seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
-    return [replace(params, n=1, seed=seed) for seed in seeds]
+    """A request's `n` samples as `n` single-sample requests (ValueError unless n >= 1; every other field is
+    checked once, at admission); sample i of a seeded request uses seed + i (mod 2**63, the range of torch's
+    generators); a seed outside that range is passed on as given, for admission to reject."""
+    _check(params.n >= 1, "n must be >= 1", params.n)
+    seed = params.seed
+    in_range = seed is not None and 0 <= seed < 2**63
+    return [replace(params, n=1, seed=(seed + i) % 2**63 if in_range else seed) for i in range(params.n)]
 
 
 def _check(ok: bool, message: str, value: object) -> None:
