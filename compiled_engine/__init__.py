@@ -8,7 +8,7 @@ from importlib import import_module
 
 _LAZY = {
     "LLM": "compiled_engine.llm",
-    "SamplingParams": "compiled_engine.scheduler.sampling_params",
+    "SamplingParams": "compiled_engine.sampling_params",
     "EngineConfig": "compiled_engine.config",
 }
 

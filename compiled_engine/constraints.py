@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from compiled_engine.scheduler.sampling_params import StructuredOutput
+from compiled_engine.sampling_params import StructuredOutput
 
 ANY_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 

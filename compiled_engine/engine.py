@@ -30,10 +30,11 @@ from compiled_engine.constraints import GrammarBook, RequestGrammar
 from compiled_engine.jax import bridge
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep, StepOutput
 from compiled_engine.runner.sampler import SamplingRow, needs_history
-from compiled_engine.runner.step_inputs import StepInputs
-from compiled_engine.scheduler.plan import Batch, TokenEvent
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.scheduler.plan import Batch, ReqStep, TokenEvent
+from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
+from compiled_engine.scheduler.validation import RequestRejected
 
 if TYPE_CHECKING:
     from compiled_engine.runner.compile_cache.session import CompileReport
@@ -42,30 +43,42 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Live:
-    prompt_len: int
+class RequestState:
+    """What the engine keeps about one request. It hangs off the request's ledger entry
+    (`Request.engine_state`), so it ends with it: there is no other registry to clear."""
+
     params: SamplingParams
     generator: torch.Generator | None
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
     grammar: RequestGrammar | None = None  # structured output
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A step in flight: its plan, the state of each request that samples in it (in plan order, taken at
+    launch: a request may end before the step commits), and its tokens on their way."""
+
+    plan: Batch
+    sampled: list[RequestState]
+    pending: Future | PendingStep
+
+
 class Engine:
     """One TP rank's engine. Callers add requests, then call `step()` until `has_work()` is false."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, scheduler: Scheduler, runner: ModelRunner,
-                 eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
+                 eos_token_ids: tuple[int, ...], vocab_size: int, grammars: GrammarBook | None = None,
+                 compile_report: CompileReport | None = None) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
-        self._live: dict[str, _Live] = {}
-        self._inflight: collections.deque[tuple[Batch, Future | PendingStep]] = collections.deque()
+        self.grammars = grammars  # structured output (None: no tokenizer, no constraints)
+        self.compile_report = compile_report  # None: eager
+        self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
         self._worker: ThreadPoolExecutor | None = None  # overlap's forward thread, on a synchronous device
         self.steps = 0
         self.last_batch: Batch | None = None  # the plan of the latest step() (the TP debug digest reads it)
-        self.compile_report: CompileReport | None = None  # set by build_engine (None: eager)
-        self.grammars: GrammarBook | None = None  # set by build_engine: structured output
 
     @property
     def compile_summary(self) -> str:
@@ -73,34 +86,32 @@ class Engine:
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError (RequestRejected; ConstraintError for a constraint that does not
-        compile) with a clear message if it can never run."""
-        if params.structured is not None and self.grammars is None:
-            raise ValueError(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
-        for processor in params.logits_processors:
-            bridge.resolve(processor)  # a name that cannot be imported: ValueError now, before anything is queued
-        self.scheduler.add_request(rid, prompt_ids, params)  # validates it (the one check of its parameters)
+        """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can never run.
+        The sampling parameters are validated here, the ledger's own by the scheduler."""
+        try:
+            params.validate()
+            for processor in params.logits_processors:
+                bridge.resolve(processor)  # a name that cannot be imported fails now, before anything is queued
+        except ValueError as e:
+            raise RequestRejected(f"request {rid!r}: {e}") from None
         grammar = None
         if params.structured is not None:
-            try:  # compiled here only: the server leaves a bad constraint's 400 to this
-                grammar = self.grammars.for_request(params.structured, params.stop_token_ids)
-            except ValueError:
-                self.scheduler.abort(rid)
-                raise
+            if self.grammars is None:
+                raise RequestRejected(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
+            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)  # ValueError if bad
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
-        self._live[rid] = _Live(len(prompt_ids), params, generator, banned, grammar)
+        state = RequestState(params, generator, banned, grammar)
+        self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)  # checks the rest
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
-        self._live.pop(rid, None)
 
     def finish(self, rid: str, reason: str = "stop") -> None:
         """End a request early (a stop string matched on the detokenized text)."""
         self.scheduler.finish(rid, reason)
-        self._live.pop(rid, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
@@ -111,13 +122,13 @@ class Engine:
         batch = self.scheduler.schedule()
         self.last_batch = batch
         if batch is not None:
-            self._inflight.append((batch, self._launch(batch)))
+            self._inflight.append(self._launch(batch))
             self.steps += 1
         keep = 1 if (self._overlap and batch is not None) else 0
         events: list[TokenEvent] = []
         while len(self._inflight) > keep:
-            done, pending = self._inflight.popleft()
-            events.extend(self._commit(done, pending.result()))
+            done = self._inflight.popleft()
+            events.extend(self._commit(done, done.pending.result()))
         return events
 
     def shutdown(self) -> None:
@@ -125,79 +136,74 @@ class Engine:
             self._worker.shutdown(wait=True)
         gc.unfreeze()  # `startup.build_engine` froze the engine's objects: they may be collected again
 
-    def _launch(self, batch: Batch) -> Future | PendingStep:
-        live = [self._live.get(r.rid) for r in batch.reqs if r.sample]
-        sampled = [r for r in batch.reqs if r.sample]
-        # Token masks now, on this thread: under overlap the previous step's forward runs meanwhile.
-        masks = [(info.grammar.next_mask(), info.grammar.complete) if info is not None and info.grammar is not None
-                 else (None, False) for info in live]
-
-        def rows(inputs: StepInputs) -> list[SamplingRow]:
-            out = []
-            for req, info, (mask, complete) in zip(sampled, live, masks):
-                if info is None:  # aborted or finished while planned: its token is dropped at commit
-                    out.append(SamplingRow(req.sampling))
-                    continue
-                seq_len = req.start + req.length
-                generated = seq_len - info.prompt_len
-                banned = info.banned if generated < info.params.min_tokens else ()
-                if complete:
-                    banned = ()  # a complete document ends now, min_tokens or not
-                row = SamplingRow(info.params, info.generator, banned, token_mask=mask)
-                if needs_history(info.params):
-                    row.prompt_ids, row.output_ids = self.runner.history(req.row, info.prompt_len, seq_len)
-                out.append(row)
-            return out
-
+    def _launch(self, batch: Batch) -> _Launched:
+        # Every request of a plan is live until its step is launched (nothing runs in between).
+        sampled = [(step, self.scheduler.get_request(step.rid)) for step in batch.reqs if step.sample]
+        # The sampler's rows (token masks included) now, on this thread: under overlap the previous step's
+        # forward runs meanwhile.
+        rows = [_sampling_row(step, req) for step, req in sampled]
+        states = [req.engine_state for _, req in sampled]
         if not self._overlap or self.runner.asynchronous:
-            return self.runner.launch(batch, rows)
+            return _Launched(batch, states, self.runner.launch(batch, rows))
         if self._worker is None:  # a synchronous device computes in its launch: overlap runs it on a thread
             self._worker = ThreadPoolExecutor(1, "forward")
-        return self._worker.submit(self.runner.execute, batch, rows)
+        return _Launched(batch, states, self._worker.submit(self.runner.execute, batch, rows))
 
-    def _commit(self, batch: Batch, output: StepOutput) -> list[TokenEvent]:
-        events = self._fail_rows(batch, output.errors) if output.errors else []
-        extras: dict[str, tuple[float | None, list | None]] = {}
-        if output.logprobs is not None:
-            sampled = [r for r in batch.reqs if r.sample]
-            for i, req in enumerate(sampled):
-                top = output.top_logprobs[i] if output.top_logprobs is not None else None
-                if req.sampling.logprobs is not None:
-                    extras[req.rid] = (output.logprobs[i], top[: req.sampling.logprobs] if top else [])
+    def _commit(self, launched: _Launched, output: StepOutput) -> list[TokenEvent]:
+        batch = launched.plan
+        sampled = [r for r in batch.reqs if r.sample]
+        events = self._fail_rows(sampled, output.errors) if output.errors else []
+        by_rid: dict[str, tuple[RequestState, float | None, list | None]] = {}
+        for i, (req, state) in enumerate(zip(sampled, launched.sampled)):
+            lp = top = None
+            if output.logprobs is not None and state.params.logprobs is not None:
+                lp = output.logprobs[i]
+                top = output.top_logprobs[i][: state.params.logprobs] if output.top_logprobs is not None else []
+            by_rid[req.rid] = (state, lp, top)
         for ev in self.scheduler.commit(batch, output.tokens):
-            lp, top = extras.get(ev.rid, (None, None)) if ev.token is not None else (None, None)
+            if ev.token is None:
+                events.append(ev)
+                continue
+            state, lp, top = by_rid[ev.rid]
             finished, reason = ev.finished, ev.finish_reason
-            grammar = self._grammar_of(ev.rid) if ev.token is not None else None
+            grammar = state.grammar
             if grammar is not None and not grammar.accept(ev.token):  # also a last token ("length", EOS)
-                events.extend(self._fail(ev.rid, self._rejected(ev.rid, ev.token)))  # the token is dropped
+                events.append(self._fail(ev.rid, _rejected(state, ev.token)))  # the token is dropped
                 continue
             if grammar is not None and not finished and grammar.terminated:
                 self.scheduler.finish(ev.rid, "stop")  # the document is complete
                 finished, reason = True, "stop"
             events.append(TokenEvent(ev.rid, ev.token, finished, reason, lp, top))
-            if finished:
-                self._live.pop(ev.rid, None)
         return events
 
-    def _fail_rows(self, batch: Batch, errors: dict[int, str]) -> list[TokenEvent]:
+    def _fail_rows(self, sampled: list, errors: dict[int, str]) -> list[TokenEvent]:
         """End the requests whose row failed in the sampler (a logits processor, a mask that allows nothing):
-        their token of this step is dropped."""
-        sampled = [r for r in batch.reqs if r.sample]
-        return [ev for i, message in sorted(errors.items()) for ev in self._fail(sampled[i].rid, message)]
+        their token of this step is dropped. One that ended meanwhile (aborted) gets no event."""
+        live = [(sampled[i].rid, message) for i, message in sorted(errors.items())]
+        return [self._fail(rid, message) for rid, message in live if self.scheduler.get_request(rid) is not None]
 
-    def _fail(self, rid: str, message: str) -> list[TokenEvent]:
-        """End a live request with finish_reason "error": its closing event (none if it already ended)."""
-        if self._live.pop(rid, None) is None:
-            return []
+    def _fail(self, rid: str, message: str) -> TokenEvent:
+        """End a request with finish_reason "error" (a no-op in the ledger when its last token ended it)."""
         self.scheduler.finish(rid, "error")
-        return [TokenEvent(rid, None, True, "error", error=message)]
+        return TokenEvent(rid, None, True, "error", error=message)
 
-    def _rejected(self, rid: str, token: int) -> str:
-        """Why a constrained request fails when its grammar rejects the token it drew."""
-        kind = self._live[rid].params.structured.kind
-        return (f"structured output: token {token} was sampled, which the {kind} constraint does not allow "
-                "(were all the tokens it allows ruled out, by logit_bias or a logits processor?)")
 
-    def _grammar_of(self, rid: str) -> RequestGrammar | None:
-        info = self._live.get(rid)
-        return None if info is None else info.grammar
+def _sampling_row(step: ReqStep, req: Request) -> SamplingRow:
+    """The sampler's view of one request in this step: bans until min_tokens, its grammar's token mask, and
+    where its token history lies in the token table (for penalties and logits processors)."""
+    state: RequestState = req.engine_state
+    seq_len, prompt_len = step.start + step.length, len(req.prompt)
+    banned = state.banned if seq_len - prompt_len < state.params.min_tokens else ()
+    mask = None
+    if state.grammar is not None:
+        mask = state.grammar.next_mask()
+        if state.grammar.complete:
+            banned = ()  # a complete document ends now, min_tokens or not
+    history = (step.row, prompt_len, seq_len) if needs_history(state.params) else None
+    return SamplingRow(state.params, state.generator, banned, token_mask=mask, history=history)
+
+
+def _rejected(state: RequestState, token: int) -> str:
+    """Why a constrained request fails when its grammar rejects the token it drew."""
+    return (f"structured output: token {token} was sampled, which the {state.params.structured.kind} constraint "
+            "does not allow (were all the tokens it allows ruled out, by logit_bias or a logits processor?)")

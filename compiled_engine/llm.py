@@ -10,7 +10,7 @@ from tqdm import tqdm
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.names import resolve_model
 from compiled_engine.output_stream import OutputStream
-from compiled_engine.scheduler.sampling_params import SamplingParams, expand_n
+from compiled_engine.sampling_params import SamplingParams, expand_n
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import IncrementalDetokenizer, Prompt, encode_prompt, load_tokenizer
 

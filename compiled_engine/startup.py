@@ -27,13 +27,9 @@ from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
 from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
-from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.plan import Batch, ReqStep
-from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.tokenization import load_tokenizer
-from kernels import ops as kernel_ops
 
 log = logging.getLogger(__name__)
 
@@ -128,26 +124,25 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     runner = ModelRunner(model, RunnerConfig(
         max_rows=config.max_running, max_context=max_context, page_size=config.page_size, num_pages=num_pages,
         buckets=buckets, enforce_eager=config.enforce_eager, seed=config.seed, deterministic=config.deterministic,
+        compile_mode=config.compile_mode,
     ), device)
     log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
              config.page_size)
     report = None
     if not config.enforce_eager:
-        runner.forward.set_compile_mode(config.compile_mode)
         key = cache_key(config, hf_config, model.dtype, device, runner.config)
         root = default_root(config.compile_cache_dir)
         folder = CacheEntry(root, key.digest).precompiled_dir
         bar = progress or (GraphBar() if ps.get_tp_rank() == 0 else None)
         try:
-            report = compile_with_cache(key, root, lambda: warm_up(runner, bar, folder))
+            report = compile_with_cache(key, root, lambda: runner.warm_up(bar, folder))
         finally:
             if bar is not None:
                 bar.close()
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
-    engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size)
-    engine.compile_report = report
-    engine.grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
+    grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
+    engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
     # otherwise re-scan every object of torch, transformers and the graphs: long pauses in the middle of
     # serving (docs/benchmarks.md). `Engine.shutdown` gives them back.
@@ -155,54 +150,3 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
     gc.freeze()
     return engine
 
-
-def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None,
-            precompiled_dir: Path | None = None) -> None:
-    """Compile every decode bucket, the dynamic extend graph and (when batches can outgrow the largest
-    bucket) the dynamic-batch decode graph now, so serving never compiles.
-    The warm-up batches write nowhere (slot -1) and read only the dummy page.
-    `progress(graph, total)` is called as each graph starts. With `precompiled_dir`, each graph is loaded
-    from there, or compiled ahead of time and saved there (see `runner.precompiled`)."""
-    t0 = time.perf_counter()
-    params = SamplingParams()
-    fwd = runner.forward
-    # The dynamic-batch decode graph, for decode batches larger than the largest bucket (every batch without
-    # buckets); traced at two rows at least, so that the batch dimension stays a symbol.
-    largest = max(fwd.buckets, default=0)
-    beyond = max(largest + 1, 2) if largest < runner.config.max_rows else None
-    total = 1 + len(fwd.buckets) + (beyond is not None)
-
-    def tick(graph: str) -> None:
-        if progress is not None:
-            progress(graph, total)
-
-    def batch(lengths: list[int], decode: bool) -> Batch:
-        # rows are shared when the pool has fewer (harmless: these steps write nowhere)
-        reqs = tuple(ReqStep(f"warmup-{i}", i % runner.config.max_rows, 0, n, (-1,) * n, True, params)
-                     for i, n in enumerate(lengths))
-        return Batch(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)
-
-    def decode_inputs(n: int) -> StepInputs:
-        tick("decode, any batch" if n == beyond else f"decode, batch {n}")
-        return build_step_inputs(batch([1] * n, True), runner.tables, n, runner.staging)
-
-    fwd.precompiled_dir = precompiled_dir
-    try:
-        with torch.inference_mode():
-            tick("prefill")
-            # Two ragged batches, then one per extend kernel variant that a step can meet (CUDA: one per
-            # request block; a padding request joins each step), so that serving compiles no kernel.
-            counts = kernel_ops.extend_request_counts(runner.config.max_rows + 1, runner.device)
-            for lengths in ([3, 5], [2, 1, 4], *([1] * (n - 1) for n in counts if n > 2)):
-                fwd(build_step_inputs(batch(lengths, False), runner.tables, None, runner.staging))
-            if runner.device.type == "cuda":
-                fwd.capture_cuda_graphs(decode_inputs)
-            else:
-                for n in sorted(fwd.buckets, reverse=True):
-                    fwd(decode_inputs(n))
-            if beyond is not None:
-                fwd(decode_inputs(beyond))
-    finally:
-        fwd.precompiled_dir = None  # graphs are saved under the cache entry's lock only
-    log.info("compiled %d decode buckets + %d dynamic graphs in %.1fs", len(fwd.buckets), 1 + (beyond is not None),
-             time.perf_counter() - t0)

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from compiled_engine.scheduler import Batch, RequestRejected, SamplingParams, Scheduler, SchedulerConfig
+from compiled_engine.scheduler import Batch, LedgerParams, RequestRejected, Scheduler, SchedulerConfig
 from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
@@ -116,7 +116,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{self.count}"
         self.count += 1
         prompt = self.bases[base][:keep] + suffix
-        sp = SamplingParams(
+        sp = LedgerParams(
             max_tokens=max_tokens,
             min_tokens=min(min_tokens, max_tokens),
             ignore_eos=ignore_eos,

@@ -24,8 +24,8 @@ from compiled_engine.ranks.messages import (
     StatsReply,
     StatsRequest,
 )
+from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
-from compiled_engine.scheduler.sampling_params import SamplingParams
 
 
 class EngineDead(RuntimeError):

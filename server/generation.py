@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from compiled_engine.output_stream import OutputStream
-from compiled_engine.scheduler.sampling_params import SamplingParams, expand_n
+from compiled_engine.sampling_params import SamplingParams, expand_n
 from compiled_engine.tokenization import IncrementalDetokenizer
 from server.engine_client import EngineClient, EngineRejected, SubRequest
 from server.metrics import Metrics

@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from compiled_engine.scheduler.sampling_params import SamplingParams, StructuredOutput
+from compiled_engine.sampling_params import SamplingParams, StructuredOutput
 from server.request_errors import ProtocolError, check_fields
 from server.structured import native_constraint, openai_constraint
 from server.tools import ToolRequest, parse_tool_request

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from compiled_engine.scheduler.sampling_params import StructuredOutput
+from compiled_engine.sampling_params import StructuredOutput
 from server.json_schemas import remote_ref, unenforced
 from server.request_errors import ProtocolError, check_fields
 

@@ -29,7 +29,7 @@ import jsonschema
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
-from compiled_engine.scheduler.sampling_params import StructuredOutput
+from compiled_engine.sampling_params import StructuredOutput
 from server.json_schemas import closed_schema, remote_ref, unenforced
 from server.request_errors import ProtocolError, check_fields
 

@@ -23,7 +23,7 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from compiled_engine.llm import LLM
-    from compiled_engine.scheduler.sampling_params import SamplingParams
+    from compiled_engine.sampling_params import SamplingParams
 
     config = engine_config(args)
     if config.model == DEMO_NAME:

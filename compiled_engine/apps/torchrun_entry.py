@@ -26,8 +26,8 @@ from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.entry import RankSpec
 from compiled_engine.ranks.messages import Add, RequestError, Shutdown
 from compiled_engine.ranks.rank_loop import serve_rank
+from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
-from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.tokenization import encode_prompt, load_tokenizer
 
 

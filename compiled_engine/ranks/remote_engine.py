@@ -18,10 +18,10 @@ from compiled_engine.ranks.messages import (
     StatsReply,
     StatsRequest,
 )
+from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
-from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import SchedulerStats
-from compiled_engine.scheduler.validation import check_request
+from compiled_engine.scheduler.validation import RequestRejected, check_request
 
 
 class RemoteEngine:
@@ -39,7 +39,12 @@ class RemoteEngine:
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
         ready = self.handle.ready
-        check_request(rid, prompt_ids, params, ready.max_context, ready.capacity_tokens, ready.vocab_size)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestRejected(f"request {rid!r}: {e}") from None
+        check_request(rid, prompt_ids, params.ledger_params(), ready.max_context, ready.capacity_tokens,
+                      ready.vocab_size)
         if any(not isinstance(f, str) for f in params.logits_processors):
             raise ValueError(f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
                              "'package.module:function' (each rank imports it): a function cannot be sent to the ranks")

@@ -1,8 +1,7 @@
 """What the attention ops read each step (after mini-sglang's `attention/base.py`, with the one paged backend
-as plain functions): the step's `AttentionMetadata` from the plan's tensors, the metadata tensors whose first
-dimension changes between steps (the dynamic graphs mark them), and the refresh of a captured CUDA graph's
-static metadata before a replay. The ops (`kernels.ops`) pick Triton on CUDA and the native or portable
-kernels on the CPU."""
+as plain functions): the step's `AttentionMetadata` from the plan's tensors, and the metadata tensors whose
+first dimension changes between steps (the dynamic graphs mark them). The ops (`kernels.ops`) pick Triton on
+CUDA and the native or portable kernels on the CPU."""
 
 from __future__ import annotations
 
@@ -22,8 +21,3 @@ def dynamic_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
     """The metadata tensors whose dimension 0 is the step's token or request count."""
     return meta.out_slots, meta.page_table, meta.seq_lens, meta.cu_q_lens
 
-
-def copy_for_replay(static: AttentionMetadata, step: AttentionMetadata) -> None:
-    """Write `step`'s metadata into the buffers a captured graph reads (`static`)."""
-    for dst, src in zip(dynamic_tensors(static), dynamic_tensors(step), strict=True):
-        dst.copy_(src)

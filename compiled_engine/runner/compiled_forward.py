@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,6 +62,21 @@ assert tuple(COMPILE_MODES) == COMPILE_MODE_NAMES
 CPU_OPTIONS: dict[str, bool] = {"size_asserts": False}
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeGraph:
+    """The graph a decode batch runs: the `rows` it is padded to, the key of its compiled graph (its
+    bucket, or "decode": the dynamic-batch graph beyond the largest bucket), and on CUDA its captured graph,
+    whose input buffers the step's inputs are built into."""
+
+    rows: int
+    key: int | str
+    captured: _CapturedDecode | None = None
+
+    @property
+    def inputs(self) -> StepInputs | None:
+        return None if self.captured is None else self.captured.inputs
+
+
 class CompiledForward:
     """Picks the graph of each step. `precompiled_dir` (set by the warm-up, under the compile-cache lock)
     makes each graph's first call load it from there, or compile it ahead of time and save it there."""
@@ -81,10 +97,10 @@ class CompiledForward:
         self.precompiled_dir: Path | None = None
         if enabled:
             _configure_dynamo()
-        self.set_compile_mode(compile_mode)
+        self._set_compile_mode(compile_mode)
 
-    def set_compile_mode(self, mode: str) -> None:
-        """Choose the inductor options (see COMPILE_MODES); call before the first compiled step."""
+    def _set_compile_mode(self, mode: str) -> None:
+        """The inductor options (see COMPILE_MODES) every graph is compiled with."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
         self.compile_mode = mode
@@ -111,32 +127,31 @@ class CompiledForward:
     def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
         return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
 
-    def decode_rows(self, n: int) -> int:
-        """Rows a decode batch of `n` runs as: its bucket, else `n` in the shape-generic decode graph, at least
-        2 there (dynamo specializes a dimension of size 1, so one row would compile a graph of its own)."""
+    def graph_for(self, n: int) -> DecodeGraph:
+        """The graph a decode batch of `n` requests runs: its bucket, else the shape-generic decode graph at
+        `n` rows, at least 2 there (dynamo specializes a dimension of size 1, so one row would compile a graph
+        of its own)."""
         bucket = next_bucket(self.buckets, n)
         if bucket is not None:
-            return bucket
-        return max(n, 2) if self.enabled else n
+            return DecodeGraph(bucket, bucket, self.cuda_graphs.get(bucket))
+        return DecodeGraph(max(n, 2) if self.enabled else n, "decode")
 
-    def __call__(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's logits over the whole vocabulary. The graphs return each TP rank's slice; the vocab
+    def __call__(self, inputs: StepInputs, graph: DecodeGraph | None = None) -> torch.Tensor:
+        """The step's logits over the whole vocabulary; `graph`: a decode step's (`graph_for`), None for a
+        prefill or mixed step. The graphs return each TP rank's slice; the vocab
         all-gather runs outside them: its functional collective takes the process group as an `Any`
         argument, which inductor's C++ wrapper cannot pass (compiling a TP graph raised
         `arg type Any is not yet supported by custom_op_wrapper`)."""
-        return self.model.gather_logits(self._local_logits(inputs))
+        return self.model.gather_logits(self._local_logits(inputs, graph))
 
-    def _local_logits(self, inputs: StepInputs) -> torch.Tensor:
+    def _local_logits(self, inputs: StepInputs, graph: DecodeGraph | None) -> torch.Tensor:
         if not self.enabled:
             return _logits(self.model, *_args(inputs))
-        batch = inputs.rows.shape[0]
-        if inputs.meta.is_decode and batch in self.buckets:
-            graph = self.cuda_graphs.get(batch)
-            if graph is not None:
-                return graph.replay(inputs)
-            return self._run(batch, _args(inputs))
-        # Beyond the largest bucket a decode batch runs the dynamic-batch decode graph (same kernels).
-        return self._run("decode" if inputs.meta.is_decode else "extend", _args(inputs))
+        if graph is None:
+            return self._run("extend", _args(inputs))
+        if graph.captured is not None:  # the inputs were built into its buffers
+            return graph.captured.replay()
+        return self._run(graph.key, _args(inputs))
 
     def _run(self, key: object, args: tuple) -> torch.Tensor:
         graph = self.graphs.get(key)
@@ -176,11 +191,6 @@ class CompiledForward:
         for batch in sorted(self.buckets, reverse=True):
             self.cuda_graphs[batch] = _CapturedDecode(lambda *args: self._run("decode", args),
                                                       make_inputs(batch), pool)
-
-    def static_inputs(self, batch: int) -> StepInputs | None:
-        """The input buffers of the CUDA graph captured for this decode batch size (None: no graph)."""
-        graph = self.cuda_graphs.get(batch)
-        return None if graph is None else graph.inputs
 
 
 def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
@@ -228,17 +238,8 @@ class _CapturedDecode:
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = fn(*args)
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the graph on `inputs`: when they were built into this graph's buffers (`static_inputs`), as is,
-        else after copying them in."""
-        s = self.inputs
-        if inputs.staged is s.staged:
-            self.graph.replay()
-            return self.output
-        s.input_ids.copy_(inputs.input_ids)
-        s.positions.copy_(inputs.positions)
-        s.logits_index.copy_(inputs.logits_index)
-        attention_metadata.copy_for_replay(s.meta, inputs.meta)
+    def replay(self) -> torch.Tensor:
+        """Run the graph on the step's inputs, which were built into its buffers (`DecodeGraph.inputs`)."""
         self.graph.replay()
         return self.output
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from compiled_engine.runner.compiled_forward import CompiledForward
 from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.staging import DeviceEvent, Staging, event_factory
-from compiled_engine.runner.step_inputs import DeviceTables, StepInputs, build_step_inputs, sample_targets
+from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs, sample_targets
+from compiled_engine.runner.warmup import warm_up
 from compiled_engine.scheduler.plan import Batch
 
 
@@ -24,6 +26,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     seed: int = 0
     deterministic: bool = True  # batch-invariant kernels (EngineConfig.deterministic)
+    compile_mode: str = "default"  # inductor options on the CPU (`compiled_forward.COMPILE_MODES`)
 
 
 @dataclass
@@ -81,37 +84,40 @@ class ModelRunner:
         self.staging = Staging(device, make_event=self.make_event)
         self.sampler = Sampler(device, seed=config.seed)
         self.forward = CompiledForward(model, config.buckets, enabled=not config.enforce_eager, device=device,
-                                       deterministic=config.deterministic)
+                                       compile_mode=config.compile_mode, deterministic=config.deterministic)
         # Launches return before the device has run them (CUDA queues the work): the engine then launches the
         # next step before it reads this one's tokens, on its own thread. On the CPU a launch computes.
         self.asynchronous = device.type == "cuda"
 
-    def launch(self, batch: Batch, rows: Callable[[StepInputs], list[SamplingRow]]) -> PendingStep:
-        """Apply the plan's writes, run the forward, sample, and write sampled tokens to the token table, all
-        queued on the device without a host sync; the tokens come back through the returned `PendingStep`.
-
-        `rows` builds the sampler's per-request view (it may read token history from the tables)."""
+    def launch(self, batch: Batch, rows: list[SamplingRow]) -> PendingStep:
+        """The one entry of a step: apply the plan's writes, run the forward, sample (`rows`: one per
+        sampling request, in plan order), and write the sampled tokens to the token table, all queued on the
+        device without a host sync; the tokens come back through the returned `PendingStep`."""
         # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must agree.
         with torch.inference_mode():
             targets = self.tables.apply_writes(batch, self.staging, sample_targets(batch, self.tables))
-            inputs = self.step_inputs(batch)
-            logits = self.forward(inputs)[: inputs.num_sampled]
-            if not inputs.num_sampled:
+            logits = self.logits(batch)
+            if not rows:
                 return PendingStep(None, self.make_event)
-            out = self.sampler(logits, rows(inputs))
+            for row in rows:
+                if row.history is not None:
+                    row.prompt_ids, row.output_ids = self.tables.history(*row.history)
+            out = self.sampler(logits, rows)
             self.tables.tokens.view(-1).index_copy_(0, targets, out.tokens)
             return PendingStep(out, self.make_event)
 
-    def execute(self, batch: Batch, rows: Callable[[StepInputs], list[SamplingRow]]) -> StepOutput:
+    def execute(self, batch: Batch, rows: list[SamplingRow]) -> StepOutput:
         """`launch`, then wait for the tokens."""
         return self.launch(batch, rows).result()
 
-    def step_inputs(self, batch: Batch) -> StepInputs:
-        """The step's tensors; a decode step with a captured graph writes them into that graph's inputs."""
-        pad_to = self.forward.decode_rows(len(batch.reqs)) if batch.is_decode else None
-        into = self.forward.static_inputs(pad_to) if pad_to is not None else None
-        return build_step_inputs(batch, self.tables, pad_to, self.staging, into)
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The logits of the plan's sampling requests (the forward only: no writes, no sampling). A decode
+        step runs its bucket's graph, its inputs built into that graph's buffers where it has them."""
+        graph = self.forward.graph_for(len(batch.reqs)) if batch.is_decode else None
+        inputs = build_step_inputs(batch, self.tables, graph and graph.rows, self.staging, graph and graph.inputs)
+        return self.forward(inputs, graph)[: inputs.num_sampled]
 
-    def history(self, row: int, prompt_len: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device views of a row's prompt tokens and generated tokens (for penalties)."""
-        return self.tables.tokens[row, :prompt_len], self.tables.tokens[row, prompt_len:length]
+    def warm_up(self, progress: Callable[[str, int], None] | None = None,
+                precompiled_dir: Path | None = None) -> None:
+        """Compile (or load) every graph a step can meet, so that serving never compiles (`runner.warmup`)."""
+        warm_up(self, progress, precompiled_dir)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from compiled_engine.runner.staging import to_device
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 from kernels import ops
 
 
@@ -30,9 +30,12 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None = None  # the request's own generator when it is seeded
     banned_ids: tuple[int, ...] = ()  # e.g. EOS ids while fewer than min_tokens were generated
-    prompt_ids: torch.Tensor | None = None  # device tensors; needed only for penalties
+    prompt_ids: torch.Tensor | None = None  # device tensors; needed only for penalties and processors
     output_ids: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None  # structured output: packed int32 bitmask of the allowed next tokens
+    # Where prompt_ids / output_ids lie in the token table, (table row, prompt length, sequence length):
+    # the runner reads them there when it launches the step.
+    history: tuple[int, int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -55,6 +55,10 @@ class DeviceTables:
             self.tokens.view(-1).index_copy_(0, up["token_at"], up["token_val"])
         return up["sample_next"]
 
+    def history(self, row: int, prompt_len: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device views of a row's prompt tokens and generated tokens."""
+        return self.tokens[row, :prompt_len], self.tokens[row, prompt_len:length]
+
     def flat(self, row: int, position: int) -> int:
         """A table cell's index in the flattened table (a position past the row would land in the next row)."""
         if not 0 <= position < self.width:

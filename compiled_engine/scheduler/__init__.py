@@ -5,14 +5,14 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import Batch, ReqStep, SlotWrite, TokenEvent, TokenWrite
 from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
-from compiled_engine.scheduler.request import Request, Status
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.request import LedgerParams, Request, Status
 from compiled_engine.scheduler.scheduler import Scheduler, SchedulerStats
 from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [
     "Batch",
     "IdPool",
+    "LedgerParams",
     "NaiveCache",
     "PageAllocator",
     "PrefixCache",
@@ -20,7 +20,6 @@ __all__ = [
     "ReqStep",
     "Request",
     "RequestRejected",
-    "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",

@@ -22,7 +22,7 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
         d = req.device_len
         if req.status is not Status.RUNNING or c < req.fill_to or d >= req.max_len:
             continue  # retracted in this loop, still prefilling, or finishing at a pending commit
-        if req.sampling.structured is not None and req.last_step > sched.book.committed:
+        if req.params.constrained and req.last_step > sched.book.committed:
             continue  # its mask needs the token still in flight: it waits one step (overlap only)
         pages = req.pages
         if c == len(pages) * ps:
@@ -31,7 +31,7 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
                 continue
             pages.append(page)
         slots = (pages[c // ps] * ps + c % ps,)
-        draft.add(req, ReqStep(req.rid, req.row, c, 1, slots, True, req.sampling), SlotWrite(req.row, c, slots))
+        draft.add(req, ReqStep(req.rid, req.row, c, 1, slots, True), SlotWrite(req.row, c, slots))
         req.cached_len = c + 1
         req.device_len = d + 1
 

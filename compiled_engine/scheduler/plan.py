@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiled_engine.scheduler.sampling_params import SamplingParams
-
 
 @dataclass(frozen=True, slots=True)
 class ReqStep:
@@ -15,7 +13,6 @@ class ReqStep:
     length: int  # tokens computed: positions start .. start+length-1 (>= 1)
     out_slots: tuple[int, ...]  # KV slot written by each computed token (len == length)
     sample: bool  # sample a token from the logits of the last computed position
-    sampling: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,7 @@ def plan_chunk(book: KvBook, req: Request, draft: StepDraft, budget: int, write_
         req.pages.extend(new)
     sample = end == req.fill_to and req.device_len < req.max_len
     out = book.slots(req, start, end)
-    step = ReqStep(req.rid, req.row, start, n, out, sample, req.sampling)
+    step = ReqStep(req.rid, req.row, start, n, out, sample)
     draft.add(req, step, SlotWrite(req.row, write_from, book.slots(req, write_from, start) + out))
     req.cached_len = end
     if sample:

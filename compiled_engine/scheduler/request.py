@@ -5,7 +5,28 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from compiled_engine.scheduler.sampling_params import SamplingParams
+
+@dataclass(frozen=True, slots=True)
+class LedgerParams:
+    """What the ledger schedules and finishes a request by (the rest of its sampling parameters stay with
+    the engine: `compiled_engine.sampling_params.SamplingParams.ledger_params`)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0  # stop ids do not end the request before this many generated tokens
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    constrained: bool = False  # structured output: planned only once its previous token is committed
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for ok, message, value in (
+            (self.max_tokens >= 0, "max_tokens must be >= 0", self.max_tokens),
+            (self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens),
+            (self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", self.min_tokens),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids),
+        ):
+            if not ok:
+                raise ValueError(f"{message}, got {value!r}")
 
 
 class Status(enum.Enum):
@@ -19,7 +40,7 @@ class Status(enum.Enum):
 class Request:
     rid: str
     prompt: tuple[int, ...]
-    sampling: SamplingParams
+    params: LedgerParams
     max_len: int  # prompt + max_tokens, capped by the context limit and the KV pool
     stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids
     output: list[int] = field(default_factory=list)  # committed generated tokens
@@ -36,6 +57,9 @@ class Request:
     prefix_pages: int = 0  # pages[:prefix_pages] belong to the prefix cache; the rest are private
     last_step: int = -1  # last planned step that includes this request
     rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
+    # Everything the engine keeps about the request (its sampling parameters, generator, grammar): opaque
+    # to the ledger, and gone with this entry however the request ends (one record, one finish path).
+    engine_state: object = None
 
     @property
     def known_len(self) -> int:

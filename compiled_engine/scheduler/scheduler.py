@@ -23,8 +23,7 @@ from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import Batch, TokenEvent
 from compiled_engine.scheduler.prefill import plan_prefills
 from compiled_engine.scheduler.prefix_cache import PrefixCache
-from compiled_engine.scheduler.request import Request, Status
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.request import LedgerParams, Request, Status
 from compiled_engine.scheduler.validation import RequestRejected, check_request
 
 MAX_IN_FLIGHT = 2
@@ -65,21 +64,25 @@ class Scheduler:
 
     # -- inputs ----------------------------------------------------------------------------------
 
-    def add_request(
-        self, rid: str, prompt_token_ids: list[int] | tuple[int, ...], sampling_params: SamplingParams | None = None
-    ) -> None:
-        """Queue a request; RequestRejected (a ValueError) with a clear message if it can never run."""
-        sp = sampling_params if sampling_params is not None else SamplingParams()
+    def add_request(self, rid: str, prompt_token_ids: list[int] | tuple[int, ...],
+                    params: LedgerParams | None = None, engine_state: object = None) -> Request:
+        """Queue a request; RequestRejected (a ValueError) with a clear message if it can never run.
+        `engine_state` hangs off the ledger entry (`Request.engine_state`) until the request ends."""
+        params = params if params is not None else LedgerParams()
         prompt = tuple(prompt_token_ids)
         cfg = self.config
-        check_request(rid, prompt, sp, cfg.max_context, cfg.capacity_tokens, cfg.vocab_size)
+        check_request(rid, prompt, params, cfg.max_context, cfg.capacity_tokens, cfg.vocab_size)
         if rid in self.live:
             raise RequestRejected(f"request {rid!r}: a live request already has this id")
-        stop_ids = frozenset(sp.stop_token_ids) if sp.ignore_eos else self._eos | frozenset(sp.stop_token_ids)
-        max_len = min(len(prompt) + sp.max_tokens, cfg.max_context, cfg.capacity_tokens + 1)
-        req = Request(rid, prompt, sp, max_len, stop_ids, device_len=len(prompt))
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self._eos
+        max_len = min(len(prompt) + params.max_tokens, cfg.max_context, cfg.capacity_tokens + 1)
+        req = Request(rid, prompt, params, max_len, stop_ids, device_len=len(prompt),
+                      engine_state=engine_state)
         self.live[rid] = req
         self.waiting.append(req)
+        return req
 
     def abort(self, rid: str) -> None:
         """Drop a request wherever it is; unknown or already finished ids are ignored."""
@@ -168,7 +171,7 @@ class Scheduler:
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         n_out = len(req.output)
-        if tok in req.stop_ids and n_out > req.sampling.min_tokens:
+        if tok in req.stop_ids and n_out > req.params.min_tokens:
             return "stop"
         if len(req.prompt) + n_out >= req.max_len:
             return "length"

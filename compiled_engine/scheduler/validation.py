@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.scheduler.request import LedgerParams
 
 
 class RequestRejected(ValueError):
     """A request that can never run (bad parameters, empty prompt, too long for context or KV pool)."""
 
 
-def check_request(rid: str, prompt: Sequence[int], params: SamplingParams, max_context: int, capacity_tokens: int,
+def check_request(rid: str, prompt: Sequence[int], params: LedgerParams, max_context: int, capacity_tokens: int,
                   vocab_size: int | None) -> None:
-    """Raise RequestRejected naming the first problem: bad sampling parameters; an empty prompt; token ids
-    the model cannot embed (`vocab_size` None: only negative ones); no room for one generated token in the
-    context or in the whole KV pool."""
+    """Raise RequestRejected naming the first problem: bad ledger parameters (the engine checks the
+    sampler's); an empty prompt; token ids the model cannot embed (`vocab_size` None: only negative ones);
+    no room for one generated token in the context or in the whole KV pool."""
     try:
         params.validate()
     except ValueError as e:

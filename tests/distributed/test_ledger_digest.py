@@ -7,11 +7,10 @@ import pytest
 from compiled_engine.ranks.digest import LedgerDivergence, check_digests, ledger_digest
 from compiled_engine.ranks.monitor import describe_exit
 from compiled_engine.scheduler.plan import Batch, ReqStep, TokenEvent
-from compiled_engine.scheduler.sampling_params import SamplingParams
 
 
 def _batch(order: tuple[str, ...]) -> Batch:
-    reqs = tuple(ReqStep(rid, i, 0, 1, (10 + i,), True, SamplingParams()) for i, rid in enumerate(order))
+    reqs = tuple(ReqStep(rid, i, 0, 1, (10 + i,), True) for i, rid in enumerate(order))
     return Batch(step=3, reqs=reqs, slot_writes=(), token_writes=(), is_decode=True)
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.names import resolve_model, smollm2_path
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import load_tokenizer
 

@@ -15,7 +15,7 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.jax import bridge
-from compiled_engine.scheduler.sampling_params import StructuredOutput
+from compiled_engine.sampling_params import StructuredOutput
 from tests.engine.conftest import ragged_prompts
 
 PROMPTS = ragged_prompts(6, seed=11)

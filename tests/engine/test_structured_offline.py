@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.scheduler.sampling_params import StructuredOutput
+from compiled_engine.sampling_params import StructuredOutput
 
 SCHEMA = {
     "type": "object",

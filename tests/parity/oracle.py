@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from compiled_engine.llm import LLM
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 from kernels.cpu import isa
 
 REPO = Path(__file__).resolve().parents[2]

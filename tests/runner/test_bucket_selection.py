@@ -39,19 +39,20 @@ def test_parse_buckets_sorts_and_rejects_nonpositive() -> None:
 def test_cpu_keeps_its_one_row_graph_then_the_dynamic_graph_at_two_rows_or_more() -> None:
     fwd = _forward("cpu", [1])
     assert fwd.buckets == [1]
-    assert [fwd.decode_rows(n) for n in (1, 2, 5)] == [1, 2, 5]
+    assert [(g.rows, g.key) for g in map(fwd.graph_for, (1, 2, 5))] == [(1, 1), (2, "decode"), (5, "decode")]
 
 
 def test_cuda_buckets_start_at_two_rows() -> None:
     fwd = _forward("cuda", default_buckets(20))
     assert fwd.buckets == [2, 4, 8, 16, 20]
-    assert [fwd.decode_rows(n) for n in (1, 2, 3, 17, 20, 21)] == [2, 2, 4, 20, 20, 21]
-    assert fwd.static_inputs(2) is None  # nothing captured yet
+    assert [fwd.graph_for(n).rows for n in (1, 2, 3, 17, 20, 21)] == [2, 2, 4, 20, 20, 21]
+    assert fwd.graph_for(21).key == "decode"  # beyond the largest bucket: the dynamic-batch graph
+    assert fwd.graph_for(2).inputs is None  # nothing captured yet
 
 
 def test_eager_pads_nothing() -> None:
     fwd = _forward("cuda", [1, 2, 4], enabled=False)
-    assert fwd.buckets == [] and fwd.decode_rows(1) == 1 and fwd.decode_rows(3) == 3
+    assert fwd.buckets == [] and fwd.graph_for(1).rows == 1 and fwd.graph_for(3).rows == 3
 
 
 def test_warm_up_extend_steps_cover_every_triton_request_block() -> None:

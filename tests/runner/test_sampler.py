@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compiled_engine.runner.sampler import Sampler, SamplingRow
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 N = 20000

@@ -9,9 +9,7 @@ import torch
 from compiled_engine.runner.staging import Staging
 from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs
 from compiled_engine.scheduler.plan import Batch, ReqStep, TokenWrite
-from compiled_engine.scheduler.sampling_params import SamplingParams
 
-SP = SamplingParams(max_tokens=4)
 STAGING = Staging(torch.device("cpu"))
 
 
@@ -32,17 +30,17 @@ def _sampled_tokens(batch: Batch, pad_to: int | None) -> list[int]:
 
 @pytest.mark.parametrize("pad_to", [None, 4, 8])
 def test_decode_shaped_step_with_a_chunk_before_a_decode(pad_to: int | None) -> None:
-    chunk = ReqStep("chunk", row=2, start=5, length=1, out_slots=(9,), sample=False, sampling=SP)
-    decode = ReqStep("decode", row=1, start=7, length=1, out_slots=(10,), sample=True, sampling=SP)
-    later = ReqStep("later", row=3, start=3, length=1, out_slots=(11,), sample=True, sampling=SP)
+    chunk = ReqStep("chunk", row=2, start=5, length=1, out_slots=(9,), sample=False)
+    decode = ReqStep("decode", row=1, start=7, length=1, out_slots=(10,), sample=True)
+    later = ReqStep("later", row=3, start=3, length=1, out_slots=(11,), sample=True)
     batch = Batch(1, (chunk, decode, later), (), (), is_decode=True)
     assert _sampled_tokens(batch, pad_to) == [107, 303]
 
 
 def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
-    first = ReqStep("a", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=False, sampling=SP)
-    second = ReqStep("b", row=1, start=2, length=2, out_slots=(4, 5), sample=True, sampling=SP)
-    third = ReqStep("c", row=2, start=0, length=1, out_slots=(6,), sample=True, sampling=SP)
+    first = ReqStep("a", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=False)
+    second = ReqStep("b", row=1, start=2, length=2, out_slots=(4, 5), sample=True)
+    third = ReqStep("c", row=2, start=0, length=1, out_slots=(6,), sample=True)
     batch = Batch(1, (first, second, third), (), (), is_decode=False)
     inputs = build_step_inputs(batch, _tables(), pad_to=None, staging=STAGING)
     assert inputs.input_ids[inputs.logits_index[:2]].tolist() == [103, 200]
@@ -51,9 +49,9 @@ def test_extend_step_samples_the_last_token_of_each_sampling_request() -> None:
 
 def test_padded_width_is_the_graph_shape() -> None:
     """Static decode graphs see every padded row; extend graphs never see a dimension of 1."""
-    decode = ReqStep("d", row=0, start=4, length=1, out_slots=(1,), sample=True, sampling=SP)
+    decode = ReqStep("d", row=0, start=4, length=1, out_slots=(1,), sample=True)
     assert build_step_inputs(Batch(1, (decode,), (), (), True), _tables(), 4, STAGING).logits_index.shape == (4,)
-    one = ReqStep("e", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=True, sampling=SP)
+    one = ReqStep("e", row=0, start=0, length=3, out_slots=(1, 2, 3), sample=True)
     assert build_step_inputs(Batch(1, (one,), (), (), False), _tables(), None, STAGING).logits_index.shape == (2,)
 
 
@@ -70,7 +68,7 @@ def test_table_writes_and_sampled_tokens_land_in_their_row_or_nowhere() -> None:
     with pytest.raises(IndexError, match="outside the token table"):
         tables.apply_writes(Batch(0, (), (), (TokenWrite(1, 15, (1, 2)),), False), STAGING)
     assert tables.tokens[2, 0].item() == 200
-    last = ReqStep("z", row=0, start=15, length=1, out_slots=(9,), sample=True, sampling=SP)
+    last = ReqStep("z", row=0, start=15, length=1, out_slots=(9,), sample=True)
     with pytest.raises(IndexError):
         sample_targets(Batch(1, (last,), (), (), True), tables)
 
@@ -79,11 +77,11 @@ def test_a_decode_step_is_written_into_a_captured_graphs_buffers() -> None:
     """What a CUDA-graph replay reads: the step's inputs land in the static inputs built at capture (same
     tensors, new values), so that the replay copies nothing."""
     tables = _tables()
-    capture = tuple(ReqStep(f"w{i}", i, 0, 1, (-1,), True, SP) for i in range(4))
+    capture = tuple(ReqStep(f"w{i}", i, 0, 1, (-1,), True) for i in range(4))
     static = build_step_inputs(Batch(-1, capture, (), (), True), tables, 4, STAGING)
     buffers = [static.input_ids, static.positions, static.logits_index, static.meta.page_table, static.meta.seq_lens,
                static.meta.out_slots, static.meta.cu_q_lens]
-    step = (ReqStep("a", 2, 5, 1, (9,), True, SP), ReqStep("b", 0, 3, 1, (8,), True, SP))
+    step = (ReqStep("a", 2, 5, 1, (9,), True), ReqStep("b", 0, 3, 1, (8,), True))
     inputs = build_step_inputs(Batch(1, step, (), (), True), tables, 4, STAGING, into=static)
     assert inputs.staged is static.staged
     got = [inputs.input_ids, inputs.positions, inputs.logits_index, inputs.meta.page_table, inputs.meta.seq_lens,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.scheduler import Batch, RequestRejected, SamplingParams, Scheduler, SchedulerConfig, Status
+from compiled_engine.scheduler import Batch, LedgerParams, RequestRejected, Scheduler, SchedulerConfig, Status
 from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
 
 VOCAB = 16
@@ -50,8 +50,8 @@ def commit(sched: Scheduler, exe: FakeExecutor, planned: tuple[Batch, list[int]]
 def test_duplicate_prefix_insert_frees_duplicates_and_rewrites_row():
     sched, exe = make(page_size=2)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
-    sched.add_request("a", prompt, SamplingParams(max_tokens=4))
-    sched.add_request("b", prompt, SamplingParams(max_tokens=4))
+    sched.add_request("a", prompt, LedgerParams(max_tokens=4))
+    sched.add_request("b", prompt, LedgerParams(max_tokens=4))
     first = step(sched, exe)
     assert [r.rid for r in first[0].reqs] == ["a", "b"]  # both prefill the same new prefix
     b = sched.get_request("b")
@@ -74,8 +74,8 @@ def test_duplicate_prefix_under_overlap_frees_duplicates_only_after_the_step_rea
     step finds them duplicated: they stay b's until that step commits, then the row is rewritten."""
     sched, exe = make(page_size=2)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
-    sched.add_request("a", prompt, SamplingParams(max_tokens=4))
-    sched.add_request("b", prompt, SamplingParams(max_tokens=4))
+    sched.add_request("a", prompt, LedgerParams(max_tokens=4))
+    sched.add_request("b", prompt, LedgerParams(max_tokens=4))
     first = step(sched, exe)
     b = sched.get_request("b")
     b_pages_before = list(b.pages)
@@ -103,7 +103,7 @@ def test_overlap_finished_request_pages_not_reused_while_in_flight_and_no_token_
     stop = expected[1]
     cut = expected[: expected.index(stop) + 1]
     sched, exe = make(num_pages=16, page_size=1)
-    sched.add_request("a", prompt, SamplingParams(max_tokens=10, stop_token_ids=(stop,)))
+    sched.add_request("a", prompt, LedgerParams(max_tokens=10, stop_token_ids=(stop,)))
     events = []
     k0 = step(sched, exe)  # prefill a
     k1 = step(sched, exe)  # decode a, planned before k0 commits
@@ -112,7 +112,7 @@ def test_overlap_finished_request_pages_not_reused_while_in_flight_and_no_token_
     events += commit(sched, exe, k1)  # a stops here (len(cut) == 2)
     a_slots = {s for k in (k0, k1, k2) for r in k[0].reqs if r.rid == "a" for s in r.out_slots}
     assert all(not sched.allocator.is_free(s) for s in a_slots), "freed while step k2 is in flight"
-    sched.add_request("b", [9, 9, 9, 9, 9, 9, 9], SamplingParams(max_tokens=3))
+    sched.add_request("b", [9, 9, 9, 9, 9, 9, 9], LedgerParams(max_tokens=3))
     k3 = step(sched, exe)
     assert not {s for r in k3[0].reqs for s in r.out_slots} & a_slots
     events += commit(sched, exe, k2)  # a's discarded token
@@ -125,7 +125,7 @@ def test_overlap_finished_request_pages_not_reused_while_in_flight_and_no_token_
 
 def test_abort_during_in_flight_step_releases_once():
     sched, exe = make(num_pages=16)
-    sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
+    sched.add_request("a", [1, 2, 3, 4, 5], LedgerParams(max_tokens=8))
     k0 = step(sched, exe)
     k1 = step(sched, exe)
     sched.abort("a")
@@ -141,7 +141,7 @@ def test_abort_during_in_flight_step_releases_once():
 @pytest.mark.parametrize("where", ["waiting", "mid-chunk", "running"])
 def test_abort_anywhere_releases_everything(where):
     sched, exe = make(num_pages=16, chunk_budget=3)
-    sched.add_request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8))
+    sched.add_request("a", [1, 2, 3, 4, 5, 6, 7], LedgerParams(max_tokens=8))
     if where != "waiting":
         commit(sched, exe, step(sched, exe))
         if where == "running":
@@ -155,7 +155,7 @@ def test_abort_anywhere_releases_everything(where):
 
 def test_max_tokens_zero_emits_no_token():
     sched, exe = make()
-    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=0))
+    sched.add_request("a", [1, 2, 3], LedgerParams(max_tokens=0))
     events = run_to_completion(sched, exe)
     assert [(e.rid, e.token, e.finished, e.finish_reason) for e in events] == [("a", None, True, "length")]
     sched.check_integrity()
@@ -164,12 +164,12 @@ def test_max_tokens_zero_emits_no_token():
 @pytest.mark.parametrize(
     ("prompt", "params", "needle"),
     [
-        ([1, 2], SamplingParams(max_tokens=-1), "max_tokens"),
-        ([], SamplingParams(), "empty"),
-        ([1] * 64, SamplingParams(), "context limit"),
-        ([1, 2], SamplingParams(temperature=-1), "temperature"),
-        ([1, 2], SamplingParams(top_p=0), "top_p"),
-        ([1, -2], SamplingParams(), "negative token"),
+        ([1, 2], LedgerParams(max_tokens=-1), "max_tokens"),
+        ([], LedgerParams(), "empty"),
+        ([1] * 64, LedgerParams(), "context limit"),
+        ([1, 2], LedgerParams(max_tokens=2, min_tokens=3), "min_tokens"),
+        ([1, 2], LedgerParams(stop_token_ids=(-1,)), "stop_token_ids"),
+        ([1, -2], LedgerParams(), "negative token"),
     ],
 )
 def test_bad_requests_rejected_with_clear_error(prompt, params, needle):
@@ -183,8 +183,8 @@ def test_bad_requests_rejected_with_clear_error(prompt, params, needle):
 def test_prompt_that_never_fits_the_pool_rejected():
     sched, _ = make(num_pages=5, page_size=2)  # 8 usable slots
     with pytest.raises(RequestRejected, match="KV pool"):
-        sched.add_request("big", list(range(8)), SamplingParams())
-    sched.add_request("fits", list(range(7)), SamplingParams())
+        sched.add_request("big", list(range(8)), LedgerParams())
+    sched.add_request("fits", list(range(7)), LedgerParams())
 
 
 def test_every_eos_id_is_honoured():
@@ -193,7 +193,7 @@ def test_every_eos_id_is_honoured():
     other = (first + 1) % VOCAB
     for eos in [(other, first), (first, other)]:
         sched, exe = make(eos_token_ids=eos)
-        sched.add_request("a", prompt, SamplingParams(max_tokens=5))
+        sched.add_request("a", prompt, LedgerParams(max_tokens=5))
         events = run_to_completion(sched, exe)
         assert [(e.token, e.finish_reason) for e in events] == [(first, "stop")]
 
@@ -202,8 +202,8 @@ def test_min_tokens_and_ignore_eos():
     prompt = [4, 4, 2]
     first = ref(prompt, 1)[0]
     for params, n in [
-        (SamplingParams(max_tokens=5, min_tokens=2), len(ref(prompt, 5, (first,), 2))),
-        (SamplingParams(max_tokens=5, ignore_eos=True), 5),
+        (LedgerParams(max_tokens=5, min_tokens=2), len(ref(prompt, 5, (first,), 2))),
+        (LedgerParams(max_tokens=5, ignore_eos=True), 5),
     ]:
         sched, exe = make(eos_token_ids=(first,))
         sched.add_request("a", prompt, params)
@@ -213,14 +213,14 @@ def test_min_tokens_and_ignore_eos():
 
 def test_context_limit_finishes_with_length():
     sched, exe = make(max_context=10)
-    sched.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=100, ignore_eos=True))
+    sched.add_request("a", [1, 2, 3, 4, 5, 6], LedgerParams(max_tokens=100, ignore_eos=True))
     events = run_to_completion(sched, exe)
     assert len(events) == 4 and events[-1].finish_reason == "length"
 
 
 def test_finish_hook_stops_request():
     sched, exe = make()
-    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    sched.add_request("a", [1, 2, 3], LedgerParams(max_tokens=20, ignore_eos=True))
     commit(sched, exe, step(sched, exe))
     sched.finish("a", "stop")
     assert sched.get_request("a") is None
@@ -231,9 +231,9 @@ def test_finish_hook_stops_request():
 def test_chunked_prefill_continues_first():
     sched, exe = make(chunk_budget=4, mixed=False)
     prompt = list(range(2, 12))
-    sched.add_request("a", prompt, SamplingParams(max_tokens=3))
+    sched.add_request("a", prompt, LedgerParams(max_tokens=3))
     k0 = step(sched, exe)
-    sched.add_request("b", [1, 1, 1], SamplingParams(max_tokens=3))
+    sched.add_request("b", [1, 1, 1], LedgerParams(max_tokens=3))
     commit(sched, exe, k0)
     k1 = step(sched, exe)
     commit(sched, exe, k1)
@@ -246,9 +246,9 @@ def test_chunked_prefill_continues_first():
 
 def test_mixed_step_decodes_first():
     sched, exe = make(chunk_budget=4)
-    sched.add_request("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    sched.add_request("a", [1, 2], LedgerParams(max_tokens=5, ignore_eos=True))
     commit(sched, exe, step(sched, exe))
-    sched.add_request("b", list(range(2, 9)), SamplingParams(max_tokens=2))
+    sched.add_request("b", list(range(2, 9)), LedgerParams(max_tokens=2))
     batch, _ = planned = step(sched, exe)
     assert [(r.rid, r.length) for r in batch.reqs] == [("a", 1), ("b", 3)]
     assert not batch.is_decode
@@ -262,7 +262,7 @@ def test_retraction_under_tiny_pool_keeps_outputs(lag, page_size, mixed):
     sched, exe = make(num_pages=1 + 14 // page_size, page_size=page_size, max_running=4, mixed=mixed)
     prompts = {f"r{i}": [2 + i, 3, 4, 5, 6] for i in range(5)}
     for rid, p in prompts.items():
-        sched.add_request(rid, p, SamplingParams(max_tokens=7, ignore_eos=True))
+        sched.add_request(rid, p, LedgerParams(max_tokens=7, ignore_eos=True))
     events = run_to_completion(sched, exe, lag=lag)
     sched.check_integrity()
     assert sched.num_retractions > 0
@@ -273,7 +273,7 @@ def test_no_starvation_fifo_admission():
     sched, exe = make(num_pages=9, max_running=2)
     prompts = {f"r{i}": [i % 5 + 2] * (3 + i % 4) for i in range(12)}
     for rid, p in prompts.items():
-        sched.add_request(rid, p, SamplingParams(max_tokens=4, ignore_eos=True))
+        sched.add_request(rid, p, LedgerParams(max_tokens=4, ignore_eos=True))
     admitted: list[str] = []
     events = []
     while sched.has_work():
@@ -288,9 +288,9 @@ def test_no_starvation_fifo_admission():
 def test_prefix_cache_hit_statistics():
     sched, exe = make(page_size=2)
     shared = list(range(2, 12))
-    sched.add_request("a", shared + [1], SamplingParams(max_tokens=2))
+    sched.add_request("a", shared + [1], LedgerParams(max_tokens=2))
     run_to_completion(sched, exe)
-    sched.add_request("b", shared + [3], SamplingParams(max_tokens=2))
+    sched.add_request("b", shared + [3], LedgerParams(max_tokens=2))
     run_to_completion(sched, exe)
     assert sched.cache.hit_tokens == 10
     assert 0 < sched.stats().cache_hit_rate < 1
@@ -299,7 +299,7 @@ def test_prefix_cache_hit_statistics():
 def test_naive_cache_reuses_nothing():
     sched, exe = make(prefix_cache="naive")
     for rid in "ab":
-        sched.add_request(rid, [5, 6, 7, 8], SamplingParams(max_tokens=2))
+        sched.add_request(rid, [5, 6, 7, 8], LedgerParams(max_tokens=2))
         run_to_completion(sched, exe)
     assert sched.cache.hit_tokens == 0
     assert sched.allocator.num_free == sched.allocator.total
@@ -311,7 +311,7 @@ def _plans_script() -> str:
         "from tests.scheduler.fake_executor import FakeExecutor\n"
         "cfg = SchedulerConfig(num_pages=10, page_size=2, max_running=3, max_context=32, chunk_budget=5)\n"
         "s = Scheduler(cfg); x = FakeExecutor(cfg)\n"
-        "for i in range(8): s.add_request(f'req-{i}', [i % 3 + 2] * 4 + [i], SamplingParams(max_tokens=6))\n"
+        "for i in range(8): s.add_request(f'req-{i}', [i % 3 + 2] * 4 + [i], LedgerParams(max_tokens=6))\n"
         "while s.has_work():\n"
         "    b = s.schedule(); print(b); s.commit(b, x.execute(b)); x.retire(b.step)\n"
     )
@@ -334,7 +334,7 @@ def test_two_schedulers_same_inputs_same_plans():
     for _ in range(2):
         sched, exe = make(num_pages=10, page_size=2, max_running=3, chunk_budget=5)
         for i in range(8):
-            sched.add_request(f"q{i}", [i % 3 + 2] * 4 + [i], SamplingParams(max_tokens=6))
+            sched.add_request(f"q{i}", [i % 3 + 2] * 4 + [i], LedgerParams(max_tokens=6))
         seq = []
         while sched.has_work():
             b = sched.schedule()
@@ -347,7 +347,7 @@ def test_two_schedulers_same_inputs_same_plans():
 
 def test_status_transitions():
     sched, exe = make()
-    sched.add_request("a", [1, 2], SamplingParams(max_tokens=1))
+    sched.add_request("a", [1, 2], LedgerParams(max_tokens=1))
     req = sched.get_request("a")
     assert req.status is Status.WAITING
     planned = step(sched, exe)
@@ -358,7 +358,7 @@ def test_status_transitions():
 
 def test_commit_out_of_order_and_three_in_flight_refused():
     sched, exe = make()
-    sched.add_request("a", [1, 2], SamplingParams(max_tokens=9, ignore_eos=True))
+    sched.add_request("a", [1, 2], LedgerParams(max_tokens=9, ignore_eos=True))
     k0 = step(sched, exe)
     k1 = step(sched, exe)
     with pytest.raises(RuntimeError):
@@ -372,8 +372,8 @@ def test_commit_out_of_order_and_three_in_flight_refused():
 def test_request_sharing_a_new_prefix_with_a_running_prefill_waits_and_then_hits_the_cache():
     sched, exe = make(page_size=4, max_context=128)
     system = [(7 * i) % 13 + 1 for i in range(48)]
-    sched.add_request("a", system + [1, 2], SamplingParams(max_tokens=3))
-    sched.add_request("b", system + [3, 4, 5], SamplingParams(max_tokens=3))
+    sched.add_request("a", system + [1, 2], LedgerParams(max_tokens=3))
+    sched.add_request("b", system + [3, 4, 5], LedgerParams(max_tokens=3))
     first = step(sched, exe)
     assert [r.rid for r in first[0].reqs] == ["a"], "b should wait for a's prefix instead of recomputing it"
     events = commit(sched, exe, first)

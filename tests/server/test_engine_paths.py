@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from compiled_engine.llm import LLM
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 from tests.server.conftest import ENGINE, assert_kv_all_free, wait_idle
 
 PROMPTS = ["Hello world", "The capital of France is", "def fib(n):"]

@@ -35,7 +35,7 @@ import json, logging, sys
 from torch._dynamo.utils import counters
 from compiled_engine.config import EngineConfig
 from compiled_engine.runner import precompiled
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 engine = build_engine(EngineConfig(model=sys.argv[1], load_format="dummy", buckets=[1, 2], max_running=4,

@@ -4,7 +4,7 @@
 2. Bench model (bf16 Llama, hidden 768, 12 layers): batch-1 decode tokens/s (prompt 128, 256 new tokens,
    greedy argmax on the logits) and 512-token prefill tokens/s, eager vs each compile mode.
 
-It times the model step (`ModelRunner.forward`, on graphs precompiled as the engine's warm-up makes
+It times the model step (`CompiledForward`, on graphs precompiled as the engine's warm-up makes
 them), not the scheduler or the sampler. The machine may be
 shared: variants run interleaved, call by call, and each estimate is the mean of the fastest fifth of
 the samples, in wall time and in CPU time of this process (CPU time ignores the time other processes
@@ -28,9 +28,6 @@ from compiled_engine.runner.compiled_forward import COMPILE_MODES, CompiledForwa
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
 from compiled_engine.scheduler.plan import Batch, ReqStep
-from compiled_engine.scheduler.sampling_params import SamplingParams
-
-_PARAMS = SamplingParams()
 
 
 class Setup:
@@ -59,12 +56,12 @@ class Setup:
 
     def decode(self, positions: list[int], bucket: int) -> StepInputs:
         t = self.runner.tables
-        reqs = tuple(ReqStep(f"r{b}", b, p, 1, (int(t.slots[b, p]),), True, _PARAMS) for b, p in enumerate(positions))
+        reqs = tuple(ReqStep(f"r{b}", b, p, 1, (int(t.slots[b, p]),), True) for b, p in enumerate(positions))
         return build_step_inputs(Batch(0, reqs, (), (), True), t, bucket, self.runner.staging)
 
     def extend(self, length: int) -> StepInputs:
         t = self.runner.tables
-        reqs = (ReqStep("p", 0, 0, length, tuple(t.slots[0, :length].tolist()), True, _PARAMS),)
+        reqs = (ReqStep("p", 0, 0, length, tuple(t.slots[0, :length].tolist()), True),)
         return build_step_inputs(Batch(0, reqs, (), (), False), t, None, self.runner.staging)
 
 
@@ -85,9 +82,14 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {k: (est(wall[k]), est(cpu[k])) for k in fns}
 
 
+def _step(fwd: CompiledForward, inputs: StepInputs) -> torch.Tensor:
+    """One forward, on the graph the engine would pick for it."""
+    return fwd(inputs, fwd.graph_for(inputs.rows.shape[0]) if inputs.meta.is_decode else None)
+
+
 def _compile(fwd: CompiledForward, inputs: StepInputs) -> float:
     t0 = time.perf_counter()
-    fwd(inputs)
+    _step(fwd, inputs)
     return time.perf_counter() - t0
 
 
@@ -103,7 +105,7 @@ def demo_decode(modes: list[str], batches: list[int], context: int, repeats: int
         for batch in batches:
             inputs = setup.decode([context - 1] * batch, batch)
             compile_s = {name: _compile(fwd, inputs) for name, fwd in setup.forwards.items()}
-            res = _interleaved({name: (lambda f=fwd, x=inputs: f(x)) for name, fwd in setup.forwards.items()},
+            res = _interleaved({name: (lambda f=fwd, x=inputs: _step(f, x)) for name, fwd in setup.forwards.items()},
                                repeats)
             ew, ec = res["eager"]
             for name, (w, c) in res.items():
@@ -129,16 +131,16 @@ def bench_model(modes: list[str], prompt: int, new_tokens: int, prefill: int, ro
 
         def generate(fwd: CompiledForward) -> Callable[[], None]:
             def run() -> None:
-                fwd(prompt_inputs)
+                _step(fwd, prompt_inputs)
                 for step in decode_steps:
-                    fwd(step).argmax(-1)
+                    _step(fwd, step).argmax(-1)
             return run
 
         # Decode: whole 256-step generations, variants in turn; the per-step estimate is the total over steps.
         gen = _interleaved({name: generate(fwd) for name, fwd in setup.forwards.items()}, rounds)
-        pre_only = _interleaved({name: (lambda f=fwd: f(prompt_inputs)) for name, fwd in setup.forwards.items()},
+        pre_only = _interleaved({name: (lambda f=fwd: _step(f, prompt_inputs)) for name, fwd in setup.forwards.items()},
                                 3)
-        pre = _interleaved({name: (lambda f=fwd: f(prefill_inputs)) for name, fwd in setup.forwards.items()},
+        pre = _interleaved({name: (lambda f=fwd: _step(f, prefill_inputs)) for name, fwd in setup.forwards.items()},
                            max(3, rounds))
     print(f"{'variant':>22} {'compile s (decode/extend)':>25} {'decode tok/s wall':>17} {'cpu':>7} "
           f"{'x eager':>7} {'prefill tok/s wall':>18} {'cpu':>7} {'x eager':>7}")

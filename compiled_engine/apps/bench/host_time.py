@@ -20,7 +20,7 @@ import torch
 from compiled_engine.apps.bench.engine_run import build_llm, close_llm
 from compiled_engine.apps.bench.models import BENCH_NAME, resolve_bench_model
 from compiled_engine.runner import model_runner
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from compiled_engine.apps.bench.engine_run import build_llm, close_llm
 from compiled_engine.apps.bench.models import BENCH_NAME, resolve_bench_model
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 
 PENALTY = 1.3
 

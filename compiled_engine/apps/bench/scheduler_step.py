@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.sampling_params import SamplingParams
 from compiled_engine.scheduler.scheduler import Scheduler
 
 

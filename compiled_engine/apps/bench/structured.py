@@ -20,7 +20,7 @@ from compiled_engine.constraints import GrammarBook
 from compiled_engine.llm import LLM
 from compiled_engine.models.names import SMOLLM2_NAME, resolve_model
 from compiled_engine.runner.sampler import Sampler, SamplingRow
-from compiled_engine.scheduler.sampling_params import SamplingParams, StructuredOutput
+from compiled_engine.sampling_params import SamplingParams, StructuredOutput
 from compiled_engine.tokenization import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},

@@ -27,7 +27,7 @@ import json, logging, sys, time
 spawned = float(sys.argv[1])
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 from compiled_engine.llm import LLM
-from compiled_engine.scheduler.sampling_params import SamplingParams
+from compiled_engine.sampling_params import SamplingParams
 llm = LLM(**json.loads(sys.argv[2]))
 ready = time.time() - spawned
 llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1), use_tqdm=False)

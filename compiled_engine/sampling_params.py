@@ -1,9 +1,12 @@
-"""Per-request sampling parameters and finish rules (plain data, validated at admission)."""
+"""Per-request sampling parameters and finish rules (plain data, stdlib only, validated once: by the
+engine that admits the request). The ledger keeps only what it schedules by (`ledger_params`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from compiled_engine.scheduler.request import LedgerParams
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 
@@ -59,9 +62,13 @@ class SamplingParams:
     # offline API only
     logits_processors: tuple[Callable | str, ...] = ()
 
+    def ledger_params(self) -> LedgerParams:
+        return LedgerParams(self.max_tokens, self.min_tokens, tuple(self.stop_token_ids), self.ignore_eos,
+                            self.structured is not None)
+
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        _check(self.max_tokens >= 0, "max_tokens must be >= 0", self.max_tokens)
+        """Raise ValueError naming the first bad field of those the engine samples by; the ledger checks its
+        own (`ledger_params`: lengths and stop ids) when it admits the request (`check_request`)."""
         _check(self.temperature >= 0, "temperature must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k must be -1 (off), 0 (off) or > 0", self.top_k)
@@ -70,11 +77,8 @@ class SamplingParams:
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", self.frequency_penalty)
         _check(self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty)
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
-        _check(self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens)
-        _check(self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", self.min_tokens)
         _check(self.n >= 1, "n must be >= 1", self.n)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids)
         if self.logit_bias is not None:
             _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
         if self.structured is not None:
@@ -86,13 +90,13 @@ class SamplingParams:
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
-    """A request's `n` samples as `n` single-sample requests (ValueError unless n >= 1; every other field is
-    checked once, at admission); sample i of a seeded request uses seed + i (mod 2**63, the range of torch's
-    generators); a seed outside that range is passed on as given, for admission to reject."""
-    _check(params.n >= 1, "n must be >= 1", params.n)
-    seed = params.seed
-    in_range = seed is not None and 0 <= seed < 2**63
-    return [replace(params, n=1, seed=(seed + i) % 2**63 if in_range else seed) for i in range(params.n)]
+    """A request's `n` samples as `n` single-sample requests (ValueError for a bad `n` or `seed`; the engine
+    validates the rest when it admits each); sample i of a seeded request uses seed + i (mod 2**63, the
+    range of torch's generators)."""
+    _check(isinstance(params.n, int) and params.n >= 1, "n must be >= 1", params.n)
+    _check(params.seed is None or 0 <= params.seed < 2**63, "seed must be in [0, 2**63)", params.seed)
+    seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
+    return [replace(params, n=1, seed=seed) for seed in seeds]
 
 
 def _check(ok: bool, message: str, value: object) -> None:
