@@ -23,6 +23,10 @@ from compiled_engine.sampling_params import StructuredOutput
 ANY_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 
 
+class ConstraintError(ValueError):
+    """A constraint that does not compile (a bad schema, regex or grammar): the request's 400."""
+
+
 class GrammarBook:
     def __init__(self, tokenizer: Callable[[], object], vocab_size: int,
                  stop_token_ids: Sequence[int] | None = None) -> None:
@@ -38,7 +42,7 @@ class GrammarBook:
         self._lock = threading.RLock()
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar of `spec`; ValueError saying what is wrong with it."""
+        """The compiled grammar of `spec`; ConstraintError saying what is wrong with it."""
         compiler = self._get_compiler()
         try:
             if spec.kind == "json":  # compact JSON: no runs of whitespace a weak model could fill its budget with
@@ -50,7 +54,7 @@ class GrammarBook:
                 return compiler.compile_grammar(choice_grammar(spec.spec))
             return compiler.compile_grammar(spec.spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
+            raise ConstraintError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
 
     def for_request(self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()) -> RequestGrammar:
         """A matcher for one request; `stop_token_ids`: the request's own, allowed where the EOS is."""

@@ -2,34 +2,62 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiled_engine.models.demo import cache_root, cached_folder
+from compiled_engine.models.errors import CheckpointError
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 
 Prompt = str | list[int] | list[dict]
 
 
 def load_tokenizer(model_path: str):
-    """The tokenizer of a checkpoint directory, or of a GGUF file (with its chat template)."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a checkpoint directory, or of a GGUF file (with its chat template). Loading imports no
+    torch (the server's process never does) where the checkpoint has a tokenizer.json and names a class of
+    transformers' tokenizers backend; anything else goes through AutoTokenizer."""
+    directory = gguf_tokenizer_dir(Path(model_path)) if is_gguf(model_path) else Path(model_path)
+    return _tokenizer_class(directory).from_pretrained(str(directory))
 
-    if is_gguf(model_path):
-        return AutoTokenizer.from_pretrained(gguf_tokenizer_dir(Path(model_path)))
-    return AutoTokenizer.from_pretrained(model_path)
+
+def _tokenizer_class(directory: Path) -> type:
+    """The class AutoTokenizer picks for a tokenizer.json whose tokenizer_config.json names it (with or
+    without its `Fast` suffix), found without AutoTokenizer, which imports torch; else AutoTokenizer."""
+    import transformers
+
+    try:
+        name = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if isinstance(name, str) and (directory / "tokenizer.json").is_file():
+        for candidate in (name.removesuffix("Fast"), name):
+            cls = getattr(transformers, candidate, None)
+            if isinstance(cls, type) and issubclass(cls, transformers.TokenizersBackend):
+                return cls
+    return transformers.AutoTokenizer
 
 
 def gguf_tokenizer_dir(gguf: Path) -> Path:
     """The tokenizer that transformers converts from a GGUF file's vocabulary (seconds for a 49k-token BPE
-    vocabulary), saved once under the cache root, keyed by what it is converted from."""
-    from transformers import AutoTokenizer
+    vocabulary), saved once under the cache root, keyed by what it is converted from. The conversion runs
+    in a child interpreter: it imports torch, which the caller (the server) may not."""
 
     def convert(out: Path) -> None:
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+        done = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CheckpointError(f"{gguf}: its tokenizer could not be converted: {last}")
 
     digest = open_gguf(gguf).tokenizer_digest
     return cached_folder(cache_root() / "gguf-tokenizers" / digest, convert, "tokenizer_config.json")
+
+
+_CONVERT = ("import sys; from transformers import AutoTokenizer; "
+            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])")
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:

@@ -15,7 +15,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from compiled_engine.constraints import GrammarBook
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.launcher import EngineHandle, launch
@@ -31,11 +30,16 @@ log = logging.getLogger(__name__)
 
 
 def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
-    model_dir = resolve_model(config.engine.model)
+    """The ranks first: they write what this process then reads (the demo checkpoint, a GGUF file's
+    converted tokenizer), so that it needs no torch."""
     if config.engine.model == DEMO_NAME:
         log.warning("model: %s", DEMO_LABEL)
-    tokenizer = load_tokenizer(model_dir)
     handle = launch(config.engine)
+    try:
+        tokenizer = load_tokenizer(resolve_model(config.engine.model))
+    except BaseException:
+        handle.shutdown()
+        raise
     return tokenizer, Limits(handle.ready.max_context, handle.ready.vocab_size or len(tokenizer)), handle
 
 
@@ -45,8 +49,7 @@ def create_app(config: ServerConfig) -> Starlette:
         tokenizer, limits, handle = await asyncio.to_thread(_start_engine, config)
         client = EngineClient(handle, config.max_queue)
         client.start()
-        grammars = GrammarBook(lambda: tokenizer, limits.vocab_size)
-        app.state.server = ServerState(config, client, tokenizer, limits, Metrics(), config.engine.model, grammars)
+        app.state.server = ServerState(config, client, tokenizer, limits, Metrics(), config.engine.model)
         try:
             yield
         finally:

@@ -33,7 +33,12 @@ class EngineDead(RuntimeError):
 
 
 class EngineRejected(ValueError):
-    """The engine refused one request (e.g. it can never fit the KV pool)."""
+    """The engine refused one request (e.g. it can never fit the KV pool). `field`: "structured" when its
+    constraint did not compile (`RequestError.field`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Overloaded(RuntimeError):
@@ -178,7 +183,7 @@ class EngineClient:
             elif isinstance(ev, RequestError):
                 q = self._queues.get(ev.rid)
                 if q is not None:
-                    q.put_nowait(EngineRejected(ev.message))
+                    q.put_nowait(EngineRejected(ev.message, ev.field))
             elif isinstance(ev, StatsReply):
                 fut = self._stats_waiters.get(ev.token)
                 if fut is not None and not fut.done():

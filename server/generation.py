@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
 from compiled_engine.tokenization import IncrementalDetokenizer
-from server.engine_client import EngineClient, SubRequest
+from server.engine_client import EngineClient, EngineRejected, SubRequest
 from server.metrics import Metrics
+from server.request_errors import ProtocolError
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Generation:
     choices: list[Choice]
     subs: list[SubRequest]
     prompt_lens: list[int]
+    constraint_param: str | None = None  # the request field its output constraint came from
 
     @property
     def prompt_tokens(self) -> int:
@@ -58,8 +60,10 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def plan(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
-    """Expand prompts x n into sub-requests (`expand_n`)."""
+def plan(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
+         constraint_param: str | None = None) -> Generation:
+    """Expand prompts x n into sub-requests (`expand_n`); `constraint_param` names the field of their
+    constraint, for the 400 of one that does not compile in the engine."""
     choices, subs = [], []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
@@ -67,21 +71,27 @@ def plan(request_id: str, tokenizer, prompts: list[list[int]], params: list[Samp
             subs.append(sub)
             detok = IncrementalDetokenizer(tokenizer, ids, p.stop)
             choices.append(Choice(sub.rid, detok, index=len(choices), prompt_ids=ids))
-    return Generation(request_id, choices, subs, [len(ids) for ids in prompts])
+    return Generation(request_id, choices, subs, [len(ids) for ids in prompts], constraint_param)
 
 
 async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncIterator[Delta]:
-    """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest."""
+    """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest. A constraint
+    the engine could not compile is a ProtocolError naming its field."""
     by_rid = {c.rid: c for c in gen.choices}
     async with client.open(gen.subs) as group:
-        async for ev in group.events():
-            choice = by_rid[ev.rid]
-            if ev.token is not None and choice.first_token_at is None:
-                choice.first_token_at = time.monotonic()
-            text, stopped = choice.apply(ev)
-            if stopped:
-                group.finish(choice.rid)
-            if text or choice.finish_reason is not None:
-                yield choice.delta(text)
-            if choice.finish_reason is not None:
-                metrics.observe_finished(choice.start, choice.first_token_at, len(choice.token_ids))
+        try:
+            async for ev in group.events():
+                choice = by_rid[ev.rid]
+                if ev.token is not None and choice.first_token_at is None:
+                    choice.first_token_at = time.monotonic()
+                text, stopped = choice.apply(ev)
+                if stopped:
+                    group.finish(choice.rid)
+                if text or choice.finish_reason is not None:
+                    yield choice.delta(text)
+                if choice.finish_reason is not None:
+                    metrics.observe_finished(choice.start, choice.first_token_at, len(choice.token_ids))
+        except EngineRejected as e:
+            if e.field != "structured":
+                raise
+            raise ProtocolError(str(e), gen.constraint_param) from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -98,24 +97,12 @@ def check_model(st: ServerState, model: str | None) -> None:
                             code="model_not_found")
 
 
-async def check_constraint(st: ServerState, req: GenerationRequest) -> None:
-    """400 naming the field for a constraint that does not compile (a bad schema, regex or grammar), before
-    it reaches the engine. Compiling runs off the event loop (the first one also imports xgrammar)."""
-    spec = req.params.structured
-    if spec is None:
-        return
-    try:
-        await asyncio.to_thread(st.grammars.compile, spec)
-    except ValueError as e:
-        raise ProtocolError(str(e), req.structured_param) from None
-
-
 def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts: list[list[int]],
                 default_max_tokens: int | None) -> Generation:
     check_model(st, req.model)
     params = [dataclasses.replace(req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits,
                                                                             default_max_tokens)) for ids in prompts]
-    gen = plan(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params)
+    gen = plan(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param)
     st.metrics.prompt_tokens.inc(gen.prompt_tokens)
     return gen
 
@@ -153,7 +140,7 @@ async def stream(st: ServerState, gen: Generation, head: list[str], chunk: Calla
                     yield sse(obj)
             for t in tail() if tail is not None else []:
                 yield t
-        except (EngineDead, EngineRejected) as e:
+        except (EngineDead, EngineRejected, ProtocolError) as e:
             yield sse(ProtocolError(str(e), kind="server_error").body())
         finally:
             await deltas.aclose()

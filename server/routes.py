@@ -13,7 +13,6 @@ from compiled_engine.tokenization import encode_chat
 from server.engine_client import EngineDead
 from server.generation import Delta
 from server.handlers import (
-    check_constraint,
     check_model,
     collect,
     endpoint,
@@ -85,7 +84,6 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = parse_completion(await read_json(request), st.limits)
-    await check_constraint(st, req)
     prompts = [tokenize_prompt(st, p) for p in req.prompts]
     gen = new_generation(st, "cmpl", req, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
     n = req.params.n
@@ -122,7 +120,6 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req: ChatRequest = parse_chat(await read_json(request), st.limits)
-    await check_constraint(st, req)
     tools = req.tools.template_tools() if req.tools is not None else None
     try:
         prompt = encode_chat(st.tokenizer, req.messages, tools=tools)
@@ -184,7 +181,6 @@ async def generate(request: Request) -> Response:
     """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and text."""
     st = state_of(request)
     prompt, req = parse_native(await read_json(request), st.limits)
-    await check_constraint(st, req)
     gen = new_generation(st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS)
 
     def out(d: Delta) -> dict:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.constraints import GrammarBook
 from compiled_engine.models.demo import DEMO_NAME
 from server.engine_client import EngineClient
 from server.metrics import Metrics
@@ -35,7 +34,6 @@ class ServerState:
     limits: Limits
     metrics: Metrics
     model_name: str  # the id /v1/models lists
-    grammars: GrammarBook  # compiles constraints to check them before they reach the engine
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-
-import numpy as np
-import torch
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from compiled_engine.models.errors import CheckpointError
+
+if TYPE_CHECKING:  # imported where weights or a config object are asked for: reading metadata needs neither
+    import torch
+    from transformers import PretrainedConfig
 
 # GGUF `general.architecture` -> (Hugging Face architecture, model_type)
 ARCHITECTURES = {
@@ -144,6 +145,8 @@ class GGUFCheckpoint:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
         import gguf
+        import numpy as np
+        import torch
 
         names = _hf_names(self.arch, int(self.metadata(f"{self.arch}.block_count")))
         c = self.config_dict

@@ -4,6 +4,7 @@ hung rank kills the rest: see monitor.py), and stopping them."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import socket
 import threading
 import time
@@ -11,13 +12,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-import torch.multiprocessing as mp
-
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.tp_fit import check_tp_size
+from compiled_engine.ranks.entry import RankSpec, run_rank
 from compiled_engine.ranks.messages import Fatal, Ready, Shutdown
 from compiled_engine.ranks.monitor import RankMonitor
-from compiled_engine.ranks.rank_loop import RankSpec, run_rank
 
 EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
 POLL_S = 0.5  # how often a blocked receive checks that the ranks are alive

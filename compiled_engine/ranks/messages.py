@@ -56,6 +56,7 @@ class Ready:
 class RequestError:
     rid: str
     message: str
+    field: str | None = None  # "structured": the request's constraint did not compile (the server names its field)
 
 
 @dataclass(slots=True)

@@ -13,18 +13,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import signal
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 import torch
 
 import kernels
 from compiled_engine.config import EngineConfig
+from compiled_engine.constraints import ConstraintError
 from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
+from compiled_engine.ranks.entry import RankSpec
 from compiled_engine.ranks.messages import (
     Abort,
     Add,
@@ -43,24 +43,6 @@ IDLE_POLL_S = 0.5  # rank 0's longest wait on the channel when idle (so also the
 # A collective waiting this long fails (start-up skew between ranks must fit; the launcher's monitor
 # detects hangs sooner, from heartbeats: EngineConfig.rank_timeout_s).
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
-
-
-@dataclass(slots=True)
-class RankSpec:
-    rank: int
-    world_size: int
-    init_method: str  # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
-    config: EngineConfig
-    local_rank: int | None = None  # None: `rank` (one host)
-    local_world_size: int | None = None  # None: `world_size`
-    heartbeats: Sequence[float] | None = None  # shared with the launcher's monitor: each rank's latest iteration
-
-
-def run_rank(spec: RankSpec, conn: Connection | None) -> None:
-    """Process entry point of a launcher-spawned rank. `conn` is the launcher's channel on rank 0."""
-    logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops the ranks in order
-    serve_rank(spec, conn)
 
 
 def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
@@ -176,8 +158,8 @@ def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
     if isinstance(msg, Add):
         try:
             engine.add_request(msg.rid, msg.prompt_ids, msg.params)
-        except ValueError as e:  # RequestRejected and bad parameters: answer that request only
-            events.append(RequestError(msg.rid, str(e)))
+        except ValueError as e:  # RequestRejected, bad parameters, a bad constraint: answer that request only
+            events.append(RequestError(msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None))
     elif isinstance(msg, Abort):
         engine.abort(msg.rid)
     elif isinstance(msg, Finish):

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tp_sizes_follow_heads_kv_heads_and_intermediate_size() -> None:
-    def config(heads: int, kv_heads: int, intermediate: int) -> LlamaConfig:
+    def config(heads: int, kv_heads: int, intermediate: int) -> dict:
         return LlamaConfig(hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                           intermediate_size=intermediate)
+                           intermediate_size=intermediate).to_dict()
 
     assert tp_sizes(config(9, 3, 1536)) == [1, 3]
     assert tp_sizes(config(8, 2, 64)) == [1, 2, 4, 8]  # KV heads replicated when there are fewer than ranks

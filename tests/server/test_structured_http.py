@@ -208,3 +208,27 @@ def test_a_constraint_no_token_can_continue_ends_in_error(server) -> None:
                                                 "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
         assert_kv_all_free(wait_idle(http))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2, "structured_outputs": {"regex": "(unclosed"}},
+     "structured_outputs.regex"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= undefined_rule"}},
+     "structured_outputs.grammar"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "[z-a]", "max_new_tokens": 4}}, "sampling_params.regex"),
+])
+def test_a_constraint_the_engine_cannot_compile_is_a_400_and_the_engine_serves_on(server, stream: bool, path: str,
+                                                                                  body: dict, param: str) -> None:
+    """The engine compiles each constraint (once): one that does not compile comes back as the request's 400
+    naming its field, streamed or not, and the next constrained request is served."""
+    with server.http() as http:
+        limit = {} if path == "/generate" else {"max_tokens": 4}
+        r = http.post(path, json={"model": "demo", "stream": stream} | limit | body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.json()
+        assert r.json()["error"]["message"].startswith("invalid "), r.json()
+        ok = http.post("/v1/completions", json={"model": "demo", "prompt": "still", "max_tokens": 8,
+                                                "structured_outputs": {"regex": "(ab|cd){2}"}})
+        assert ok.status_code == 200 and re.fullmatch("(ab|cd){2}", ok.json()["choices"][0]["text"]), ok.text
+        assert_kv_all_free(wait_idle(http))

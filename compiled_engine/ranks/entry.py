@@ -1,0 +1,32 @@
+"""The process entry of a launcher-spawned rank, importable without torch: the launcher (in the server's
+process, which never imports torch) pickles `run_rank` by reference, and the rank imports the engine itself."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from compiled_engine.config import EngineConfig
+
+
+@dataclass(slots=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    init_method: str  # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
+    config: EngineConfig
+    local_rank: int | None = None  # None: `rank` (one host)
+    local_world_size: int | None = None  # None: `world_size`
+    heartbeats: Sequence[float] | None = None  # shared with the launcher's monitor: each rank's latest iteration
+
+
+def run_rank(spec: RankSpec, conn: Connection | None) -> None:
+    """Process entry point of a launcher-spawned rank. `conn` is the launcher's channel on rank 0."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops the ranks in order
+    from compiled_engine.ranks.rank_loop import serve_rank
+
+    serve_rank(spec, conn)
