@@ -27,6 +27,7 @@ from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
 from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
+from compiled_engine.runner.warmup import warm_up
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.tokenization import load_tokenizer
@@ -135,7 +136,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         folder = CacheEntry(root, key.digest).precompiled_dir
         bar = progress or (GraphBar() if ps.get_tp_rank() == 0 else None)
         try:
-            report = compile_with_cache(key, root, lambda: runner.warm_up(bar, folder))
+            report = compile_with_cache(key, root, lambda: warm_up(runner, bar, folder))
         finally:
             if bar is not None:
                 bar.close()

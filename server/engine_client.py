@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 from compiled_engine.ranks.launcher import EngineFailure, EngineHandle
 from compiled_engine.ranks.messages import (
@@ -45,8 +45,9 @@ class Overloaded(RuntimeError):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class SubRequest:
+class Submission(Protocol):
+    """What the engine is sent of one sub-request (the server's record of it, `generation.Choice`)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -113,7 +114,9 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def open(self, subs: list[SubRequest]) -> AsyncIterator[RequestGroup]:
+    async def open(self, subs: Sequence[Submission]) -> AsyncIterator[RequestGroup]:
+        """Send the sub-requests of one HTTP request; the group's exit (the one way out: finished, client
+        gone, error, cancellation) removes their routing entries and aborts whatever still runs."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         if self.num_in_flight + len(subs) > self.max_in_flight:

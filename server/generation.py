@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
 from compiled_engine.tokenization import IncrementalDetokenizer
-from server.engine_client import EngineClient, EngineRejected, SubRequest
+from server.engine_client import EngineClient, EngineRejected
 from server.metrics import Metrics
 from server.request_errors import ProtocolError
 
@@ -29,6 +29,10 @@ class Delta:
 
 @dataclass
 class Choice(OutputStream):
+    """The server's one record of a sub-request: what the engine is sent (rid, prompt, parameters) and
+    what came back (`OutputStream`), plus the client's view (index, timing)."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
     index: int = 0
     prompt_ids: list[int] = field(default_factory=list)
     start: float = field(default_factory=time.monotonic)
@@ -47,7 +51,6 @@ class Generation:
 
     request_id: str
     choices: list[Choice]
-    subs: list[SubRequest]
     prompt_lens: list[int]
     constraint_param: str | None = None  # the request field its output constraint came from
 
@@ -60,25 +63,24 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def plan(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-         constraint_param: str | None = None) -> Generation:
-    """Expand prompts x n into sub-requests (`expand_n`); `constraint_param` names the field of their
+def expand_choices(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
+                   constraint_param: str | None = None) -> Generation:
+    """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names the field of their
     constraint, for the 400 of one that does not compile in the engine."""
-    choices, subs = [], []
+    choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
-            sub = SubRequest(f"{request_id}-{j * p.n + i}", ids, sample)
-            subs.append(sub)
             detok = IncrementalDetokenizer(tokenizer, ids, p.stop)
-            choices.append(Choice(sub.rid, detok, index=len(choices), prompt_ids=ids))
-    return Generation(request_id, choices, subs, [len(ids) for ids in prompts], constraint_param)
+            choices.append(Choice(f"{request_id}-{j * p.n + i}", detok, params=sample, index=len(choices),
+                                  prompt_ids=ids))
+    return Generation(request_id, choices, [len(ids) for ids in prompts], constraint_param)
 
 
 async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncIterator[Delta]:
     """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest. A constraint
     the engine could not compile is a ProtocolError naming its field."""
     by_rid = {c.rid: c for c in gen.choices}
-    async with client.open(gen.subs) as group:
+    async with client.open(gen.choices) as group:
         try:
             async for ev in group.events():
                 choice = by_rid[ev.rid]

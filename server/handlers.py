@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from server.engine_client import EngineDead, EngineRejected, Overloaded
-from server.generation import Choice, Delta, Generation, plan, run
+from server.generation import Choice, Delta, Generation, expand_choices, run
 from server.openai_format import dumps, sse, usage
 from server.protocol import GenerationRequest, ProtocolError, check_text, resolve_max_tokens
 from server.sse import ClientGone, EventStream, unless_disconnected
@@ -102,7 +102,7 @@ def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts
     check_model(st, req.model)
     params = [dataclasses.replace(req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits,
                                                                             default_max_tokens)) for ids in prompts]
-    gen = plan(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param)
+    gen = expand_choices(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param)
     st.metrics.prompt_tokens.inc(gen.prompt_tokens)
     return gen
 

@@ -23,9 +23,9 @@ from typing import TextIO
 import kernels
 from compiled_engine.engine_args import add_engine_args, engine_config
 from compiled_engine.models.names import resolve_model
-from compiled_engine.ranks.entry import RankSpec
 from compiled_engine.ranks.messages import Add, RequestError, Shutdown
 from compiled_engine.ranks.rank_loop import serve_rank
+from compiled_engine.ranks.rank_spec import RankSpec
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.tokenization import encode_prompt, load_tokenizer

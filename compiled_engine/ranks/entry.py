@@ -5,22 +5,9 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from compiled_engine.config import EngineConfig
-
-
-@dataclass(slots=True)
-class RankSpec:
-    rank: int
-    world_size: int
-    init_method: str  # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
-    config: EngineConfig
-    local_rank: int | None = None  # None: `rank` (one host)
-    local_world_size: int | None = None  # None: `world_size`
-    heartbeats: Sequence[float] | None = None  # shared with the launcher's monitor: each rank's latest iteration
+from compiled_engine.ranks.rank_spec import RankSpec
 
 
 def run_rank(spec: RankSpec, conn: Connection | None) -> None:

@@ -14,9 +14,10 @@ from multiprocessing.process import BaseProcess
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.tp_fit import check_tp_size
-from compiled_engine.ranks.entry import RankSpec, run_rank
+from compiled_engine.ranks.entry import run_rank
 from compiled_engine.ranks.messages import Fatal, Ready, Shutdown
 from compiled_engine.ranks.monitor import RankMonitor
+from compiled_engine.ranks.rank_spec import RankSpec
 
 EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
 POLL_S = 0.5  # how often a blocked receive checks that the ranks are alive

@@ -24,7 +24,6 @@ import kernels
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import ConstraintError
 from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
-from compiled_engine.ranks.entry import RankSpec
 from compiled_engine.ranks.messages import (
     Abort,
     Add,
@@ -36,6 +35,7 @@ from compiled_engine.ranks.messages import (
     StatsReply,
     StatsRequest,
 )
+from compiled_engine.ranks.rank_spec import RankSpec
 
 log = logging.getLogger(__name__)
 

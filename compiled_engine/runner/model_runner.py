@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -12,7 +11,6 @@ from compiled_engine.runner.compiled_forward import CompiledForward
 from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.staging import DeviceEvent, Staging, event_factory
 from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs, sample_targets
-from compiled_engine.runner.warmup import warm_up
 from compiled_engine.scheduler.plan import StepPlan
 
 
@@ -117,7 +115,3 @@ class ModelRunner:
         inputs = build_step_inputs(plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs)
         return self.forward(inputs, graph)[: inputs.num_sampled]
 
-    def warm_up(self, progress: Callable[[str, int], None] | None = None,
-                precompiled_dir: Path | None = None) -> None:
-        """Compile (or load) every graph a step can meet, so that serving never compiles (`runner.warmup`)."""
-        warm_up(self, progress, precompiled_dir)
