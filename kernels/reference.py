@@ -1,4 +1,5 @@
-"""Slow, obviously correct paged attention and KV store: per request, per head, fp32 math. Tests only."""
+"""Slow, obviously correct paged attention and KV store: per request, per head, fp32 math. Tests
+only."""
 
 import torch
 
@@ -22,7 +23,8 @@ def _attend_row(
     sliding_window: int,
     soft_cap: float,
 ) -> torch.Tensor:
-    """Queries q [n, H, D] at `positions` of one row whose tokens sit at `slots`, one head at a time."""
+    """Queries q [n, H, D] at `positions` of one row whose tokens sit at `slots`, one head at a
+    time."""
     group = q.shape[1] // k_cache.shape[1]
     index = torch.tensor(slots, dtype=torch.long)
     keys, values = k_cache[index].float(), v_cache[index].float()

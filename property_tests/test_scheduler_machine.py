@@ -1,10 +1,11 @@
 """The whole scheduler driven by the fake executor: tiny pools, shared prefixes, abort, overlap.
 
-After every rule the ledger invariants hold; every emitted token is the fake model's greedy token for
-that request run alone; finished requests end exactly as the model run alone would. Every step admits
-from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its token
-budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a shared prefix
-and the shared-prefix wait, and the run asserts that each of them was reached and prints how often.
+After every rule the ledger invariants hold; every emitted token is the fake model's greedy token
+for that request run alone; finished requests end exactly as the model run alone would. Every step
+admits from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its
+token budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a
+shared prefix and the shared-prefix wait, and the run asserts that each of them was reached and
+prints how often.
 """
 
 import collections
@@ -49,7 +50,8 @@ def guarded(f):
 request_args = st.fixed_dictionaries(
     {
         "base": st.integers(0, 1),
-        "keep": st.one_of(st.just(8), st.integers(0, 8)),  # whole shared bases often: prefix sharing
+        # whole shared bases often: prefix sharing
+        "keep": st.one_of(st.just(8), st.integers(0, 8)),
         "suffix": st.lists(st.integers(0, VOCAB - 1), max_size=4),
         "max_tokens": st.integers(0, 8),
         "min_tokens": st.integers(0, 2),
@@ -172,7 +174,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.check_integrity()
 
     def plan(self) -> StepPlan | None:
-        """schedule(), checking that it admitted a prefix of the waiting queue and kept its budget."""
+        """schedule(), checking that it admitted a prefix of the waiting queue and kept its
+        budget."""
         before = [r.rid for r in self.sched.waiting]
         batch = self.sched.schedule()
         still = {r.rid for r in self.sched.waiting}

@@ -1,13 +1,15 @@
 """Time two versions of kernels/cpu/native/extend_attention.cpp side by side, in one process.
 
-    git show HEAD~1:kernels/cpu/native/extend_attention.cpp > /tmp/old.cpp
-    .venv/bin/python scripts/ab_extend_attention.py /tmp/old.cpp kernels/cpu/native/extend_attention.cpp
+    src=kernels/cpu/native/extend_attention.cpp
+    git show HEAD~1:$src > /tmp/old.cpp
+    .venv/bin/python scripts/ab_extend_attention.py /tmp/old.cpp $src
 
-Each source is built `--copies` times (separate libraries, so separate buffer addresses) and the calls of
-all builds alternate, per call, on the bench model's attention shapes (12 heads, 4 KV heads, D 64) and one
-D 128 case. Printed per case: the median call time of each version (geometric mean over its copies) and the
-ratio new / old. Timing the builds alternately cancels the drift of a shared machine, and the copies expose
-layout effects (the same build, other addresses) that would otherwise read as a difference between versions.
+Each source is built `--copies` times (separate libraries, so separate buffer addresses) and the
+calls of all builds alternate, per call, on the bench model's attention shapes (12 heads, 4 KV
+heads, D 64) and one D 128 case. Printed per case: the median call time of each version (geometric
+mean over its copies) and the ratio new / old. Timing the builds alternately cancels the drift of a
+shared machine, and the copies expose layout effects (the same build, other addresses) that would
+otherwise read as a difference between versions.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def cases() -> dict[str, tuple[PagedBatch, int]]:
 
 
 def time_case(libs: list[ctypes.CDLL], batch: PagedBatch, calls: int) -> tuple[list[float], float]:
-    """Median ms per call of each library (calls alternating, rotating the order), and the largest output
-    difference between the first and the last library."""
+    """Median ms per call of each library (calls alternating, rotating the order), and the largest
+    output difference between the first and the last library."""
     q = batch.q.contiguous()
     heads, dim = q.shape[1], q.shape[2]
     table, cu, lens = (t.to(torch.int32).contiguous() for t in (batch.page_table, batch.cu_q_lens, batch.seq_lens))

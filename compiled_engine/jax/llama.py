@@ -1,9 +1,11 @@
-"""A reference forward of the Llama family (Llama, Qwen2, Qwen3, Mistral) in JAX: a second oracle, written
-from the architecture, not from the engine's model code, that loads the same Hugging Face checkpoints.
+"""A reference forward of the Llama family (Llama, Qwen2, Qwen3, Mistral) in JAX: a second oracle,
+written from the architecture, not from the engine's model code, that loads the same Hugging Face
+checkpoints.
 
-Plain full-sequence causal attention (no KV cache), jitted per bucket of sequence lengths (powers of two,
-from 16): a greedy step re-runs the whole sequence padded to its bucket, which compiles a handful of shapes.
-Everything is computed in `dtype` (float32 by default: bf16 weights upcast exactly).
+Plain full-sequence causal attention (no KV cache), jitted per bucket of sequence lengths (powers of
+two, from 16): a greedy step re-runs the whole sequence padded to its bucket, which compiles a
+handful of shapes. Everything is computed in `dtype` (float32 by default: bf16 weights upcast
+exactly).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def forward(w: dict, c: JaxConfig, ids):
         q = _linear(w, p + "self_attn.q_proj", h).reshape(t, c.heads, c.head_dim)
         k = _linear(w, p + "self_attn.k_proj", h).reshape(t, c.kv_heads, c.head_dim)
         v = _linear(w, p + "self_attn.v_proj", h).reshape(t, c.kv_heads, c.head_dim)
-        if p + "self_attn.q_norm.weight" in w:  # Qwen3: RMSNorm of each head before the rotary embedding
+        # Qwen3: RMSNorm of each head before the rotary embedding
+        if p + "self_attn.q_norm.weight" in w:
             q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], c.eps)
             k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], c.eps)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -134,7 +137,8 @@ class JaxLlama:
         self._forward = jax.jit(functools.partial(forward, c=self.config))
 
     def logits(self, ids: list[int]) -> jax.Array:
-        """Logits of the last token of `ids` (the sequence padded to its bucket; padding comes after it)."""
+        """Logits of the last token of `ids` (the sequence padded to its bucket; padding comes after
+        it)."""
         padded = np.zeros(bucket(len(ids)), dtype=np.int32)
         padded[: len(ids)] = ids
         return self._forward(self.weights, ids=jnp.asarray(padded))[len(ids) - 1]

@@ -1,5 +1,5 @@
-"""Vocab-parallel embedding and LM head. Each rank holds `ceil(vocab / tp)` rows; the last rank's rows
-past the vocabulary are zero padding, never refused and never visible in the logits."""
+"""Vocab-parallel embedding and LM head. Each rank holds `ceil(vocab / tp)` rows; the last rank's
+rows past the vocabulary are zero padding, never refused and never visible in the logits."""
 
 import torch
 import torch.nn.functional as F

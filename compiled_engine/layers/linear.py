@@ -49,7 +49,8 @@ class ColumnParallelLinear(_Linear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (e.g. gate and up); `shard_id` indexes `sizes`."""
+    """Several column-parallel outputs in one matmul (e.g. gate and up); `shard_id` indexes
+    `sizes`."""
 
     def __init__(self, in_features: int, sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(sizes), bias)

@@ -1,7 +1,8 @@
 """Copying (a rank's part of) a checkpoint tensor into a parameter.
 
-`src` is a full checkpoint tensor: a torch.Tensor or a lazy safetensors slice (`safe_open(...).get_slice`),
-so narrowing to this rank's part happens before anything is read or copied.
+`src` is a full checkpoint tensor: a torch.Tensor or a lazy safetensors slice
+(`safe_open(...).get_slice`), so narrowing to this rank's part happens before anything is read or
+copied.
 """
 
 from typing import Any

@@ -4,7 +4,8 @@ It is created deterministically on first use in a cache folder, in standard Hugg
 (config.json, generation_config.json, model.safetensors, tokenizer files with a chat template), so
 every command that takes `--model` can default to it without a download. The same repo commit gives
 byte-identical files on every machine: weights come from per-tensor seeded generators and the
-sentencepiece tokenizer ships in the package (`compiled_engine/models/demo_tokenizer/tokenizer.model`).
+sentencepiece tokenizer ships in the package
+(`compiled_engine/models/demo_tokenizer/tokenizer.model`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ DEMO_CONFIG = {
     "torch_dtype": "float32",
 }
 
-# Tools and tool calls in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), as Qwen's
-# templates write them: the server's default tool-call parser reads the same.
+# Tools and tool calls in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), as
+# Qwen's templates write them: the server's default tool-call parser reads the same.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% if tools %}{{ '<|system|>\nTools: answer <tool_call>{\"name\": ..., \"arguments\": ...}"
     "</tool_call> to call one.\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
@@ -74,7 +75,8 @@ _SPM_FILE = Path(__file__).with_name("demo_tokenizer") / "tokenizer.model"
 
 
 def cache_root() -> Path:
-    """Folder for everything compiled-engine caches (`$COMPILED_ENGINE_CACHE` or ~/.cache/compiled-engine)."""
+    """Folder for everything compiled-engine caches (`$COMPILED_ENGINE_CACHE` or
+    ~/.cache/compiled-engine)."""
     env = os.environ.get("COMPILED_ENGINE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "compiled-engine"
 
@@ -85,8 +87,9 @@ def demo_model_dir(root: Path | None = None) -> Path:
 
 
 def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "model.safetensors") -> Path:
-    """`target`, written by `write` into a temporary folder and renamed into place on first use (so a
-    concurrent or interrupted creation never leaves a half-written folder); `marker` is a file it holds."""
+    """`target`, written by `write` into a temporary folder and renamed into place on first use (so
+    a concurrent or interrupted creation never leaves a half-written folder); `marker` is a file it
+    holds."""
     if (target / marker).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +107,8 @@ def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "mo
 
 
 def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
-    """Every tensor of a Llama (or Qwen3) checkpoint with config `c`, each from its own seeded generator (so
-    the bytes do not depend on creation order); norms are ones."""
+    """Every tensor of a Llama (or Qwen3) checkpoint with config `c`, each from its own seeded
+    generator (so the bytes do not depend on creation order); norms are ones."""
     import torch
 
     hidden, inter, vocab, head_dim = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]

@@ -1,10 +1,11 @@
-"""A GGUF file (what llama.cpp and Ollama hold) read as a checkpoint: a Hugging Face config built from its
-metadata, and its tensors under Hugging Face names, dequantized by the `gguf` package's own routines.
+"""A GGUF file (what llama.cpp and Ollama hold) read as a checkpoint: a Hugging Face config built
+from its metadata, and its tensors under Hugging Face names, dequantized by the `gguf` package's own
+routines.
 
-llama.cpp's converter permutes the rows of the Q and K projections of `llama` models (its rotary pairs
-adjacent dimensions; Hugging Face's rotates halves); `tensors()` undoes that, as transformers does when it
-loads a GGUF file. Qwen2 and Qwen3 files are written unpermuted. Every problem is a `CheckpointError`
-naming the file and what is unsupported or missing.
+llama.cpp's converter permutes the rows of the Q and K projections of `llama` models (its rotary
+pairs adjacent dimensions; Hugging Face's rotates halves); `tensors()` undoes that, as transformers
+does when it loads a GGUF file. Qwen2 and Qwen3 files are written unpermuted. Every problem is a
+`CheckpointError` naming the file and what is unsupported or missing.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
-    """The file's checkpoint, parsed once per process (the reader takes seconds on a 49k-token vocabulary, and
-    the config, the weights and the tokenizer each need it); a changed file is parsed again."""
+    """The file's checkpoint, parsed once per process (the reader takes seconds on a 49k-token
+    vocabulary, and the config, the weights and the tokenizer each need it); a changed file is
+    parsed again."""
     where = Path(path).resolve()
     stat = where.stat() if where.is_file() else None
     return _open(where, None if stat is None else (stat.st_size, stat.st_mtime_ns))
@@ -63,7 +65,8 @@ class GGUFCheckpoint:
         try:
             self._reader = GGUFReader(self.path)
         except ValueError as e:
-            if "GGMLQuantizationType" in str(e):  # the reader's words for a type id it does not know
+            # the reader's words for a type id it does not know
+            if "GGMLQuantizationType" in str(e):
                 raise CheckpointError(f"{self.path}: unsupported quantization type ({e})") from e
             raise CheckpointError(f"{self.path}: cannot read this GGUF file, truncated or corrupt ({e})") from e
         except Exception as e:  # noqa: BLE001 - a truncated file fails in numpy's memmap or struct parsing
@@ -85,7 +88,8 @@ class GGUFCheckpoint:
 
     @cached_property
     def config_dict(self) -> dict:
-        """The Hugging Face config of the model, as a plain dict (its JSON is the compile-cache's model key)."""
+        """The Hugging Face config of the model, as a plain dict (its JSON is the compile-cache's
+        model key)."""
         a, meta = self.arch, self.metadata
         heads = int(meta(f"{a}.attention.head_count"))
         hidden = int(meta(f"{a}.embedding_length"))
@@ -124,8 +128,8 @@ class GGUFCheckpoint:
 
     @cached_property
     def tokenizer_digest(self) -> str:
-        """A hash of everything transformers builds the tokenizer from (vocabulary, merges, special ids, chat
-        template): files that share a tokenizer share its converted copy."""
+        """A hash of everything transformers builds the tokenizer from (vocabulary, merges, special
+        ids, chat template): files that share a tokenizer share its converted copy."""
         h = hashlib.sha256()
         for key in sorted(k for k in self._reader.fields if k.startswith("tokenizer.")):
             h.update(key.encode() + b"\0" + repr(self.metadata(key)).encode() + b"\0")
@@ -142,7 +146,8 @@ class GGUFCheckpoint:
         return len(self._reader.tensors)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
+        """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a
+        time."""
         import gguf
 
         names = _hf_names(self.arch, int(self.metadata(f"{self.arch}.block_count")))
@@ -164,7 +169,8 @@ class GGUFCheckpoint:
 
 
 def unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute(w, heads)`: per head, rows (0, half, 1, half+1, ...) back to (0, 1, ..., )."""
+    """Undo llama.cpp's `permute(w, heads)`: per head, rows (0, half, 1, half+1, ...) back to (0, 1,
+    ..., )."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 

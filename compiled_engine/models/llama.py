@@ -41,12 +41,14 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden states [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D] with the rotary applied."""
+        """Normed hidden states [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D] with the rotary
+        applied."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        # its own tensor, not a view of the projection: a compile region may not return aliased outputs
+        # its own tensor, not a view of the projection: a compile region may not return aliased
+        # outputs
         v = v.reshape(-1, self.num_kv_heads, self.head_dim).clone()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -90,8 +92,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Each layer is two compile regions around its attention op; the norm that ends a layer's region
-        is the next layer's input norm (the last one: the final norm)."""
+        """Each layer is two compile regions around its attention op; the norm that ends a layer's
+        region is the next layer's input norm (the last one: the final norm)."""
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -102,9 +104,10 @@ class DecoderModel(nn.Module):
         return x
 
 
-# Regional compilation: dynamo traces each of these once per graph as a subgraph, inductor compiles it once and
-# every layer calls the same code, so compile time does not grow with depth. The attention op between them
-# stays outside: it writes the KV cache, and a compile region may not mutate its inputs.
+# Regional compilation: dynamo traces each of these once per graph as a subgraph, inductor compiles
+# it once and every layer calls the same code, so compile time does not grow with depth. The
+# attention op between them stays outside: it writes the KV cache, and a compile region may not
+# mutate its inputs.
 @torch.compiler.nested_compile_region
 def attention_inputs(attn: DecoderAttention, positions: torch.Tensor, x: torch.Tensor):
     return attn.qkv(positions, x)

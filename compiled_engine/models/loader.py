@@ -1,10 +1,11 @@
 """Building a model from a local checkpoint: a Hugging Face checkpoint directory or a GGUF file.
 
-    model, config = load_model("/path/to/checkpoint", dtype="auto", device="cpu", load_format="auto")
+    model, config = load_model("/path/to/checkpoint", dtype="auto", device="cpu",
+        load_format="auto")
 
-Weights stream tensor by tensor from the `*.safetensors` file(s) (`model.safetensors.index.json` when
-sharded; each tensor is narrowed to this TP rank's part before it is read, so peak host memory stays
-about one tensor above the model) or from the GGUF file (each tensor dequantized in turn,
+Weights stream tensor by tensor from the `*.safetensors` file(s) (`model.safetensors.index.json`
+when sharded; each tensor is narrowed to this TP rank's part before it is read, so peak host memory
+stays about one tensor above the model) or from the GGUF file (each tensor dequantized in turn,
 `models.gguf_checkpoint`). Every problem with the checkpoint is a `CheckpointError` (a `ValueError`)
 naming the file, tensor or architecture at fault.
 """
@@ -61,8 +62,8 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """Model (eval mode, this TP rank's shard) and its Hugging Face config. `load_format="dummy"` gives
-    deterministic random weights (from `seed`) instead of reading the checkpoint."""
+    """Model (eval mode, this TP rank's shard) and its Hugging Face config. `load_format="dummy"`
+    gives deterministic random weights (from `seed`) instead of reading the checkpoint."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}; use auto, safetensors or dummy")
     config = load_config(model_dir)
@@ -80,7 +81,8 @@ def load_model(
 
 
 def load_config(model_path: str) -> PretrainedConfig:
-    """The Hugging Face config of a checkpoint directory, or the one a GGUF file's metadata gives."""
+    """The Hugging Face config of a checkpoint directory, or the one a GGUF file's metadata
+    gives."""
     if is_gguf(model_path):
         return open_gguf(model_path).config()
     try:

@@ -1,6 +1,7 @@
 """Deterministic mode's default per device, chosen by measurement: on only where the A/B against
-`--no-deterministic` showed a cost of at most 5% (README, "Deterministic inference", holds this table for
-users; docs/benchmarks.md, the runs behind it). `--deterministic` / `--no-deterministic` override it."""
+`--no-deterministic` showed a cost of at most 5% (README, "Deterministic inference", holds this
+table for users; docs/benchmarks.md, the runs behind it). `--deterministic` / `--no-deterministic`
+override it."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
 
 
 def device_kind(device: torch.device) -> str:
-    """The row of DETERMINISTIC_BY_DEVICE a device falls in: what the native kernels run on a CPU (after
-    COMPILED_ENGINE_CPU_ISA's cap)."""
+    """The row of DETERMINISTIC_BY_DEVICE a device falls in: what the native kernels run on a CPU
+    (after COMPILED_ENGINE_CPU_ISA's cap)."""
     if device.type == "cuda":
         return "cuda"
     native = ops.native_isa()

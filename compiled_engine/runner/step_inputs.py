@@ -1,10 +1,10 @@
 """Where the ledger becomes kernel arguments: a `StepPlan` plan -> the tensors of one forward.
 
-Token ids and page-table rows live on the device (`DeviceTables`); a plan only says which positions of
-which rows to compute, so the token sampled in step k is read by step k+1 without a host round trip.
-Decode batches are padded to a bucket with rows that read the dummy slot and write nowhere; extend
-batches get one padding request of one token so that no dimension is ever 1 (torch.compile would
-specialize on it and recompile).
+Token ids and page-table rows live on the device (`DeviceTables`); a plan only says which positions
+of which rows to compute, so the token sampled in step k is read by step k+1 without a host round
+trip. Decode batches are padded to a bucket with rows that read the dummy slot and write nowhere;
+extend batches get one padding request of one token so that no dimension is ever 1 (torch.compile
+would specialize on it and recompile).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from compiled_engine.scheduler.plan import StepPlan
 
 
 class DeviceTables:
-    """Token table and page table `[max_rows + 1, max_context]`; the last row is all zeros (padding)."""
+    """Token table and page table `[max_rows + 1, max_context]`; the last row is all zeros
+    (padding)."""
 
     def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
         self.pad_row = max_rows
@@ -30,8 +31,9 @@ class DeviceTables:
         self.device = device
 
     def apply_writes(self, plan: StepPlan, staging: Staging, sample_next: list[int] | None = None) -> torch.Tensor:
-        """One upload and one scatter per table for all of the plan's writes. `sample_next`: the flat table
-        positions the step's sampled tokens go to, uploaded with them; returns them on the device."""
+        """One upload and one scatter per table for all of the plan's writes. `sample_next`: the
+        flat table positions the step's sampled tokens go to, uploaded with them; returns them on
+        the device."""
         slot_at: list[int] = []
         slot_val: list[int] = []
         token_at: list[int] = []
@@ -60,7 +62,8 @@ class DeviceTables:
         return self.tokens[row, :prompt_len], self.tokens[row, prompt_len:length]
 
     def flat(self, row: int, position: int) -> int:
-        """A table cell's index in the flattened table (a position past the row would land in the next row)."""
+        """A table cell's index in the flattened table (a position past the row would land in the
+        next row)."""
         if not 0 <= position < self.width:
             raise IndexError(f"position {position} is outside the token table's {self.width} columns")
         return row * self.width + position
@@ -71,10 +74,13 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_index: torch.Tensor  # [N'] token index of each sampled request, in plan order, then padding
-    num_sampled: int  # the first num_sampled entries of logits_index (and rows of the logits) are real
+    # [N'] token index of each sampled request, in plan order, then padding
+    logits_index: torch.Tensor
+    # the first num_sampled entries of logits_index (and rows of the logits) are real
+    num_sampled: int
     table_rows: torch.Tensor  # [B'] table row of each (padded) request
-    staged: DeviceSlab  # the device tensors the step's host lists were uploaded into (the fields above)
+    # the device tensors the step's host lists were uploaded into (the fields above)
+    staged: DeviceSlab
 
 
 def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
@@ -84,8 +90,8 @@ def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
 
 def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, staging: Staging,
                       into: StepInputs | None = None) -> StepInputs:
-    """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a captured
-    graph's static inputs, which the step's inputs are then written into (and returned)."""
+    """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a
+    captured graph's static inputs, which the step's inputs are then written into (and returned)."""
     reqs = plan.reqs
     pad = tables.pad_row
     rows = [r.row for r in reqs]
@@ -101,7 +107,8 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         out_slots += [-1] * n_pad
         token_rows = rows
     else:
-        # One padding request of one token at position 0 of the padding row (slot 0: the dummy page).
+        # One padding request of one token at position 0 of the padding row (slot 0: the dummy
+        # page).
         rows.append(pad)
         lengths.append(1)
         seq_lens.append(1)
@@ -111,10 +118,10 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    # Logits row j is the j-th sampled request's (plan order; any request of a step may skip sampling,
-    # a 1-token non-final prefill chunk in a decode-shaped step included). The index is padded with the last
-    # token to a fixed width: every (padded) row of a decode step, so that a static graph keeps its shape,
-    # and >= 2 in an extend step, so that no dynamic dimension is 1.
+    # Logits row j is the j-th sampled request's (plan order; any request of a step may skip
+    # sampling, a 1-token non-final prefill chunk in a decode-shaped step included). The index is
+    # padded with the last token to a fixed width: every (padded) row of a decode step, so that a
+    # static graph keeps its shape, and >= 2 in an extend step, so that no dynamic dimension is 1.
     sampled = [i for i, r in enumerate(reqs) if r.sample]
     logits_index = [cu[i + 1] - 1 for i in sampled]
     width = len(rows) if plan.is_decode else max(2, len(logits_index))

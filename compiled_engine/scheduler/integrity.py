@@ -1,5 +1,6 @@
-"""The ledger's invariants (docs/architecture.md, "The ledger"), checked in full: O(pages + requests), for
-tests, property machines and the server's `--debug` endpoint, never on a serving path."""
+"""The ledger's invariants (docs/architecture.md, "The ledger"), checked in full: O(pages +
+requests), for tests, property machines and the server's `--debug` endpoint, never on a serving
+path."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The KV resources the running requests hold: pages, table rows and prefix-cache locks; their release,
-deferred while a step that may touch them is in flight; and the caching of computed prefixes.
+"""The KV resources the running requests hold: pages, table rows and prefix-cache locks; their
+release, deferred while a step that may touch them is in flight; and the caching of computed
+prefixes.
 
-Overlap: a request planned in an uncommitted step keeps its pages, row and lock until that step commits,
-so nothing an in-flight step touches is handed out again.
+Overlap: a request planned in an uncommitted step keeps its pages, row and lock until that step
+commits, so nothing an in-flight step touches is handed out again.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from compiled_engine.scheduler.request import Request, Status
 
 @dataclass(slots=True)
 class DeferredRelease:
-    """Resources of a released request (or a request's duplicate pages), returned once step `barrier`
-    commits."""
+    """Resources of a released request (or a request's duplicate pages), returned once step
+    `barrier` commits."""
 
     barrier: int
     lock: object | None
@@ -101,9 +102,10 @@ class KvBook:
     def cache_prefix(self, req: Request, upto: int, live: bool = True) -> list[int]:
         """Insert the first `upto` computed positions into the prefix cache and lock that prefix.
 
-        Pages the cache already held for these tokens (another request inserted the same prefix first)
-        replace the request's duplicates in its row; the duplicates are returned when `live` is False,
-        otherwise freed once the request's in-flight steps commit and the row is rewritten.
+        Pages the cache already held for these tokens (another request inserted the same prefix
+        first) replace the request's duplicates in its row; the duplicates are returned when `live`
+        is False, otherwise freed once the request's in-flight steps commit and the row is
+        rewritten.
         """
         ps = self.page_size
         n_pages = upto // ps

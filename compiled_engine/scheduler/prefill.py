@@ -42,7 +42,8 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
         handle, hit = book.cache.match(tokens[:-1])
         if _shares_pending_prefix(sched, tokens, len(hit) * ps):
             sched.num_prefix_waits += 1
-            return  # wait a step: a running prefill is about to cache what this request would recompute
+            # wait a step: a running prefill is about to cache what this request would recompute
+            return
         book.cache.lock(handle)
         row = book.rows.alloc_one()
         assert row is not None
@@ -93,9 +94,9 @@ def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: i
     """True when a running request's prompt, not yet in the radix cache, shares at least
     `config.share_wait_tokens` (and a page) more tokens with `tokens` than the cache already gives.
 
-    Requests arriving together with a new common prefix would otherwise each prefill it in full; the later
-    ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached tail is
-    shorter than a page once it is fully inserted, so the wait always ends."""
+    Requests arriving together with a new common prefix would otherwise each prefill it in full; the
+    later ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached
+    tail is shorter than a page once it is fully inserted, so the wait always ends."""
     book = sched.book
     if not isinstance(book.cache, RadixCache):
         return False

@@ -1,9 +1,9 @@
 """Radix-tree prefix cache: page-aligned keys, lock references, LRU eviction of unlocked leaves.
 
-Eviction is incremental: a heap holds an entry for every unlocked leaf, pushed when a node becomes one or
-is touched; entries that went stale (the node was locked, grew a child, was touched again or evicted) are
-skipped when popped, and the heap is rebuilt when they outnumber the nodes. So evicting k pages costs
-O(k log n), not a walk of the whole tree."""
+Eviction is incremental: a heap holds an entry for every unlocked leaf, pushed when a node becomes
+one or is touched; entries that went stale (the node was locked, grew a child, was touched again or
+evicted) are skipped when popped, and the heap is rebuilt when they outnumber the nodes. So evicting
+k pages costs O(k log n), not a walk of the whole tree."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ class RadixNode:
     def __init__(self, key: tuple[int, ...], pages: tuple[int, ...], parent: RadixNode | None, nid: int):
         self.key = key  # tokens of this edge; len(key) == len(pages) * page_size
         self.pages = pages
-        self.children: dict[tuple[int, ...], RadixNode] = {}  # first page of the child's key -> child
+        # first page of the child's key -> child
+        self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0  # logical clock, never wall time (ranks must agree)
@@ -40,7 +41,8 @@ class RadixCache(PrefixCache):
         self.queried_tokens = 0
         self._num_nodes = 0
         self.num_evicted_pages = 0
-        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, id, node) of unlocked leaves
+        # (last_access, id, node) of unlocked leaves
+        self._heap: list[tuple[int, int, RadixNode]] = []
 
     # -- lookup / insert -------------------------------------------------------------------------
 
@@ -54,7 +56,8 @@ class RadixCache(PrefixCache):
         return m
 
     def _walk(self, tokens: tuple[int, ...], n: int) -> tuple[RadixNode, list[int], int]:
-        """Follow ``tokens[:n]`` (page-aligned n) splitting a node where the match ends inside it."""
+        """Follow ``tokens[:n]`` (page-aligned n) splitting a node where the match ends inside
+        it."""
         ps = self.page_size
         self._clock += 1
         node, pages, i = self.root, [], 0
@@ -135,7 +138,8 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        """Free unlocked leaves, least recently used first (ties: oldest node), until `num_pages` pages."""
+        """Free unlocked leaves, least recently used first (ties: oldest node), until `num_pages`
+        pages."""
         freed = 0
         heap = self._heap
         while freed < num_pages and heap:
@@ -158,7 +162,8 @@ class RadixCache(PrefixCache):
         return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == access
 
     def _offer(self, node: RadixNode) -> None:
-        """Push `node` if it is an unlocked leaf now; rebuild the heap when stale entries dominate it."""
+        """Push `node` if it is an unlocked leaf now; rebuild the heap when stale entries dominate
+        it."""
         if node is self.root or node.children or node.lock_ref:
             return
         heapq.heappush(self._heap, (node.last_access, node.id, node))

@@ -1,5 +1,5 @@
-"""What makes a request impossible to run: checked once, at admission (`Scheduler.add_request`), and by a
-client that must answer before the request reaches the ledger (`RemoteEngine`)."""
+"""What makes a request impossible to run: checked once, at admission (`Scheduler.add_request`), and
+by a client that must answer before the request reaches the ledger (`RemoteEngine`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from compiled_engine.scheduler.request import LedgerParams
 
 
 class RequestRejected(ValueError):
-    """A request that can never run (bad parameters, empty prompt, too long for context or KV pool)."""
+    """A request that can never run (bad parameters, empty prompt, too long for context or KV
+    pool)."""
 
 
 def check_request(rid: str, prompt: Sequence[int], params: LedgerParams, max_context: int, capacity_tokens: int,
                   vocab_size: int | None) -> None:
     """Raise RequestRejected naming the first problem: bad ledger parameters (the engine checks the
-    sampler's); an empty prompt; token ids the model cannot embed (`vocab_size` None: only negative ones);
-    no room for one generated token in the context or in the whole KV pool."""
+    sampler's); an empty prompt; token ids the model cannot embed (`vocab_size` None: only negative
+    ones); no room for one generated token in the context or in the whole KV pool."""
     try:
         params.validate()
     except ValueError as e:

@@ -1,9 +1,10 @@
-"""Portable torch implementations of paged attention and the KV store: the CPU where the native kernels
-do not load or decline an input (soft caps, sliding windows, other dtypes), and any device without kernels.
+"""Portable torch implementations of paged attention and the KV store: the CPU where the native
+kernels do not load or decline an input (soft caps, sliding windows, other dtypes), and any device
+without kernels.
 
-K/V are gathered through the page table into a reused workspace (fresh multi-MB allocations page-fault
-on every call, which costs more than the attention itself), then attended with SDPA (GQA through
-`enable_gqa`, so KV heads are never repeated).
+K/V are gathered through the page table into a reused workspace (fresh multi-MB allocations
+page-fault on every call, which costs more than the attention itself), then attended with SDPA (GQA
+through `enable_gqa`, so KV heads are never repeated).
 """
 
 from dataclasses import dataclass
@@ -107,8 +108,9 @@ def extend_attention(
     soft_cap: float = 0.0,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """Requests with a cached prefix and of similar shapes share one padded SDPA call (many short suffixes
-    over a shared system prompt: faster than one by one, docs/benchmarks.md); others attend one by one."""
+    """Requests with a cached prefix and of similar shapes share one padded SDPA call (many short
+    suffixes over a shared system prompt: faster than one by one, docs/benchmarks.md); others attend
+    one by one."""
     if invariant:
         return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window,
                                    soft_cap)
@@ -125,8 +127,9 @@ def extend_attention(
 
 def invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale: float,
                         sliding_window: int, soft_cap: float) -> torch.Tensor:
-    """Batch-invariant attention (deterministic mode) without the native kernel: each query token on its
-    own, the same call for it whatever its batch, chunk or step kind. Correct anywhere, and slow."""
+    """Batch-invariant attention (deterministic mode) without the native kernel: each query token on
+    its own, the same call for it whatever its batch, chunk or step kind. Correct anywhere, and
+    slow."""
     out = torch.zeros_like(q)
     cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -154,16 +157,17 @@ _PADDING_SLACK = 1.25
 
 
 def _attention_groups(reqs: list[_Req], sliding_window: int) -> list[list[_Req]]:
-    """The SDPA calls: prompts without a prefix alone (SDPA's causal path skips the masked half, a padded
-    masked call would compute the whole square), and so everything under a sliding window; requests
-    with a prefix in `_similar_groups`."""
+    """The SDPA calls: prompts without a prefix alone (SDPA's causal path skips the masked half, a
+    padded masked call would compute the whole square), and so everything under a sliding window;
+    requests with a prefix in `_similar_groups`."""
     if sliding_window > 0:
         return [[r] for r in reqs]
     return [[r] for r in reqs if r.seq_len == r.q_len] + _similar_groups([r for r in reqs if r.seq_len > r.q_len])
 
 
 def _similar_groups(reqs: list[_Req]) -> list[list[_Req]]:
-    """Consecutive runs (by query length, then length) whose padded attention stays within the slack."""
+    """Consecutive runs (by query length, then length) whose padded attention stays within the
+    slack."""
     groups: list[list[_Req]] = []
     cost = 0
     for r in sorted(reqs, key=lambda r: (r.q_len, r.seq_len)):
@@ -212,6 +216,7 @@ def _extend_padded(out, q, k_cache, v_cache, page_table, group: list[_Req], scal
     q_pos = (seq_lens - q_lens + j)[:, :, None]
     kv_pos = torch.arange(kv_max)[None, None, :]
     mask = (kv_pos <= q_pos) & (kv_pos < seq_lens[:, :, None])
-    attended = _attend(q[tokens].transpose(1, 2), k, v, mask[:, None], scale, soft_cap)  # [n, H, q_max, D]
+    # [n, H, q_max, D]
+    attended = _attend(q[tokens].transpose(1, 2), k, v, mask[:, None], scale, soft_cap)
     real = j < q_lens
     out.index_copy_(0, tokens[real], attended.transpose(1, 2)[real])

@@ -1,7 +1,8 @@
-"""Launchers of the Triton kernels. They run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1.
+"""Launchers of the Triton kernels. They run on CUDA tensors, and on CPU tensors under
+TRITON_INTERPRET=1.
 
-No launcher reads a tensor on the host: grids and loop bounds come from shapes (the page-table width W
-bounds every context), so a CUDA-graph-captured step replays them as they are.
+No launcher reads a tensor on the host: grids and loop bounds come from shapes (the page-table width
+W bounds every context), so a CUDA-graph-captured step replays them as they are.
 """
 
 import functools
@@ -27,7 +28,8 @@ def _block_d(head_dim: int) -> int:
 
 
 def dot_fp32(q: torch.Tensor) -> bool:
-    """fp32 products for fp32 inputs, and always in the interpreter (its bf16 arithmetic is wrong)."""
+    """fp32 products for fp32 inputs, and always in the interpreter (its bf16 arithmetic is
+    wrong)."""
     return not q.is_cuda or q.dtype == torch.float32
 
 
@@ -69,10 +71,11 @@ def decode_attention_triton(
     num_splits: int | None = None,
     query_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged decode attention, [B, H, D] -> [B, H, D]. Slots are loaded per token, so any page size works.
+    """Paged decode attention, [B, H, D] -> [B, H, D]. Slots are loaded per token, so any page size
+    works.
 
-    `num_splits` overrides the split-K heuristic (tests use it on the CPU; deterministic mode runs 1).
-    `query_rows` [B] int32: each query's page-table row (default: query b reads row b).
+    `num_splits` overrides the split-K heuristic (tests use it on the CPU; deterministic mode runs
+    1). `query_rows` [B] int32: each query's page-table row (default: query b reads row b).
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
@@ -106,8 +109,8 @@ def decode_attention_triton(
 
 
 def extend_block_b(batch: int) -> int:
-    """The extend kernel's request block: a power of two, at least 16, so that serving meets few variants (the
-    warm-up compiles each one a batch can reach: `extend_block_sizes`)."""
+    """The extend kernel's request block: a power of two, at least 16, so that serving meets few
+    variants (the warm-up compiles each one a batch can reach: `extend_block_sizes`)."""
     return max(16, triton.next_power_of_2(batch))
 
 
@@ -127,8 +130,8 @@ def extend_attention_triton(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Paged causal attention of a ragged batch of new tokens, [T, H, D] -> [T, H, D]; rows of q past
-    cu_q_lens[-1] (token padding) give zeros."""
+    """Paged causal attention of a ragged batch of new tokens, [T, H, D] -> [T, H, D]; rows of q
+    past cu_q_lens[-1] (token padding) give zeros."""
     tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     out = torch.zeros_like(q)
@@ -164,8 +167,9 @@ def extend_attention_invariant_triton(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Deterministic mode's extend: every query token as a one-split decode of the keys up to its position
-    (bit-identical to a decode step of that query); token padding past cu_q_lens[-1] gives zeros."""
+    """Deterministic mode's extend: every query token as a one-split decode of the keys up to its
+    position (bit-identical to a decode step of that query); token padding past cu_q_lens[-1] gives
+    zeros."""
     tokens = q.shape[0]
     t = torch.arange(tokens, device=q.device, dtype=torch.int32)
     req = torch.searchsorted(cu_q_lens[1:].to(torch.int32), t, right=True).clamp(max=seq_lens.shape[0] - 1)

@@ -1,12 +1,13 @@
 """Triton kernels for paged decode attention, flash-decoding style.
 
 Stage 1: one program per (row, KV head, split) attends the group of query heads sharing that KV head
-(GQA packed into the M dimension of the dots) over its slice of the context, and writes a partial output
-with its base-2 log-sum-exp. Stage 2: one program per (row, head) merges the splits.
+(GQA packed into the M dimension of the dots) over its slice of the context, and writes a partial
+output with its base-2 log-sum-exp. Stage 2: one program per (row, head) merges the splits.
 
-Deterministic mode runs one split (no split-K, whose count follows the batch size) and, for an extend, one
-program per query token (`query_rows`: each token's page-table row, `seq_lens` then per token): a query's
-result is then the same blocks of keys in the same order whatever its batch or step kind.
+Deterministic mode runs one split (no split-K, whose count follows the batch size) and, for an
+extend, one program per query token (`query_rows`: each token's page-table row, `seq_lens` then per
+token): a query's result is then the same blocks of keys in the same order whatever its batch or
+step kind.
 """
 
 import triton
@@ -47,7 +48,8 @@ def decode_split_kernel(
     DOT_FP32: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)  # the query (a row of q), whose page-table row is b, or query_rows[b] with QUERY_ROWS
+    # the query (a row of q), whose page-table row is b, or query_rows[b] with QUERY_ROWS
+    b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)

@@ -11,7 +11,8 @@ import triton.language as tl
 from kernels.triton.softmax import load_kv_block, online_softmax_step, qk_dot, scores_log2
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch (no recompiles while serving)
+# one compile for every batch (no recompiles while serving)
+@triton.jit(do_not_specialize=["num_rows"])
 def extend_kernel(
     q,
     k_cache,

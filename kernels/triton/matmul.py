@@ -1,6 +1,7 @@
-"""A batch-invariant matmul for deterministic mode on CUDA: out = x @ w.T (+ bias) with one tile shape for
-every M and no split of K, so every output row is the same sequence of tile products over K in order,
-whatever the number of rows (cuBLAS picks its kernel, and its split of K, by the shape)."""
+"""A batch-invariant matmul for deterministic mode on CUDA: out = x @ w.T (+ bias) with one tile
+shape for every M and no split of K, so every output row is the same sequence of tile products over
+K in order, whatever the number of rows (cuBLAS picks its kernel, and its split of K, by the
+shape)."""
 
 import torch
 import triton
@@ -48,7 +49,8 @@ def invariant_matmul_kernel(
 
 
 def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) with every row independent of the others (deterministic mode's linear)."""
+    """x @ weight.T (+ bias) with every row independent of the others (deterministic mode's
+    linear)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

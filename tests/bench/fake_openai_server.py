@@ -1,5 +1,6 @@
-"""A tiny OpenAI-compatible SSE server on 127.0.0.1 for the `bench serve` tests: streams one chunk per
-token (`max_tokens` of them), then usage, then [DONE]; prompts starting with token 0 get a 400."""
+"""A tiny OpenAI-compatible SSE server on 127.0.0.1 for the `bench serve` tests: streams one chunk
+per token (`max_tokens` of them), then usage, then [DONE]; prompts starting with token 0 get a
+400."""
 
 from __future__ import annotations
 

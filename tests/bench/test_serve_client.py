@@ -1,4 +1,5 @@
-"""`bench serve` against a fake OpenAI SSE server on 127.0.0.1: counts, timings, failures, sessions."""
+"""`bench serve` against a fake OpenAI SSE server on 127.0.0.1: counts, timings, failures,
+sessions."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Deterministic mode's all-reduce at 4 ranks (gloo): every element is the rank-order sum, bit for bit,
-whatever the size of the tensor it travels in."""
+"""Deterministic mode's all-reduce at 4 ranks (gloo): every element is the rank-order sum, bit for
+bit, whatever the size of the tensor it travels in."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A TP rank that dies fails the server with a clear reason in bounded time: in-flight requests get the
-error, the server exits, and no rank process is left behind. (A hung rank: test_tp_parity.py.)"""
+"""A TP rank that dies fails the server with a clear reason in bounded time: in-flight requests get
+the error, the server exits, and no rank process is left behind. (A hung rank:
+test_tp_parity.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""TP=2 with the defaults (compiled graphs): `warmup --tp 2` fills each rank's cache entry, then the offline
-`LLM` and `serve` start warm (every rank reports a hit) and answer a concurrent ragged load exactly as TP=1
-and transformers do, with log-probs that do not depend on the batch. Before the vocab all-gather left the
-graphs, compiling any TP graph raised `arg type Any is not yet supported by custom_op_wrapper`."""
+"""TP=2 with the defaults (compiled graphs): `warmup --tp 2` fills each rank's cache entry, then the
+offline `LLM` and `serve` start warm (every rank reports a hit) and answer a concurrent ragged load
+exactly as TP=1 and transformers do, with log-probs that do not depend on the batch. Before the
+vocab all-gather left the graphs, compiling any TP graph raised `arg type Any is not yet supported
+by custom_op_wrapper`."""
 
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ def test_offline_tp2_compiled_starts_warm_and_equals_tp1(demo_dir: str, warm_roo
         tp2.engine.shutdown()
     assert [o.token_ids for o in got] == tp1_tokens
     assert [o.token_ids for o in repeat] == tp1_tokens[2:6]
-    # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit whatever
-    # the batch (TP=1 sums each product in one chain, TP=2 in two halves: equal tokens, not equal bits).
+    # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit
+    # whatever the batch (TP=1 sums each product in one chain, TP=2 in two halves: equal tokens, not
+    # equal bits).
     assert [o.outputs[0].logprobs for o in repeat] == [o.outputs[0].logprobs for o in got[2:6]]
     assert alone[0].outputs[0].logprobs == got[7].outputs[0].logprobs
 

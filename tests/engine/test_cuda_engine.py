@@ -1,7 +1,8 @@
-"""The engine on a GPU (CUDA machines only; `scripts/gpu_check.sh` runs this module): greedy parity with
-transformers on the same GPU with graphs on and off and overlap on and off (fp32 exact, bf16 within
-transformers' own bf16 error and diverging only at near ties), no compile and no host sync while serving,
-a `cuda:N` engine that keeps everything on that GPU, and the JAX bridge's zero copy on CUDA."""
+"""The engine on a GPU (CUDA machines only; `scripts/gpu_check.sh` runs this module): greedy parity
+with transformers on the same GPU with graphs on and off and overlap on and off (fp32 exact, bf16
+within transformers' own bf16 error and diverging only at near ties), no compile and no host sync
+while serving, a `cuda:N` engine that keeps everything on that GPU, and the JAX bridge's zero copy
+on CUDA."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_greedy_parity_with_transformers_on_the_gpu(demo_dir, references, dtype:
 
 
 class CompileCounter:
-    """Graphs dynamo compiles and Triton kernels JIT-compiled (new specializations) inside the block."""
+    """Graphs dynamo compiles and Triton kernels JIT-compiled (new specializations) inside the
+    block."""
 
     def __enter__(self) -> CompileCounter:
         import triton
@@ -69,8 +71,8 @@ class CompileCounter:
 
 
 def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Ragged prompts (1-300 tokens) with ragged outputs and every kind of sampling, so that the steps meet
-    every batch size, prefill chunking, mixed steps and the sampler's paths."""
+    """Ragged prompts (1-300 tokens) with ragged outputs and every kind of sampling, so that the
+    steps meet every batch size, prefill chunking, mixed steps and the sampler's paths."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))] for _ in range(n)]
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, top_k=20),
@@ -82,7 +84,8 @@ def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingPa
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_serving_compiles_nothing(demo_dir: str, deterministic: bool) -> None:
-    llm = LLM(demo_dir, dtype="bfloat16", deterministic=deterministic, **ENGINE)  # the warm-up compiles here
+    # the warm-up compiles here
+    llm = LLM(demo_dir, dtype="bfloat16", deterministic=deterministic, **ENGINE)
     prompts, params = _mixed_workload(48, seed=1)
     with CompileCounter() as counted:
         for start in (0, 3, 20):  # batches of several sizes, from 1 request up
@@ -93,8 +96,8 @@ def test_serving_compiles_nothing(demo_dir: str, deterministic: bool) -> None:
 
 
 def test_no_host_sync_between_launches(demo_dir: str) -> None:
-    """Everything a step does on the host raises if it synchronizes with the GPU, except reading the tokens
-    of the step before (`PendingStep.result`)."""
+    """Everything a step does on the host raises if it synchronizes with the GPU, except reading the
+    tokens of the step before (`PendingStep.result`)."""
     llm = LLM(demo_dir, dtype="bfloat16", **ENGINE)
     engine = llm.engine
     prompts, params = _mixed_workload(24, seed=2)
@@ -149,8 +152,8 @@ def test_an_engine_on_the_second_gpu_keeps_everything_there(demo_dir: str) -> No
 
 
 def test_jax_sees_the_engines_cuda_tensors_without_a_copy() -> None:
-    """The JAX bridge on the GPU: a logits row and its result share memory with the torch tensors (needs JAX's
-    CUDA backend)."""
+    """The JAX bridge on the GPU: a logits row and its result share memory with the torch tensors
+    (needs JAX's CUDA backend)."""
     pytest.importorskip("jax")
     from compiled_engine.jax import bridge
 

@@ -1,6 +1,6 @@
-"""Every engine path gives transformers' greedy tokens: eager and compiled, overlap on and off, chunked
-prefill, radix and naive prefix caches, forced retraction, page sizes 1 and 16, batches of 1 and 37, and the
-same with `--no-deterministic`."""
+"""Every engine path gives transformers' greedy tokens: eager and compiled, overlap on and off,
+chunked prefill, radix and naive prefix caches, forced retraction, page sizes 1 and 16, batches of 1
+and 37, and the same with `--no-deterministic`."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def test_radix_cache_reuses_shared_prefixes(demo_dir: str, hf_greedy) -> None:
 
 def test_no_deterministic_compiled_with_overlap_and_retraction_matches_transformers(demo_dir: str,
                                                                                    hf_greedy) -> None:
-    """`--no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as `serve` runs it, overlapped, with
-    a pool small enough to retract."""
+    """`--no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as `serve` runs it,
+    overlapped, with a pool small enough to retract."""
     llm = LLM(demo_dir, deterministic=False, overlap=True, num_pages=140, max_running=37)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert_matches_oracle(outputs, PROMPTS, hf_greedy)

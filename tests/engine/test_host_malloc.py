@@ -1,5 +1,5 @@
-"""CPU engines keep freed host memory: a prefill-like chain of large tensors then reuses pages instead of
-page-faulting (and zeroing) fresh ones on every step."""
+"""CPU engines keep freed host memory: a prefill-like chain of large tensors then reuses pages
+instead of page-faulting (and zeroing) fresh ones on every step."""
 
 import subprocess
 import sys
@@ -48,7 +48,8 @@ def test_kept_memory_avoids_most_page_faults_of_a_repeated_step() -> None:
     if kept == "unsupported":
         pytest.skip("malloc is not glibc's")
     default = int(_faults_per_step("default"))
-    assert default > 5_000  # by default each step faults in tens of MB of fresh pages (48 MB mmapped anew)
+    # by default each step faults in tens of MB of fresh pages (48 MB mmapped anew)
+    assert default > 5_000
     assert int(kept) < default / 10
 
 

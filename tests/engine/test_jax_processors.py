@@ -1,7 +1,7 @@
-"""Logits processors in JAX through the offline API: the engine's tensors reach JAX without a copy, a JAX
-rule gives exactly the tokens of the same rule built in (log-probs within 1e-5), greedy and seeded, on the
-compiled and the eager engine, composes with structured output, and a processor that fails fails its own
-request only."""
+"""Logits processors in JAX through the offline API: the engine's tensors reach JAX without a copy,
+a JAX rule gives exactly the tokens of the same rule built in (log-probs within 1e-5), greedy and
+seeded, on the compiled and the eager engine, composes with structured output, and a processor that
+fails fails its own request only."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def wrong_shape(token_ids, logits):
 
 
 def flat(token_ids, logits):
-    """Every token equally likely: the model's preferences are gone, and so would be a mask applied before."""
+    """Every token equally likely: the model's preferences are gone, and so would be a mask applied
+    before."""
     return jnp.zeros_like(logits)
 
 
@@ -65,7 +66,8 @@ def test_the_bridge_shares_memory_both_ways() -> None:
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)],
                          ids=["greedy", "seeded"])
 def test_a_jax_rule_gives_the_tokens_of_the_same_rule_built_in(llm: LLM, sampling: dict) -> None:
-    common = dict(max_tokens=16, ignore_eos=True, logprobs=2, **sampling)  # built in: the bias, then the penalty
+    # built in: the bias, then the penalty
+    common = dict(max_tokens=16, ignore_eos=True, logprobs=2, **sampling)
     built_in = llm.generate(PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common))
     in_jax = llm.generate(PROMPTS, SamplingParams(logits_processors=(boost_token_5, repetition_penalty), **common))
     plain = llm.generate(PROMPTS, SamplingParams(**common))
@@ -74,7 +76,8 @@ def test_a_jax_rule_gives_the_tokens_of_the_same_rule_built_in(llm: LLM, samplin
         # XLA may divide by multiplying with the reciprocal: the last bit of a logit can differ
         assert ours.outputs[0].logprobs == pytest.approx(theirs.outputs[0].logprobs, abs=1e-5)
         assert ours.finish_reason == "length" and ours.outputs[0].error is None
-    assert [o.token_ids for o in in_jax] != [o.token_ids for o in plain]  # the processors did something
+    # the processors did something
+    assert [o.token_ids for o in in_jax] != [o.token_ids for o in plain]
 
 
 @pytest.mark.parametrize(("processor", "message"), [(raises, "raised RuntimeError: scorer unavailable"),
@@ -95,7 +98,8 @@ def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message
 
 
 def test_processors_compose_with_structured_output(llm: LLM) -> None:
-    """The grammar's mask comes last: a processor can reorder the allowed tokens, never allow another."""
+    """The grammar's mask comes last: a processor can reorder the allowed tokens, never allow
+    another."""
     from tests.engine.test_structured_offline import JSON, SCHEMA
 
     params = SamplingParams(max_tokens=128, temperature=0.8, seed=3, structured=JSON,
@@ -107,7 +111,8 @@ def test_processors_compose_with_structured_output(llm: LLM) -> None:
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=4)], ids=["greedy", "seeded"])
 def test_a_processor_cannot_lift_the_mask(llm: LLM, sampling: dict) -> None:
-    """A processor that sets every logit alike, under a choice constraint: the answer is still one of them."""
+    """A processor that sets every logit alike, under a choice constraint: the answer is still one
+    of them."""
     choices = ("apple", "banana", "cherry")
     params = SamplingParams(max_tokens=8, structured=StructuredOutput("choice", choices), logits_processors=(flat,),
                             **sampling)
@@ -122,7 +127,8 @@ def test_processors_must_be_functions() -> None:
 
 
 def test_at_tp2_processors_are_named_and_every_rank_applies_them() -> None:
-    """A TP engine's ranks import a processor by name ('module:function'); a function object is refused."""
+    """A TP engine's ranks import a processor by name ('module:function'); a function object is
+    refused."""
     common = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     names = (f"{__name__}:boost_token_5", f"{__name__}:repetition_penalty")
     tp = LLM("demo", deterministic=True, tp_size=2, enforce_eager=True, num_pages=512, max_running=8)

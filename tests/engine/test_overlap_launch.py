@@ -1,7 +1,8 @@
 """Overlap as it runs on CUDA, simulated on the CPU: the runner is told its launches only queue work
-(`asynchronous`), and each step's readback event is a fake that logs when it is waited on. The engine must
-launch step k+1 before it waits for step k's tokens, wait once per step, use no thread, and still give
-transformers' greedy tokens (step k+1 reads step k's token from the device token table)."""
+(`asynchronous`), and each step's readback event is a fake that logs when it is waited on. The
+engine must launch step k+1 before it waits for step k's tokens, wait once per step, use no thread,
+and still give transformers' greedy tokens (step k+1 reads step k's token from the device token
+table)."""
 
 from __future__ import annotations
 

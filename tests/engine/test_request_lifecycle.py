@@ -1,9 +1,10 @@
-"""Each way a request ends leaves nothing behind: finished, stopped from outside (a stop string), aborted with
-a step in flight, failed (its logits processor raised), rejected at admission, retracted then finished.
-The check is one over every registry that remains on a rank: the ledger's queues and in-flight steps, the
-engine's in-flight steps, the page books (integrity), and the engine's per-request state, which must be
-unreachable (a weak reference to it dies) once the request has ended. Compiled, overlap on, a pool small
-enough to retract (the configuration of test_deterministic's `tight` engine, sharing its graphs)."""
+"""Each way a request ends leaves nothing behind: finished, stopped from outside (a stop string),
+aborted with a step in flight, failed (its logits processor raised), rejected at admission,
+retracted then finished. The check is one over every registry that remains on a rank: the ledger's
+queues and in-flight steps, the engine's in-flight steps, the page books (integrity), and the
+engine's per-request state, which must be unreachable (a weak reference to it dies) once the request
+has ended. Compiled, overlap on, a pool small enough to retract (the configuration of
+test_deterministic's `tight` engine, sharing its graphs)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Structured output through the offline API, on the engine's default path (compiled) and eager, and at
-TP=2: every output satisfies its constraint, and the constraint composes with n, seeds, logprobs (of the
-masked distribution), min_tokens, max_tokens, stop strings and retraction."""
+"""Structured output through the offline API, on the engine's default path (compiled) and eager, and
+at TP=2: every output satisfies its constraint, and the constraint composes with n, seeds, logprobs
+(of the masked distribution), min_tokens, max_tokens, stop strings and retraction."""
 
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ def test_random_schemas_always_validate(eager: LLM, schema: dict, seed: int) -> 
 
 @pytest.mark.slow
 def test_tp2_compiled_serves_the_same_constrained_outputs(eager: LLM) -> None:
-    """`--tp 2` with its defaults (compiled): each rank's matcher sees the same tokens and masks alike."""
+    """`--tp 2` with its defaults (compiled): each rank's matcher sees the same tokens and masks
+    alike."""
     tp = LLM("demo", deterministic=True, num_pages=1024, max_running=8, chunk_budget=64, tp_size=2)
     try:
         params = SamplingParams(max_tokens=128, temperature=0, structured=JSON)
@@ -145,8 +146,9 @@ def test_tp2_compiled_serves_the_same_constrained_outputs(eager: LLM) -> None:
 
 
 def test_overlap_scheduling_keeps_masks_on_committed_tokens(eager: LLM) -> None:
-    """With overlap a constrained request skips the step after each of its own (its next mask needs the token
-    in flight); the documents still validate and unconstrained neighbours are token-identical."""
+    """With overlap a constrained request skips the step after each of its own (its next mask needs
+    the token in flight); the documents still validate and unconstrained neighbours are
+    token-identical."""
     llm = LLM("demo", deterministic=True, enforce_eager=True, num_pages=2048, max_running=8, overlap=True)
     try:
         params = [SamplingParams(max_tokens=128, temperature=0, structured=JSON),
@@ -161,13 +163,14 @@ def test_overlap_scheduling_keeps_masks_on_committed_tokens(eager: LLM) -> None:
 
 
 OPEN_OBJECT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
-               "required": ["a"]}  # properties other than "a" are allowed: it does not say otherwise
+               # properties other than "a" are allowed: it does not say otherwise
+               "required": ["a"]}
 
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_strict_decides_whether_a_schema_admits_properties_it_does_not_name(eager: LLM, strict: bool) -> None:
-    """Strict closes the object after "a"; not strict, the random model opens another property, which the
-    schema allows (JSON Schema's additionalProperties defaults to true)."""
+    """Strict closes the object after "a"; not strict, the random model opens another property,
+    which the schema allows (JSON Schema's additionalProperties defaults to true)."""
     spec = StructuredOutput("json", json.dumps(OPEN_OBJECT), strict)
     out = eager.generate("x", SamplingParams(max_tokens=48, temperature=0, structured=spec))[0]
     if strict:
@@ -184,9 +187,9 @@ def test_a_schema_is_strict_by_default() -> None:
 
 @pytest.mark.parametrize("max_tokens", [8, 1], ids=["midway", "last token"])
 def test_a_rejected_token_fails_its_request_only(eager: LLM, max_tokens: int) -> None:
-    """logit_bias rules out every token the constraint allows: the token drawn breaks the constraint, so the
-    request fails (finish_reason "error", the token not emitted) instead of ending with "stop" (or "length",
-    when it was the last token)."""
+    """logit_bias rules out every token the constraint allows: the token drawn breaks the
+    constraint, so the request fails (finish_reason "error", the token not emitted) instead of
+    ending with "stop" (or "length", when it was the last token)."""
     choice = StructuredOutput("choice", ("apple", "banana"))
     vocab = eager.engine.vocab_size
     doomed = SamplingParams(max_tokens=max_tokens, temperature=0, structured=choice,
@@ -203,8 +206,9 @@ def test_a_rejected_token_fails_its_request_only(eager: LLM, max_tokens: int) ->
 
 
 def test_a_constraint_no_token_can_continue_fails_its_request_only(eager: LLM) -> None:
-    """The pattern needs a raw control character, which JSON output never holds (the JSON mask drops those
-    tokens): after '"a' nothing is allowed. The request fails there; it does not go on unconstrained."""
+    """The pattern needs a raw control character, which JSON output never holds (the JSON mask drops
+    those tokens): after '"a' nothing is allowed. The request fails there; it does not go on
+    unconstrained."""
     stuck = StructuredOutput("json", json.dumps({"type": "string", "pattern": "^a\u0001b$"}))
     fine = SamplingParams(max_tokens=128, temperature=0, structured=JSON)
     outs = eager.generate(PROMPTS[:3], [fine, SamplingParams(max_tokens=16, temperature=0, structured=stuck), fine])
@@ -218,8 +222,8 @@ def test_a_constraint_no_token_can_continue_fails_its_request_only(eager: LLM) -
 
 
 def test_a_user_stop_token_can_end_a_complete_document(eager: LLM) -> None:
-    """The request's own stop_token_ids are allowed where the EOS is (the document may end), as in vLLM, never
-    inside it (the output still parses)."""
+    """The request's own stop_token_ids are allowed where the EOS is (the document may end), as in
+    vLLM, never inside it (the output still parses)."""
     stop = eager.tokenizer.encode("z", add_special_tokens=False)[0]
     choice = StructuredOutput("choice", ("ab", "abc"))
     out = eager.generate("x", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=(stop,),
@@ -229,7 +233,8 @@ def test_a_user_stop_token_can_end_a_complete_document(eager: LLM) -> None:
 
 
 def test_a_stop_token_outside_the_vocabulary_is_a_clear_error(eager: LLM) -> None:
-    """Rejected by the request check naming it (it once crashed building the constraint's stop mask)."""
+    """Rejected by the request check naming it (it once crashed building the constraint's stop
+    mask)."""
     choice = StructuredOutput("choice", ("ab", "abc"))
     with pytest.raises(ValueError, match="stop_token_ids"):
         eager.generate("x", SamplingParams(max_tokens=4, stop_token_ids=(10**6,), structured=choice))

@@ -1,5 +1,6 @@
-"""Compile every Triton kernel for sm_90 without a GPU (run by test_kernels_triton_compile in a fresh
-process with TRITON_INTERPRET unset, since the interpreter replaces the kernels at decoration)."""
+"""Compile every Triton kernel for sm_90 without a GPU (run by test_kernels_triton_compile in a
+fresh process with TRITON_INTERPRET unset, since the interpreter replaces the kernels at
+decoration)."""
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -13,8 +14,8 @@ FLOATS = ("scale", "soft_cap")
 
 
 def compile_for_hopper(fn: triton.JITFunction, pointers: dict[str, str], constants: dict) -> None:
-    """Ints not in `constants` are runtime i32; an int equal to 1 in `constants` mimics the launcher's
-    specialization of 1-valued arguments."""
+    """Ints not in `constants` are runtime i32; an int equal to 1 in `constants` mimics the
+    launcher's specialization of 1-valued arguments."""
     signature = {}
     for name in fn.arg_names:
         if name in constants:

@@ -1,4 +1,5 @@
-"""Random paged batches for the attention tests: pages scattered through the cache in random order."""
+"""Random paged batches for the attention tests: pages scattered through the cache in random
+order."""
 
 from dataclasses import dataclass
 

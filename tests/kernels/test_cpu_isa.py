@@ -1,6 +1,6 @@
-"""`COMPILED_ENGINE_CPU_ISA` caps every ISA choice on the CPU: our native kernels' build, oneDNN, ATen and
-inductor's vector ISA. Each level runs in a fresh process (the caps are read once per process) that does what
-the engine builder does first: `kernels.init`."""
+"""`COMPILED_ENGINE_CPU_ISA` caps every ISA choice on the CPU: our native kernels' build, oneDNN,
+ATen and inductor's vector ISA. Each level runs in a fresh process (the caps are read once per
+process) that does what the engine builder does first: `kernels.init`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Importing the kernels does nothing but define the ops: no environment variable set, no native library
-built or loaded; `kernels.init` does both."""
+"""Importing the kernels does nothing but define the ops: no environment variable set, no native
+library built or loaded; `kernels.init` does both."""
 
 import json
 import os
@@ -46,4 +46,5 @@ def test_init_applies_the_isa_caps_and_loads_the_native_kernels() -> None:
     assert seen["after"] == {v: cpu_isa.env_caps("avx2").get(v) for v in CAPS}  # none off x86
     from kernels import ops
 
-    assert seen["ready"] == ops.load_cpu_kernels()  # the native library serves the CPU wherever it builds here
+    # the native library serves the CPU wherever it builds here
+    assert seen["ready"] == ops.load_cpu_kernels()

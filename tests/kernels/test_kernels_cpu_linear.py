@@ -1,5 +1,5 @@
-"""`kernels::linear`: bf16 weights prepared once (the AMX kernel where the CPU has it, else oneDNN's packed
-bf16 or fp32 layouts), against fp32 math and torch's own linear."""
+"""`kernels::linear`: bf16 weights prepared once (the AMX kernel where the CPU has it, else oneDNN's
+packed bf16 or fp32 layouts), against fp32 math and torch's own linear."""
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ from kernels import ops
 @pytest.mark.parametrize(
     ("shape", "n", "k"),
     [((1,), 2048, 768), ((3,), 100, 72), ((2, 5), 64, 256), ((64,), 33, 40), ((37,), 200, 96), ((0,), 64, 64),
-     ((2, 400), 1100, 64), ((2048,), 64, 96)],  # the last two: big GEMMs, which the C++ op hands to oneDNN
+     # the last two: big GEMMs, which the C++ op hands to oneDNN
+     ((2, 400), 1100, 64), ((2048,), 64, 96)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_fp32_within_bf16_rounding(shape: tuple, n: int, k: int, bias: bool) -> None:
@@ -37,7 +38,8 @@ amx_only = pytest.mark.skipif(not ops.amx_available(), reason="no AMX bf16 on th
 @amx_only
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 40, 63, 64, 81])
 def test_amx_kernel_row_blocks_and_column_tail(rows: int) -> None:
-    """Rows run in blocks of 32, then 16, and columns in panels of 64: partial blocks and a partial last panel."""
+    """Rows run in blocks of 32, then 16, and columns in panels of 64: partial blocks and a partial
+    last panel."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 128, generator=gen).bfloat16()
     w = torch.randn(72, 128, generator=gen).bfloat16()
@@ -50,7 +52,8 @@ def test_strided_inputs_and_every_route(k: int) -> None:
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(k, 6, generator=gen).bfloat16().t()  # [6, k], not contiguous
     w = torch.randn(24, k, generator=gen).bfloat16()
-    _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)  # the C++ kernel, when the library loaded
+    # the C++ kernel, when the library loaded
+    _assert_within_bf16_rounding(ops.linear(x, w), x, w, None)
     _assert_within_bf16_rounding(torch.ops.kernels.linear_portable(x, w), x, w, None)  # torch's own
 
 
@@ -63,8 +66,8 @@ def test_weight_changed_in_place_is_repacked() -> None:
 
 
 def test_a_new_weight_at_a_freed_weights_address_is_not_confused_with_it() -> None:
-    """The prepared copies are keyed by the weight's storage object: a freed weight's entry must not serve a
-    new weight, even where the allocator hands out the same address."""
+    """The prepared copies are keyed by the weight's storage object: a freed weight's entry must not
+    serve a new weight, even where the allocator hands out the same address."""
     x = torch.randn(3, 64).bfloat16()
     for seed in range(4):
         w = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
@@ -78,7 +81,8 @@ def test_fp32_is_torch_linear() -> None:
 
 
 def test_bf16_linear_layer_compiles_as_one_graph() -> None:
-    """The packing decision is a constant to torch.compile, so a bf16 model compiles without graph breaks."""
+    """The packing decision is a constant to torch.compile, so a bf16 model compiles without graph
+    breaks."""
     w = torch.randn(32, 64).bfloat16()
     fn = torch.compile(lambda x: ops.linear(x, w) * 2, fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
@@ -86,8 +90,8 @@ def test_bf16_linear_layer_compiles_as_one_graph() -> None:
 
 
 def test_frozen_graphs_leave_bf16_linears_to_inductor() -> None:
-    """Under freezing, inductor packs the (constant) weights and may pick its GEMM templates: the linear
-    must stay a plain matmul in the graph, not the opaque op."""
+    """Under freezing, inductor packs the (constant) weights and may pick its GEMM templates: the
+    linear must stay a plain matmul in the graph, not the opaque op."""
     import torch._inductor.config as inductor_config
     from torch._dynamo.testing import EagerAndRecordGraphs
 

@@ -10,8 +10,9 @@ from kernels import ops, reference
 from kernels.portable import attention as cpu_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-# The op (the native kernels where they load: on an AVX512 CPU without AMX an extend runs as decode rows) and
-# its portable implementation (CPUs without the native library, inputs the kernels decline).
+# The op (the native kernels where they load: on an AVX512 CPU without AMX an extend runs as decode
+# rows) and its portable implementation (CPUs without the native library, inputs the kernels
+# decline).
 EXTENDS = {"op": ops.extend_attention, "portable": torch.ops.kernels.extend_attention_portable.default}
 
 
@@ -51,7 +52,8 @@ def test_extend_realistic(impl: str, dtype: torch.dtype, page_size: int) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("soft_cap", [0.0, 3.0])
 def test_extend_of_many_similar_suffixes_runs_padded(impl: str, dtype: torch.dtype, soft_cap: float) -> None:
-    """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same result."""
+    """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same
+    result."""
     q_lens = [8, 8, 7, 8, 16, 15, 16, 1, 64, 64]
     prefixes = [100, 100, 101, 90, 100, 99, 100, 120, 0, 0]
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
@@ -104,7 +106,8 @@ def test_store_kv_skips_negative_slots(dtype: torch.dtype) -> None:
     seed=st.integers(0, 2**16),
 )
 def test_random_ragged_batches(rows: list[tuple[int, int]], page_size: int, group: int, seed: int) -> None:
-    """Random lengths, random page placement; a row with q_len 0 is an idle row in the extend batch."""
+    """Random lengths, random page placement; a row with q_len 0 is an idle row in the extend
+    batch."""
     q_lens = [q for q, _ in rows]
     seq_lens = [q + p for q, p in rows]
     batch = make_batch(seq_lens, q_lens, 2 * group, 2, 16, page_size, seed=seed, extra_width=3)

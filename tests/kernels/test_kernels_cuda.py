@@ -1,5 +1,6 @@
-"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines only):
-fp32 and the tensor cores' fp16 / bf16, head dims 64-256, GQA groups 1-16, split-K and deterministic mode."""
+"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines
+only): fp32 and the tensor cores' fp16 / bf16, head dims 64-256, GQA groups 1-16, split-K and
+deterministic mode."""
 
 import os
 
@@ -45,7 +46,8 @@ def test_decode(dtype: torch.dtype, head_dim: int, page_size: int) -> None:
 @pytest.mark.parametrize("group", [1, 2, 8, 16])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_decode_gqa(dtype: torch.dtype, group: int, invariant: bool) -> None:
-    """Grouped-query decode on the tensor cores, split-K (default) and one split (deterministic mode)."""
+    """Grouped-query decode on the tensor cores, split-K (default) and one split (deterministic
+    mode)."""
     seq_lens = [1, 100, 2048, 513, 0]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, 128, 16, dtype, seed=group)
     args = batch.decode_args(128**-0.5)
@@ -76,8 +78,8 @@ def test_extend_head_dims(head_dim: int, invariant: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deterministic_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
-    """Deterministic mode on the GPU: a row's linear and decode output is bitwise the same alone as in a
-    batch of 37 (cuBLAS and split-K would pick by the shape)."""
+    """Deterministic mode on the GPU: a row's linear and decode output is bitwise the same alone as
+    in a batch of 37 (cuBLAS and split-K would pick by the shape)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 1024, generator=gen).to(dtype).cuda()
     w = torch.randn(3072, 1024, generator=gen).to(dtype).cuda()

@@ -1,6 +1,7 @@
-"""Deterministic mode's kernels (`invariant=True`): a row's result is bit-identical whatever shares its batch,
-however its prompt is chunked, and whether it runs as a decode or an extend step; and still the right
-result. Both the native kernels and the portable ones (what serves without the native library)."""
+"""Deterministic mode's kernels (`invariant=True`): a row's result is bit-identical whatever shares
+its batch, however its prompt is chunked, and whether it runs as a decode or an extend step; and
+still the right result. Both the native kernels and the portable ones (what serves without the
+native library)."""
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def _attention(impl: str):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])  # float16: the portable route
+# float16: the portable route
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(576, 576), (200, 37), (1536, 96)])
 def test_linear_rows_do_not_depend_on_the_batch(impl, dtype, shape):
     n, k = shape
@@ -86,7 +88,8 @@ def test_extend_rows_do_not_depend_on_chunking_or_batch(impl):
     full = make_batch([30, 12], [30, 12], num_heads=4, num_kv_heads=4, head_dim=32, page_size=1,
                       dtype=torch.bfloat16, seed=5)
     whole = extend(*full.extend_args(0.2))
-    # Request 0 alone, its prompt in chunks of 7 + 11 + 12 tokens (the earlier ones already in the cache).
+    # Request 0 alone, its prompt in chunks of 7 + 11 + 12 tokens (the earlier ones already in the
+    # cache).
     chunks, start = [], 0
     for size in (7, 11, 12):
         seq_len = torch.tensor([start + size], dtype=torch.int32)
@@ -119,8 +122,9 @@ DPBF16 = NATIVE and "avx512bf16" in (ops.native_isa() or set())
 
 @pytest.mark.skipif(not DPBF16, reason="needs avx512_bf16 (the CPU flag, COMPILED_ENGINE_CPU_ISA avx512 or native)")
 def test_deterministic_bf16_linears_take_the_avx512_bf16_kernel_where_the_cpu_has_it():
-    """Even K: the dot-product kernel (K = 80: not the AMX route's multiple of 32, on a CPU that has AMX too);
-    odd K, or float32 weights: the FMA kernel. Both are held to the invariance tests above."""
+    """Even K: the dot-product kernel (K = 80: not the AMX route's multiple of 32, on a CPU that has
+    AMX too); odd K, or float32 weights: the FMA kernel. Both are held to the invariance tests
+    above."""
     assert ops.linear_route(torch.randn(64, 80).bfloat16(), invariant=True) == "invariant_dpbf16"
     assert ops.linear_route(torch.randn(64, 37).bfloat16(), invariant=True) == "invariant"
     assert ops.linear_route(torch.randn(64, 80), invariant=True) == "invariant"

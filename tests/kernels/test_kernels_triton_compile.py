@@ -1,5 +1,6 @@
-"""The Triton kernels compile for Hopper (sm_90) on a machine without a GPU: catches what the interpreter
-lets through (non-constexpr globals, type mismatches across branches, unsupported returns)."""
+"""The Triton kernels compile for Hopper (sm_90) on a machine without a GPU: catches what the
+interpreter lets through (non-constexpr globals, type mismatches across branches, unsupported
+returns)."""
 
 import importlib.util
 import os

@@ -1,4 +1,5 @@
-"""The Triton kernels on CPU tensors under TRITON_INTERPRET=1, at small shapes, against the reference."""
+"""The Triton kernels on CPU tensors under TRITON_INTERPRET=1, at small shapes, against the
+reference."""
 
 import importlib.util
 import os
@@ -64,7 +65,8 @@ def test_decode_window_and_soft_cap(triton_attention, sliding_window: int, soft_
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_extend(triton_attention, page_size: int, group: int) -> None:
-    """Prefix 0 and > 0, q_len 1, page boundaries, an idle row, and token padding past cu_q_lens[-1]."""
+    """Prefix 0 and > 0, q_len 1, page boundaries, an idle row, and token padding past
+    cu_q_lens[-1]."""
     q_lens = [17, 1, 3, 0, 16]
     prefixes = [0, 16, 30, 4, 1]
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]

@@ -1,5 +1,6 @@
-"""Deterministic mode's Triton kernels (the CUDA path), on CPU tensors under TRITON_INTERPRET=1: a row's
-result does not depend on its batch, and an extend gives each query the bits of its decode step."""
+"""Deterministic mode's Triton kernels (the CUDA path), on CPU tensors under TRITON_INTERPRET=1: a
+row's result does not depend on its batch, and an extend gives each query the bits of its decode
+step."""
 
 import importlib.util
 import os
@@ -34,9 +35,9 @@ def test_linear_rows_do_not_depend_on_the_batch(triton_kernels, dtype):
     b = torch.randn(40, generator=gen).to(dtype)
     x = torch.randn(37, 50, generator=gen).to(dtype)
     full = matmul.invariant_linear_triton(x, w, b)
-    # Any number of rows, and rows moved by whole tiles (16 here). The interpreter's tile product (numpy)
-    # may round a row differently at another position inside a tile; a GPU's MMA does not, which this
-    # cannot show.
+    # Any number of rows, and rows moved by whole tiles (16 here). The interpreter's tile product
+    # (numpy) may round a row differently at another position inside a tile; a GPU's MMA does not,
+    # which this cannot show.
     for lo, hi in ((0, 1), (0, 5), (0, 20), (16, 32), (16, 37)):
         assert torch.equal(matmul.invariant_linear_triton(x[lo:hi], w, b), full[lo:hi]), (lo, hi)
     expected = (x.double() @ w.double().T + b.double())
@@ -63,7 +64,8 @@ def test_extend_is_decode_query_by_query(triton_kernels, window):
                                                     torch.tensor([position + 1], dtype=torch.int32), 0.25, window,
                                                     num_splits=1)
             assert torch.equal(one[0], out[j]), (b, j)
-    # Request 2 alone (q rows 23-31, positions 24-32), its 9 queries in two chunks (4 + 5): the same bits.
+    # Request 2 alone (q rows 23-31, positions 24-32), its 9 queries in two chunks (4 + 5): the same
+    # bits.
     for lo, hi in ((23, 27), (27, 32)):
         alone = attention.extend_attention_invariant_triton(
             batch.q[lo:hi], batch.k_cache, batch.v_cache, batch.page_table[2:],

@@ -1,6 +1,7 @@
-"""GGUF files written from Hugging Face checkpoints as llama.cpp's converter writes them: its tensor names,
-Q/K rows permuted for `llama`, 2-D weights in the chosen quantization type (norms and biases stay F32), and
-the demo model's sentencepiece tokenizer (8000 pieces, a `llama` GGUF vocabulary) with its chat template."""
+"""GGUF files written from Hugging Face checkpoints as llama.cpp's converter writes them: its tensor
+names, Q/K rows permuted for `llama`, 2-D weights in the chosen quantization type (norms and biases
+stay F32), and the demo model's sentencepiece tokenizer (8000 pieces, a `llama` GGUF vocabulary)
+with its chat template."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, out: Path, qtype: gguf.GGMLQuantizationType, arch: str | None = None) -> Path:
-    """`out` (a .gguf file) holding the checkpoint in `hf_dir`; `arch` overrides `general.architecture`."""
+    """`out` (a .gguf file) holding the checkpoint in `hf_dir`; `arch` overrides
+    `general.architecture`."""
     c = json.loads(Path(hf_dir, "config.json").read_text())
     name = arch or ARCHS[c["architectures"][0]]
     w = gguf.GGUFWriter(str(out), name)
@@ -40,7 +42,8 @@ def write_gguf(hf_dir: str, out: Path, qtype: gguf.GGMLQuantizationType, arch: s
     w.add_vocab_size(c["vocab_size"])
     w.add_file_type(int(qtype))
     _copy_tokenizer(w)
-    real = ARCHS[c["architectures"][0]]  # tensor names and layout follow the model, whatever `arch` claims
+    # tensor names and layout follow the model, whatever `arch` claims
+    real = ARCHS[c["architectures"][0]]
     table = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[real], c["num_hidden_layers"])
     for hf_name, t in load_file(str(Path(hf_dir, "model.safetensors"))).items():
         t = t.astype(np.float32)

@@ -1,4 +1,5 @@
-"""Shared by the model tests: tiny random HF checkpoints and a minimal paged-KV driver of our models."""
+"""Shared by the model tests: tiny random HF checkpoints and a minimal paged-KV driver of our
+models."""
 
 import os
 from dataclasses import dataclass
@@ -82,7 +83,8 @@ class PagedKV:
 
 @torch.inference_mode()
 def step(model: torch.nn.Module, kv: PagedKV, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
-    """Run rows 0..B-1: row b adds tokens `chunks[b]` at positions starts[b]...; returns logits [T, V]."""
+    """Run rows 0..B-1: row b adds tokens `chunks[b]` at positions starts[b]...; returns logits [T,
+    V]."""
     ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
     positions = torch.cat([torch.arange(s, s + len(c)) for c, s in zip(chunks, starts, strict=True)])
     rows = torch.cat([torch.full((len(c),), b) for b, c in enumerate(chunks)])
@@ -98,7 +100,8 @@ def step(model: torch.nn.Module, kv: PagedKV, chunks: list[list[int]], starts: l
 
 
 def greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, page_size: int) -> list[list[int]]:
-    """Batched greedy decoding through our model: one prefill step, then one decode step per token."""
+    """Batched greedy decoding through our model: one prefill step, then one decode step per
+    token."""
     kv = PagedKV(model, page_size, max(map(len, prompts)) + new_tokens, len(prompts))
     logits = step(model, kv, prompts, [0] * len(prompts))
     last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1

@@ -97,7 +97,8 @@ def test_unexpected_tensor(checkpoint: str, tmp_path) -> None:
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"])
 def test_wrong_shape(checkpoint: str, tmp_path, name: str) -> None:
     tensors = load_file(os.path.join(checkpoint, WEIGHTS))
-    tensors[name] = torch.cat([tensors[name], tensors[name]])  # twice the rows: narrowing must not hide it
+    # twice the rows: narrowing must not hide it
+    tensors[name] = torch.cat([tensors[name], tensors[name]])
     with pytest.raises(CheckpointError, match=rf"'{name}'.*shape mismatch"):
         load_model(_copy_with(checkpoint, str(tmp_path / "bad"), tensors))
 

@@ -1,5 +1,5 @@
-"""Our models against transformers on tiny random checkpoints: logits through a paged KV cache (ragged
-prefill, chunked extend, batched decode) and greedy tokens."""
+"""Our models against transformers on tiny random checkpoints: logits through a paged KV cache
+(ragged prefill, chunked extend, batched decode) and greedy tokens."""
 
 import pytest
 import torch
@@ -61,7 +61,8 @@ def test_logits_match_transformers(tmp_path, case: str, dtype: torch.dtype) -> N
         got = step(model, kv, PROMPTS, [0, 0]).split([len(p) for p in PROMPTS])  # ragged prefill
         pairs = [(g, r[: len(p)]) for g, r, p in zip(got, refs, PROMPTS, strict=True)]
         starts = [len(p) for p in PROMPTS]
-        got = step(model, kv, extra, starts).split([len(e) for e in extra])  # extend after a cached prefix
+        # extend after a cached prefix
+        got = step(model, kv, extra, starts).split([len(e) for e in extra])
         pairs += [(g, r[s : s + len(e)]) for g, r, s, e in zip(got, refs, starts, extra, strict=True)]
         starts = [s + len(e) for s, e in zip(starts, extra, strict=True)]
         for i in range(len(decode[0])):  # batched decode

@@ -1,5 +1,5 @@
-"""A model that does not split over `--tp` ranks is refused before any rank starts, in one line naming the
-sizes that fit (SmolLM2: 9 query heads, 3 KV heads, intermediate 1536: --tp 1 or 3)."""
+"""A model that does not split over `--tp` ranks is refused before any rank starts, in one line
+naming the sizes that fit (SmolLM2: 9 query heads, 3 KV heads, intermediate 1536: --tp 1 or 3)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ def test_tp_sizes_follow_heads_kv_heads_and_intermediate_size() -> None:
                            intermediate_size=intermediate)
 
     assert tp_sizes(config(9, 3, 1536)) == [1, 3]
-    assert tp_sizes(config(8, 2, 64)) == [1, 2, 4, 8]  # KV heads replicated when there are fewer than ranks
-    assert tp_sizes(config(12, 4, 96)) == [1, 2, 4, 12]  # 3 and 6 split neither 4 KV heads nor are multiples
+    # KV heads replicated when there are fewer than ranks
+    assert tp_sizes(config(8, 2, 64)) == [1, 2, 4, 8]
+    # 3 and 6 split neither 4 KV heads nor are multiples
+    assert tp_sizes(config(12, 4, 96)) == [1, 2, 4, 12]
 
 
 def test_check_names_the_valid_sizes_for_smollm2() -> None:

@@ -1,7 +1,7 @@
-"""The correctness oracle of the parity tests: transformers in fp32 on the same checkpoint (bf16 weights
-upcast exactly), greedy, with the log-probabilities of every step; how far transformers' own bf16 run is from
-it (the bf16 spread, measured at the portable ISA level so that the bound is the same on every CPU); and how
-an engine's greedy outputs agree with it.
+"""The correctness oracle of the parity tests: transformers in fp32 on the same checkpoint (bf16
+weights upcast exactly), greedy, with the log-probabilities of every step; how far transformers' own
+bf16 run is from it (the bf16 spread, measured at the portable ISA level so that the bound is the
+same on every CPU); and how an engine's greedy outputs agree with it.
 
 Run as `python -m tests.parity.oracle IN OUT` it measures a spread in this process (what
 `hf_bf16_spread` starts at the portable level)."""
@@ -36,8 +36,9 @@ class Reference:
 
 @functools.lru_cache(maxsize=2)
 def hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
-    """transformers' model of a checkpoint directory or a GGUF file (which it dequantizes to fp32 first); the
-    last two are kept, so that the modules comparing against the same checkpoint load it once."""
+    """transformers' model of a checkpoint directory or a GGUF file (which it dequantizes to fp32
+    first); the last two are kept, so that the modules comparing against the same checkpoint load it
+    once."""
     from transformers import AutoModelForCausalLM
 
     where = Path(path)
@@ -49,9 +50,9 @@ def hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Mod
 
 
 def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device: str = "cpu") -> list[Reference]:
-    """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens would
-    mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs come back on
-    the CPU."""
+    """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens
+    would mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs
+    come back on the CPU."""
     hf = hf_model(path, torch.float32, device)
     refs = []
     with torch.inference_mode():
@@ -70,10 +71,10 @@ def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device:
 
 @dataclass
 class Spread:
-    """How far a bf16 run's log-probabilities are from fp32's over fp32's `top` most likely tokens of each step:
-    the largest error on the chosen (greedy) token, the largest on any of them (a low-ranked token's log-prob
-    is the most sensitive: noisy, a few steps decide it), and the median over steps of each step's largest
-    (the typical error)."""
+    """How far a bf16 run's log-probabilities are from fp32's over fp32's `top` most likely tokens
+    of each step: the largest error on the chosen (greedy) token, the largest on any of them (a
+    low-ranked token's log-prob is the most sensitive: noisy, a few steps decide it), and the median
+    over steps of each step's largest (the typical error)."""
 
     chosen: float
     top: float
@@ -98,10 +99,10 @@ def _spread_here(path: str, prompts: list[list[int]], refs: list[Reference], top
 
 def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], top: int,
                    device: str = "cpu") -> Spread:
-    """transformers' own bf16 error on this checkpoint. On the CPU it is measured in a new process capped at the
-    portable ISA level (`kernels.cpu.isa.PORTABLE`): transformers' bf16 GEMMs are more accurate with
-    AVX512-BF16 than without, and a bound that followed them would be tighter exactly where the oracle is
-    best. On a GPU, on that GPU."""
+    """transformers' own bf16 error on this checkpoint. On the CPU it is measured in a new process
+    capped at the portable ISA level (`kernels.cpu.isa.PORTABLE`): transformers' bf16 GEMMs are more
+    accurate with AVX512-BF16 than without, and a bound that followed them would be tighter exactly
+    where the oracle is best. On a GPU, on that GPU."""
     if device != "cpu":
         return _spread_here(path, prompts, refs, top, device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,9 +118,9 @@ def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], t
 
 @dataclass
 class Bounds:
-    """What an engine's agreement with fp32 may reach: `chosen`, `typical` and `top` bound the matching
-    `Agreement` errors; `gap`, fp32's margin at a divergence (a near tie); `rank_slack`, how far below fp32's
-    k-th log-prob a token in the engine's top k may sit."""
+    """What an engine's agreement with fp32 may reach: `chosen`, `typical` and `top` bound the
+    matching `Agreement` errors; `gap`, fp32's margin at a divergence (a near tie); `rank_slack`,
+    how far below fp32's k-th log-prob a token in the engine's top k may sit."""
 
     chosen: float
     typical: float
@@ -134,11 +135,12 @@ class Bounds:
 
     @classmethod
     def bf16(cls, spread: Spread) -> Bounds:
-        """As close as transformers' bf16 run is, with room (eager bf16 on SmolLM2 measured up to 1.3x its
-        chosen-token and typical error at the portable level: docs/benchmarks.md); the largest low-ranked error
-        twice as wide, a sanity bound that a wrong forward (errors of whole nats) still fails, and as much room
-        for a token of our top k below fp32's k-th (a token outside fp32's top that we rank high); a divergence only
-        where fp32's top two are within NEAR_TIE_GAP."""
+        """As close as transformers' bf16 run is, with room (eager bf16 on SmolLM2 measured up to
+        1.3x its chosen-token and typical error at the portable level: docs/benchmarks.md); the
+        largest low-ranked error twice as wide, a sanity bound that a wrong forward (errors of whole
+        nats) still fails, and as much room for a token of our top k below fp32's k-th (a token
+        outside fp32's top that we rank high); a divergence only where fp32's top two are within
+        NEAR_TIE_GAP."""
         top = 2 * spread.top + 0.05
         return cls(chosen=1.5 * spread.chosen + 0.02, typical=1.5 * spread.typical + 0.02, top=top,
                    gap=NEAR_TIE_GAP, rank_slack=top)
@@ -150,13 +152,14 @@ FORCED_TOP = 20  # log-probs the engine returns per step: fp32's top tokens are 
 
 @dataclass
 class Agreement:
-    """How an engine agrees with fp32, over fp32's top tokens at each step compared: every step teacher-forced on
-    fp32's tokens (as the spread is measured; prefill steps), and the greedy run's own steps up to each prompt's
-    first divergence (decode steps, graphs and overlap). `step_errors`, each compared step's largest |engine -
-    fp32| log-probability; `max_chosen_error`, the same on fp32's chosen tokens; `misranked`, (prompt, step,
-    token, how far fp32's log-prob of it is below fp32's k-th) for each token of the engine's top k that fp32
-    ranks far lower; `divergences`, (prompt, step, fp32 log-prob of its token minus of ours) at each prompt's
-    first greedy token that differs from fp32's."""
+    """How an engine agrees with fp32, over fp32's top tokens at each step compared: every step
+    teacher-forced on fp32's tokens (as the spread is measured; prefill steps), and the greedy run's
+    own steps up to each prompt's first divergence (decode steps, graphs and overlap).
+    `step_errors`, each compared step's largest |engine - fp32| log-probability; `max_chosen_error`,
+    the same on fp32's chosen tokens; `misranked`, (prompt, step, token, how far fp32's log-prob of
+    it is below fp32's k-th) for each token of the engine's top k that fp32 ranks far lower;
+    `divergences`, (prompt, step, fp32 log-prob of its token minus of ours) at each prompt's first
+    greedy token that differs from fp32's."""
 
     step_errors: list[float] = field(default_factory=list)
     max_chosen_error: float = 0.0
@@ -178,7 +181,8 @@ class Agreement:
 
     def score(self, where: tuple[int, int], lp: torch.Tensor, chosen: int, ranked: list[tuple[int, float]],
               top: int, rank_slack: float) -> None:
-        """One step: fp32's log-probs `lp` and its `chosen` token against the engine's `ranked` top tokens."""
+        """One step: fp32's log-probs `lp` and its `chosen` token against the engine's `ranked` top
+        tokens."""
         ours = dict(ranked)
         wanted = lp.topk(top).indices.tolist()
         missing = [t for t in wanted if t not in ours]
@@ -199,8 +203,8 @@ class Agreement:
 
 def _greedy(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
             agreement: Agreement) -> None:
-    """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a divergence,
-    fp32's gap between its token and ours."""
+    """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a
+    divergence, fp32's gap between its token and ours."""
     params = SamplingParams(max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
     outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for p, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
@@ -215,7 +219,8 @@ def _greedy(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int,
 
 def _teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
                     agreement: Agreement) -> None:
-    """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one request each)."""
+    """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one
+    request each)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
     forced = [prompt + ref.tokens[:step] for prompt, ref in zip(prompts, refs, strict=True)
               for step in range(len(ref.tokens))]
@@ -227,9 +232,10 @@ def _teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], t
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bounds, what: str,
           top: int = TOP) -> Agreement:
-    """Assert what a user of the engine would see as 'the same model' as fp32: greedy tokens equal fp32's up to
-    near ties, and log-probabilities within `bounds` at every step teacher-forced on fp32's tokens and at each
-    greedy step before a divergence; the engine's top k (k = `top` - 1) ranked where fp32 ranks it."""
+    """Assert what a user of the engine would see as 'the same model' as fp32: greedy tokens equal
+    fp32's up to near ties, and log-probabilities within `bounds` at every step teacher-forced on
+    fp32's tokens and at each greedy step before a divergence; the engine's top k (k = `top` - 1)
+    ranked where fp32 ranks it."""
     agreement = Agreement()
     _greedy(llm, prompts, refs, top, bounds.rank_slack, agreement)
     _teacher_forced(llm, prompts, refs, top, bounds.rank_slack, agreement)

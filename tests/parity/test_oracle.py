@@ -1,7 +1,7 @@
-"""The parity check itself: it passes an engine that is fp32 up to bf16-sized noise and fails each way an engine
-can be wrong (the chosen token's log-prob, the typical step, one far-off token, a token fp32 ranks low, a
-greedy divergence that is no near tie). The engine here is a stand-in whose next-token log-probs are fp32's
-plus a chosen perturbation."""
+"""The parity check itself: it passes an engine that is fp32 up to bf16-sized noise and fails each
+way an engine can be wrong (the chosen token's log-prob, the typical step, one far-off token, a
+token fp32 ranks low, a greedy divergence that is no near tie). The engine here is a stand-in whose
+next-token log-probs are fp32's plus a chosen perturbation."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ class _Request:
 
 class FakeEngine:
     """`generate` as `LLM`'s, greedy: each step's log-probs are fp32's at that prefix, perturbed by
-    `noise(prompt_index, step, logprobs)` (only in multi-token runs with `greedy_only`: the check's greedy
-    run, not its teacher-forced one)."""
+    `noise(prompt_index, step, logprobs)` (only in multi-token runs with `greedy_only`: the check's
+    greedy run, not its teacher-forced one)."""
 
     def __init__(self, noise: Callable[[int, int, torch.Tensor], torch.Tensor], greedy_only: bool = False) -> None:
         self.noise, self.greedy_only = noise, greedy_only
@@ -93,7 +93,8 @@ def _raise_non_chosen(by: float):
 
 
 def _promote_low_ranked(p: int, step: int, lp: torch.Tensor) -> torch.Tensor:
-    """fp32's 30th token placed second: outside fp32's top tokens, so only the ranking check sees it."""
+    """fp32's 30th token placed second: outside fp32's top tokens, so only the ranking check sees
+    it."""
     if step == 4:
         ranked = lp.topk(30).indices
         lp[ranked[29]] = lp[ranked[1]] + 0.01

@@ -1,5 +1,5 @@
-"""Deterministic mode's default per device: the README's table says what the code does, and this machine's
-engine starts in the mode its row gives (saying so), unless told otherwise."""
+"""Deterministic mode's default per device: the README's table says what the code does, and this
+machine's engine starts in the mode its row gives (saying so), unless told otherwise."""
 
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ def test_logit_bias_and_penalties_change_the_right_logits() -> None:
     # A bias makes token 7 the argmax.
     out = sampler(logits, [SamplingRow(SamplingParams(temperature=0.0, logit_bias={7: 5.0}))])
     assert out.tokens.tolist() == [7]
-    # Frequency penalty on the generated token 3 (seen twice) pushes it below 0 -> another token wins.
+    # Frequency penalty on the generated token 3 (seen twice) pushes it below 0 -> another token
+    # wins.
     row = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0),
                       output_ids=torch.tensor([3, 3]), prompt_ids=torch.tensor([5]))
     out = sampler(logits, [row])
@@ -137,8 +138,9 @@ def test_a_token_mask_restricts_every_rule_and_renormalizes_logprobs() -> None:
 
 
 def test_a_mask_that_allows_nothing_fails_its_row_only() -> None:
-    """Not lifted (the row would run unconstrained): the row is reported as an error, its neighbours drawn as
-    usual. Bits past the vocabulary (here token 100 of a 100-token vocabulary) allow nothing."""
+    """Not lifted (the row would run unconstrained): the row is reported as an error, its neighbours
+    drawn as usual. Bits past the vocabulary (here token 100 of a 100-token vocabulary) allow
+    nothing."""
     vocab = 100
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     rows = [SamplingRow(SamplingParams(temperature=0), token_mask=_packed([7, 40], vocab)),

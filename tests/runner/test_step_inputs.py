@@ -1,5 +1,6 @@
-"""The logits-row contract of `build_step_inputs`: logits row j belongs to the j-th sampling request of the
-plan, whatever the step's shape and wherever the non-sampling requests (prefill chunks) sit."""
+"""The logits-row contract of `build_step_inputs`: logits row j belongs to the j-th sampling request
+of the plan, whatever the step's shape and wherever the non-sampling requests (prefill chunks)
+sit."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ STAGING = Staging(torch.device("cpu"))
 
 def _tables() -> DeviceTables:
     tables = DeviceTables(max_rows=4, max_context=16, device=torch.device("cpu"))
-    # token (row, position) = 100 * row + position: a gathered token says which row and position it came from
+    # token (row, position) = 100 * row + position: a gathered token says which row and position it
+    # came from
     writes = tuple(TokenWrite(row, 0, tuple(100 * row + p for p in range(16))) for row in range(4))
     tables.apply_writes(StepPlan(0, (), (), writes, False), STAGING)
     return tables
@@ -56,8 +58,8 @@ def test_padded_width_is_the_graph_shape() -> None:
 
 
 def test_table_writes_and_sampled_tokens_land_in_their_row_or_nowhere() -> None:
-    """The tables are written through flat indices: a run past its row's end is refused, not wrapped into the
-    next row."""
+    """The tables are written through flat indices: a run past its row's end is refused, not wrapped
+    into the next row."""
     from compiled_engine.runner.step_inputs import sample_targets
 
     tables = _tables()
@@ -74,8 +76,8 @@ def test_table_writes_and_sampled_tokens_land_in_their_row_or_nowhere() -> None:
 
 
 def test_a_decode_step_is_written_into_a_captured_graphs_buffers() -> None:
-    """What a CUDA-graph replay reads: the step's inputs land in the static inputs built at capture (same
-    tensors, new values), so that the replay copies nothing."""
+    """What a CUDA-graph replay reads: the step's inputs land in the static inputs built at capture
+    (same tensors, new values), so that the replay copies nothing."""
     tables = _tables()
     capture = tuple(ReqStep(f"w{i}", i, 0, 1, (-1,), True) for i in range(4))
     static = build_step_inputs(StepPlan(-1, capture, (), (), True), tables, 4, STAGING)
@@ -87,7 +89,8 @@ def test_a_decode_step_is_written_into_a_captured_graphs_buffers() -> None:
     got = [inputs.input_ids, inputs.positions, inputs.logits_index, inputs.meta.page_table, inputs.meta.seq_lens,
            inputs.meta.out_slots, inputs.meta.cu_q_lens]
     assert [t.data_ptr() for t in got] == [t.data_ptr() for t in buffers]
-    assert static.input_ids.tolist() == [205, 3, 0, 0]  # rows 2 and 0, then the all-zero padding row
+    # rows 2 and 0, then the all-zero padding row
+    assert static.input_ids.tolist() == [205, 3, 0, 0]
     assert static.positions.tolist() == [5, 3, 0, 0] and static.meta.seq_lens.tolist() == [6, 4, 0, 0]
     assert static.meta.out_slots.tolist() == [9, 8, -1, -1]
     with pytest.raises(ValueError, match="do not fit"):

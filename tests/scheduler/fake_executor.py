@@ -1,9 +1,11 @@
-"""A deterministic pseudo-model that executes plans without torch, through simulated tables (test-only).
+"""A deterministic pseudo-model that executes plans without torch, through simulated tables
+(test-only).
 
 The next token is a hash chain over the sequence; the chain value of every position is read back
 through the simulated page table and KV pool, so a wrong slot, a missing table write or a stale page
-changes the output (and, with ``verify``, fails an assertion naming the problem: each slot must hold this
-row's position, token and chain value, so a stale page with the same token at the same position is caught).
+changes the output (and, with ``verify``, fails an assertion naming the problem: each slot must hold
+this row's position, token and chain value, so a stale page with the same token at the same position
+is caught).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def reference_output(
 
 
 class FakeExecutor:
-    """Runs a ``StepPlan`` like the runner would: table writes, gather, KV store, sample (greedy)."""
+    """Runs a ``StepPlan`` like the runner would: table writes, gather, KV store, sample
+    (greedy)."""
 
     def __init__(self, config: SchedulerConfig, vocab_size: int = 64, verify: bool = True) -> None:
         self.vocab_size = vocab_size
@@ -54,7 +57,8 @@ class FakeExecutor:
         self.page_table = [[-1] * width for _ in range(config.max_rows)]
         self.kv: list[tuple[int, int, int] | None] = [None] * (config.num_pages * config.page_size)
         self.dummy_slots = range(config.page_size)  # page 0: padding rows only ever read it
-        self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()  # step, slot/row -> rid
+        # step, slot/row -> rid
+        self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()
 
     def execute(self, batch: StepPlan) -> list[int]:
         slots_used: dict[int, str] = {}

@@ -1,5 +1,5 @@
-"""Example tests of the scheduler core, one per known ledger pitfall of the field (docs/architecture.md, "The
-ledger") and per feature."""
+"""Example tests of the scheduler core, one per known ledger pitfall of the field
+(docs/architecture.md, "The ledger") and per feature."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def test_duplicate_prefix_insert_frees_duplicates_and_rewrites_row():
 
 
 def test_duplicate_prefix_under_overlap_frees_duplicates_only_after_the_step_reading_them():
-    """Lag 1: b's next step is in flight, reading its own copies of the prefix, when the commit of the first
-    step finds them duplicated: they stay b's until that step commits, then the row is rewritten."""
+    """Lag 1: b's next step is in flight, reading its own copies of the prefix, when the commit of
+    the first step finds them duplicated: they stay b's until that step commits, then the row is
+    rewritten."""
     sched, exe = make(page_size=2)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
     sched.add_request("a", prompt, LedgerParams(max_tokens=4))

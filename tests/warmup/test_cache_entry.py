@@ -1,5 +1,6 @@
-"""Cache entries without compiling: torch's cache folder goes to the entry, a complete warm-up seals it
-with a manifest, and a damaged entry is detected and rebuilt. A fake compile stands in for torch's."""
+"""Cache entries without compiling: torch's cache folder goes to the entry, a complete warm-up seals
+it with a manifest, and a damaged entry is detected and rebuilt. A fake compile stands in for
+torch's."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ KEY = CacheKey(model_config="m", dtype="float32", device="cpu", tp_size=1, tp_ra
 
 
 def fake_compile() -> None:
-    """What inductor does on a cold compile: write into TORCHINDUCTOR_CACHE_DIR, count a miss; or a hit
-    when its file is already there."""
+    """What inductor does on a cold compile: write into TORCHINDUCTOR_CACHE_DIR, count a miss; or a
+    hit when its file is already there."""
     graph = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph" / "graph.bin"
     if graph.exists():
         counters["inductor"]["fxgraph_cache_hit"] += 1

@@ -78,7 +78,8 @@ def test_serving_settings_do_not_change_the_key(model_dir: Path) -> None:
 def test_an_engine_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     names = {root.name for root in key_mod.TRACED_SOURCES}
     assert {"models", "layers", "runner", "kernels", "parallel_state.py"} <= names
-    assert all(root.exists() for root in key_mod.TRACED_SOURCES)  # a moved file would silently leave the key
+    # a moved file would silently leave the key
+    assert all(root.exists() for root in key_mod.TRACED_SOURCES)
     copy = tmp_path / "src" / "runner"
     shutil.copytree(next(r for r in key_mod.TRACED_SOURCES if r.name == "runner"), copy)
     monkeypatch.setattr(key_mod, "TRACED_SOURCES", (copy,))
@@ -124,8 +125,9 @@ def test_a_miss_names_what_differs_from_the_nearest_entry(model_dir: Path, tmp_p
 
 
 def test_the_cpu_kv_pool_does_not_follow_free_memory(monkeypatch) -> None:
-    """The pool's size is in the key: sized from available memory, a 24 GiB machine's SmolLM2 pool flipped
-    between 2^17 and 2^18 pages as other processes took or released a few hundred MB, and every flip recompiled."""
+    """The pool's size is in the key: sized from available memory, a 24 GiB machine's SmolLM2 pool
+    flipped between 2^17 and 2^18 pages as other processes took or released a few hundred MB, and
+    every flip recompiled."""
     from compiled_engine import startup
 
     model = type("Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16})()
@@ -135,5 +137,6 @@ def test_the_cpu_kv_pool_does_not_follow_free_memory(monkeypatch) -> None:
         monkeypatch.setattr(startup, "_host_memory", lambda a=available: (25.28e9, a))
         pages.add(startup.size_kv_pool(config, model, 8192, CPU))
     assert pages == {1 << 18}
-    monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 2.0e9))  # a busy machine: what is there
+    # a busy machine: what is there
+    monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 2.0e9))
     assert startup.size_kv_pool(config, model, 8192, CPU) == 1 << 16

@@ -1,6 +1,6 @@
-"""End to end: `compiled-engine warmup` fills the cache; a fresh process then starts with every graph
-loaded precompiled from it, and serves, without tracing with dynamo (counters, not timings); a damaged
-entry is rebuilt, not crashed on.
+"""End to end: `compiled-engine warmup` fills the cache; a fresh process then starts with every
+graph loaded precompiled from it, and serves, without tracing with dynamo (counters, not timings); a
+damaged entry is rebuilt, not crashed on.
 
 A one-layer random Llama keeps the compiles short. The engine-source part of the key is pinned in
 these processes: the checkout may be edited while the test runs (a real edit must miss, see
@@ -51,7 +51,8 @@ print(json.dumps({"inductor": counters["inductor"], "aot_autograd": counters["ao
 
 
 def run(code: str, *args: str, tmp: Path) -> subprocess.CompletedProcess:
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "ci-wide-inductor")}  # CI sets one for the run
+    # CI sets one for the run
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "ci-wide-inductor")}
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=400, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -82,7 +83,8 @@ def test_warm_start_loads_every_graph_precompiled_and_never_traces(warmed: tuple
     assert not (tmp / "ci-wide-inductor" / "fxgraph").exists()
     counts, log = start(model, cache, tmp)
     assert counts["warm_up"]["precompiled"] == {"loaded": 4}
-    assert counts["precompiled"] == {"loaded": 4}  # and no guard sent a serving step to the fallback
+    # and no guard sent a serving step to the fallback
+    assert counts["precompiled"] == {"loaded": 4}
     assert counts["stats"].get("unique_graphs", 0) == 0 and counts["stats"].get("calls_captured", 0) == 0
     assert counts["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert counts["aot_autograd"].get("autograd_cache_miss", 0) == 0

@@ -1,4 +1,5 @@
-"""Persistent torch.compile artifacts, one folder per key of everything that shapes generated code."""
+"""Persistent torch.compile artifacts, one folder per key of everything that shapes generated
+code."""
 
 from compiled_engine.runner.compile_cache.entry import CacheEntry, clear_entries, list_entries
 from compiled_engine.runner.compile_cache.key import CacheKey, cache_key

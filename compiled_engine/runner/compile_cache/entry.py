@@ -1,6 +1,6 @@
 """One cache entry on disk: a folder per key holding inductor's caches, the precompiled graphs and a
-manifest that a complete warm-up writes last. The manifest lists every file with its size and hash, so a
-truncated or garbled file (or a broken manifest) is caught before torch reads it."""
+manifest that a complete warm-up writes last. The manifest lists every file with its size and hash,
+so a truncated or garbled file (or a broken manifest) is caught before torch reads it."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class CacheEntry:
 
     @property
     def precompiled_dir(self) -> Path:
-        """Graphs saved by `torch.compile(...).aot_compile` (see `compiled_engine.runner.precompiled`)."""
+        """Graphs saved by `torch.compile(...).aot_compile` (see
+        `compiled_engine.runner.precompiled`)."""
         return self.path / "precompiled"
 
     @property
@@ -112,7 +113,8 @@ def list_entries(root: Path) -> list[CacheEntry]:
 
 
 def clear_entries(root: Path, prefix: str = "") -> list[CacheEntry]:
-    """Remove every entry whose key digest starts with `prefix` (all when empty), each under its lock."""
+    """Remove every entry whose key digest starts with `prefix` (all when empty), each under its
+    lock."""
     removed = [e for e in list_entries(root) if e.digest.startswith(prefix)]
     for entry in removed:
         with entry.locked():

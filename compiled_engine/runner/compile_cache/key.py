@@ -1,4 +1,5 @@
-"""The compile-cache key: every input that changes the code torch.compile generates, and nothing else."""
+"""The compile-cache key: every input that changes the code torch.compile generates, and nothing
+else."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.model_runner import RunnerConfig
 from kernels import ops
 
-# Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the files
-# it never reaches, so that editing a benchmark or the sampler keeps the cache.
+# Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the
+# files it never reaches, so that editing a benchmark or the sampler keeps the cache.
 _PACKAGE_ROOT = Path(compiled_engine.__file__).resolve().parent
 TRACED_SOURCES: tuple[Path, ...] = (
     *(_PACKAGE_ROOT / name for name in ("models", "layers", "runner")),
@@ -35,15 +36,18 @@ SOURCE_SUFFIXES = frozenset({".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".
 class CacheKey:
     model_config: str  # sha256 of the model's config
     dtype: str
-    device: str  # cpu | cuda:<capability>, with the CPU ISA (and the COMPILED_ENGINE_CPU_ISA level) or GPU name
+    # cpu | cuda:<capability>, with the CPU ISA (and the COMPILED_ENGINE_CPU_ISA level) or GPU name
+    device: str
     tp_size: int
     tp_rank: int
     buckets: tuple[int, ...]
     max_running: int
     max_context: int
     page_size: int
-    num_pages: int  # the KV tensors are graph inputs of static shape: dynamo specializes on their size
-    compile_mode: str  # inductor options (freezing bypasses the FX graph cache: such starts always compile)
+    # the KV tensors are graph inputs of static shape: dynamo specializes on their size
+    num_pages: int
+    # inductor options (freezing bypasses the FX graph cache: such starts always compile)
+    compile_mode: str
     deterministic: bool  # the kernel ops' `invariant` argument, a constant of the graphs
     torch: str
     triton: str
@@ -61,8 +65,8 @@ class CacheKey:
 
 def cache_key(config: EngineConfig, model_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
               runner: RunnerConfig) -> CacheKey:
-    """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype); the
-    rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
+    """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype);
+    the rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
     return CacheKey(
         model_config=model_config_hash(model_config),
         dtype=str(dtype).removeprefix("torch."),
@@ -103,7 +107,8 @@ def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"
-    # the COMPILED_ENGINE_CPU_ISA level too: ATen reports no AMX level, so `native` and `avx512` read alike
+    # the COMPILED_ENGINE_CPU_ISA level too: ATen reports no AMX level, so `native` and `avx512`
+    # read alike
     return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}:isa-{ops.isa_level()}"
 
 

@@ -1,5 +1,6 @@
-"""Compiling an engine against its cache entry: verify the entry, point torch's caches at it, compile,
-classify the start (hit / partial / miss) from torch's cache counters, and seal a complete entry."""
+"""Compiling an engine against its cache entry: verify the entry, point torch's caches at it,
+compile, classify the start (hit / partial / miss) from torch's cache counters, and seal a complete
+entry."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def default_root(override: str | None = None) -> Path:
 
 @dataclass
 class CacheCounts:
-    """What decides hit/miss: graphs loaded precompiled or from the inductor FX graph cache (hits), graphs
-    compiled ahead of time or FX graph cache misses and bypasses (misses: code was generated and built).
-    AOT autograd cache lookups are informative only."""
+    """What decides hit/miss: graphs loaded precompiled or from the inductor FX graph cache (hits),
+    graphs compiled ahead of time or FX graph cache misses and bypasses (misses: code was generated
+    and built). AOT autograd cache lookups are informative only."""
 
     hits: int = 0
     misses: int = 0
@@ -69,7 +70,8 @@ class CompileReport:
 
 
 def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]) -> CompileReport:
-    """Run `compile_fn` (the warm-up) with torch's caches in the key's entry, under the entry's lock."""
+    """Run `compile_fn` (the warm-up) with torch's caches in the key's entry, under the entry's
+    lock."""
     entry = CacheEntry(root, key.digest)
     with entry.locked():
         problem = entry.problem()
@@ -102,7 +104,8 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
 
 def miss_reason(root: Path, key: CacheKey) -> str:
     """Why no entry serves `key`: the key fields in which the nearest complete entry differs."""
-    fields = json.loads(json.dumps(key.fields()))  # as a manifest holds them (tuples are lists there)
+    # as a manifest holds them (tuples are lists there)
+    fields = json.loads(json.dumps(key.fields()))
     nearest: tuple[int, str, list[str]] | None = None
     for other in list_entries(root):
         theirs = (other.read_manifest() or {}).get("key")
@@ -129,4 +132,5 @@ def use_entry(entry: CacheEntry) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(entry.triton_dir)
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
-    clear_caches()  # in-memory caches of compiled modules would otherwise skip writing to the new folder
+    # in-memory caches of compiled modules would otherwise skip writing to the new folder
+    clear_caches()
