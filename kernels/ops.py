@@ -31,10 +31,12 @@ from kernels.portable import linear as portable_linear
 _lib = torch.library.Library("kernels", "DEF")
 _SCHEMAS = {
     "store_kv": "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()",
-    "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
-    "int sliding_window=0, float soft_cap=0.0, bool invariant=False) -> Tensor",
-    "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
-    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, bool invariant=False) -> Tensor",
+    "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, bool invariant=False) "
+    "-> Tensor",
+    "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+    "Tensor cu_q_lens, Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, "
+    "bool invariant=False) -> Tensor",
     "linear": "(Tensor x, Tensor weight, Tensor? bias=None, bool invariant=False) -> Tensor",
     "argmax": "(Tensor x) -> Tensor",
 }
@@ -111,20 +113,54 @@ def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
     attention.store_kv_triton(k_cache, v_cache, k, v, slots)
 
 
-def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
-                           invariant=False):
+def _decode_attention_cuda(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seq_lens,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+    invariant=False,
+):
     from kernels.triton import attention
 
-    return attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
-                                             soft_cap, num_splits=1 if invariant else None)
+    return attention.decode_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        scale,
+        sliding_window,
+        soft_cap,
+        num_splits=1 if invariant else None,
+    )
 
 
-def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
-                           soft_cap=0.0, invariant=False):
+def _extend_attention_cuda(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_q_lens,
+    seq_lens,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+    invariant=False,
+):
     from kernels.triton import attention
 
-    launch = attention.extend_attention_invariant_triton if invariant else attention.extend_attention_triton
-    return launch(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap)
+    launch = (
+        attention.extend_attention_invariant_triton
+        if invariant
+        else attention.extend_attention_triton
+    )
+    return launch(
+        q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap
+    )
 
 
 def _linear_cuda(x, weight, bias=None, invariant=False):
@@ -147,7 +183,17 @@ def _(k_cache, v_cache, k, v, slots) -> None:
 
 
 @torch.library.register_fake("kernels::decode_attention")
-def _(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0, invariant=False):
+def _(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seq_lens,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+    invariant=False,
+):
     return torch.empty_like(q)
 
 

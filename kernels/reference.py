@@ -5,7 +5,11 @@ import torch
 
 
 def store_kv_reference(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -57,9 +61,16 @@ def decode_attention_reference(
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len > 0:
             slots = page_table[b, :seq_len].tolist()
-            out[b] = _attend_row(q[b : b + 1], k_cache, v_cache, slots, [seq_len - 1], scale, sliding_window, soft_cap)[
-                0
-            ]
+            out[b] = _attend_row(
+                q[b : b + 1],
+                k_cache,
+                v_cache,
+                slots,
+                [seq_len - 1],
+                scale,
+                sliding_window,
+                soft_cap,
+            )[0]
     return out.to(q.dtype)
 
 

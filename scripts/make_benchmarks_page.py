@@ -40,20 +40,25 @@ SERVE_GRAPHS = "compiled"
 # The prefix dataset's own sizes (32 shared + 8 chats x 4 turns) offline; the online runs, and a
 # second offline run, use a smaller shape (16 shared + 4 chats x 3 turns) that keeps the servers'
 # runs short.
-PREFIX_SMALL_ARGS = ["--dataset", "prefix", "--system-len", "1024", "--num-shared", "16", "--num-chats", "4",
-                     "--turns", "3"]
+PREFIX_SMALL_ARGS = ["--dataset", "prefix", "--system-len", "1024", "--num-shared", "16",
+                     "--num-chats", "4", "--turns", "3"]
 SERVE_RANDOM_ARGS = ["--num-prompts", "16", "--input-len", "128:256", "--output-len", "32:64"]
 
 STEPS = {
     "offline": [["bench", "offline", "--compare", "hf", "--compare", "overlap", "--repeats", "2"]],
-    "prefix": [["bench", "offline", "--dataset", "prefix", "--compare", "naive", "--repeats", "2"],
-               ["bench", "offline", *PREFIX_SMALL_ARGS, "--compare", "naive", "--repeats", "2"]],
-    "latency": [["bench", "latency", "--batch", "1,8,32", "--output-len", "64", "--compare", "eager"]],
+    "prefix": [
+        ["bench", "offline", "--dataset", "prefix", "--compare", "naive", "--repeats", "2"],
+        ["bench", "offline", *PREFIX_SMALL_ARGS, "--compare", "naive", "--repeats", "2"],
+    ],
+    "latency": [
+        ["bench", "latency", "--batch", "1,8,32", "--output-len", "64", "--compare", "eager"]
+    ],
     "serve": [
-        ["bench", "serve", "--url", f"http://127.0.0.1:{PORTS['radix']}", "--label", "radix", *SERVE_RANDOM_ARGS,
-         "--request-rate", "0.5,1,inf", "--timeout", "900"],
         ["bench", "serve", "--url", f"http://127.0.0.1:{PORTS['radix']}", "--label", "radix",
-         "--url", f"http://127.0.0.1:{PORTS['naive']}", "--label", "naive", *PREFIX_SMALL_ARGS, "--timeout", "900"],
+         *SERVE_RANDOM_ARGS, "--request-rate", "0.5,1,inf", "--timeout", "900"],
+        ["bench", "serve", "--url", f"http://127.0.0.1:{PORTS['radix']}", "--label", "radix",
+         "--url", f"http://127.0.0.1:{PORTS['naive']}", "--label", "naive", *PREFIX_SMALL_ARGS,
+         "--timeout", "900"],
     ],
 }
 FILES = {"offline": ["offline_random"], "prefix": ["offline_prefix", "offline_prefix_small"],
@@ -84,7 +89,11 @@ def servers() -> Iterator[None]:
         for cache, port in PORTS.items():
             cmd = [*CLI, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                    "--num-pages", SERVE_PAGES, "--prefix-cache", cache, *graphs]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
         for port in PORTS.values():
             _wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=1800)
         yield
@@ -144,15 +153,35 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 def _offline_section(doc: dict, title: str, image: str) -> list[str]:
     res = doc["result"]
     w = res["workload"]
-    lines = [f"### {title}", "", "```", _cmd(doc), "```", "",
-             f"{w['num_requests']} requests ({w['num_sessions']} sessions), {w['prompt_tokens']} prompt tokens, "
-             f"{w['max_output_tokens']} output tokens; greedy, EOS ignored.", ""]
+    lines = [
+        f"### {title}",
+        "",
+        "```",
+        _cmd(doc),
+        "```",
+        "",
+        f"{w['num_requests']} requests ({w['num_sessions']} sessions), {w['prompt_tokens']} prompt "
+        f"tokens, {w['max_output_tokens']} output tokens; greedy, EOS ignored.",
+        "",
+    ]
     rows = []
     for r in res["runs"]:
         s = r["summary"]
-        rows.append([r["label"], _f(s["duration_s"]), _f(s["request_throughput"]), _f(s["output_throughput"]),
-                     _f(s["total_throughput"]), _f(s["ttft_s"]["p50"]), _f(r.get("cache_hit_rate"))])
-    lines += _table(["run", "time s", "req/s", "output tok/s", "total tok/s", "TTFT p50 s", "cache hit rate"], rows)
+        rows.append(
+            [
+                r["label"],
+                _f(s["duration_s"]),
+                _f(s["request_throughput"]),
+                _f(s["output_throughput"]),
+                _f(s["total_throughput"]),
+                _f(s["ttft_s"]["p50"]),
+                _f(r.get("cache_hit_rate")),
+            ]
+        )
+    lines += _table(
+        ["run", "time s", "req/s", "output tok/s", "total tok/s", "TTFT p50 s", "cache hit rate"],
+        rows,
+    )
     lines += ["", f"![{title}]({image})", ""]
     return lines
 
@@ -173,8 +202,10 @@ def _latency_section(doc: dict) -> list[str]:
                     [[r["label"], str(p["batch"]), _f(p["step_ms"]), _f(p["tokens_per_s"])]
                      for r in runs for p in r["decode"]])
     lines += [""]
-    lines += _table(["graphs", "prefill of one prompt, tokens", "prefill tok/s"],
-                    [[r["label"], str(r["prefill_len"]), _f(r["prefill_tokens_per_s"])] for r in runs])
+    lines += _table(
+        ["graphs", "prefill of one prompt, tokens", "prefill tok/s"],
+        [[r["label"], str(r["prefill_len"]), _f(r["prefill_tokens_per_s"])] for r in runs],
+    )
     lines += ["", "![decode throughput vs batch](benchmarks/decode_latency.png)", ""]
     return lines
 
@@ -182,19 +213,39 @@ def _latency_section(doc: dict) -> list[str]:
 def _serve_section(doc: dict, title: str, images: str) -> list[str]:
     graphs = " --enforce-eager" if SERVE_GRAPHS == "eager" else ""
     servers = ", ".join(f"`{cache}` on port {port}" for cache, port in PORTS.items())
-    lines = [f"### {title}", "",
-             f"Servers ({servers}): `compiled-engine serve --model <bench checkpoint> --num-pages {SERVE_PAGES} "
-             f"--prefix-cache radix|naive{graphs}`; client:", "", "```", _cmd(doc), "```", ""]
+    lines = [
+        f"### {title}",
+        "",
+        f"Servers ({servers}): `compiled-engine serve --model <bench checkpoint> --num-pages "
+        f"{SERVE_PAGES} --prefix-cache radix|naive{graphs}`; client:",
+        "",
+        "```",
+        _cmd(doc),
+        "```",
+        "",
+    ]
     rows = []
     for r in doc["result"]["runs"]:
         s = r["summary"]
         ms = lambda st, q: _f(_num(st[q]) * 1e3)
-        rows.append([r["label"], _f(r["request_rate"]), f"{s['completed']}/{s['completed'] + s['failed']}",
-                     _f(s["request_throughput"]), _f(s["output_throughput"]), ms(s["ttft_s"], "p50"),
-                     ms(s["ttft_s"], "p99"), ms(s["tpot_s"], "p50"), ms(s["tpot_s"], "p99"), ms(s["itl_s"], "p99"),
-                     _f(r.get("cache_hit_rate"))])
-    lines += _table(["server", "rate req/s", "ok", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                     "TPOT p99 ms", "ITL p99 ms", "cache hit rate"], rows)
+        rows.append(
+            [
+                r["label"],
+                _f(r["request_rate"]),
+                f"{s['completed']}/{s['completed'] + s['failed']}",
+                _f(s["request_throughput"]),
+                _f(s["output_throughput"]),
+                ms(s["ttft_s"], "p50"),
+                ms(s["ttft_s"], "p99"),
+                ms(s["tpot_s"], "p50"),
+                ms(s["tpot_s"], "p99"),
+                ms(s["itl_s"], "p99"),
+                _f(r.get("cache_hit_rate")),
+            ]
+        )
+    lines += _table(["server", "rate req/s", "ok", "req/s", "out tok/s", "TTFT p50 ms",
+                     "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms", "cache hit rate"],
+                    rows)
     lines += ["", f"![throughput vs rate]({images}/serve_throughput.png)",
               f"![latency vs rate]({images}/serve_latency.png)", ""]
     return lines
@@ -205,13 +256,19 @@ def _targets(docs: dict[str, dict | None]) -> list[str]:
     missing = ["not measured yet", "-"]
     if docs["offline_random"]:
         tput, _ = _ratio(docs["offline_random"], "transformers generate")
-        rows.append(["offline standard workload >= 3x transformers' best", f"{tput:.2f}x", _yes(tput >= 3)])
+        rows.append(
+            ["offline standard workload >= 3x transformers' best", f"{tput:.2f}x", _yes(tput >= 3)]
+        )
     else:
         rows.append(["offline standard workload >= 3x transformers' best", *missing])
-    for stem, name in (("offline_prefix", "prefix workload (offline)"),
-                       ("offline_prefix_small", "smaller prefix workload (offline, the online runs' shape)")):
+    for stem, name in (
+        ("offline_prefix", "prefix workload (offline)"),
+        ("offline_prefix_small", "smaller prefix workload (offline, the online runs' shape)"),
+    ):
         if not docs[stem]:
-            rows.append([f"{name}: radix >= 3x naive throughput, >= 5x lower median TTFT", *missing])
+            rows.append(
+                [f"{name}: radix >= 3x naive throughput, >= 5x lower median TTFT", *missing]
+            )
             continue
         tput, ttft = _ratio(docs[stem], "naive prefix cache")
         rows.append([f"{name}: radix >= 3x naive throughput", f"{tput:.2f}x", _yes(tput >= 3)])
@@ -219,37 +276,74 @@ def _targets(docs: dict[str, dict | None]) -> list[str]:
     if docs["serve_prefix"]:
         runs = {r["label"]: r["summary"] for r in docs["serve_prefix"]["result"]["runs"]}
         if {"radix", "naive"} <= runs.keys():
-            tput = _num(runs["radix"]["output_throughput"]) / _num(runs["naive"]["output_throughput"])
+            tput = _num(runs["radix"]["output_throughput"]) / _num(
+                runs["naive"]["output_throughput"]
+            )
             ttft = _num(runs["naive"]["ttft_s"]["p50"]) / _num(runs["radix"]["ttft_s"]["p50"])
-            rows.append(["prefix workload (online): radix >= 3x naive throughput", f"{tput:.2f}x", _yes(tput >= 3)])
-            rows.append(["prefix workload (online): radix >= 5x lower median TTFT", f"{ttft:.2f}x", _yes(ttft >= 5)])
+            rows.append(
+                [
+                    "prefix workload (online): radix >= 3x naive throughput",
+                    f"{tput:.2f}x",
+                    _yes(tput >= 3),
+                ]
+            )
+            rows.append(
+                [
+                    "prefix workload (online): radix >= 5x lower median TTFT",
+                    f"{ttft:.2f}x",
+                    _yes(ttft >= 5),
+                ]
+            )
     if docs["serve_random"] and docs["latency"]:
-        step = next(p["step_ms"] for r in docs["latency"]["result"]["runs"] if r["label"] == SERVE_GRAPHS
-                    for p in r["decode"] if p["batch"] == 1)
+        step = next(
+            p["step_ms"]
+            for r in docs["latency"]["result"]["runs"]
+            if r["label"] == SERVE_GRAPHS
+            for p in r["decode"]
+            if p["batch"] == 1
+        )
         below = [r for r in docs["serve_random"]["result"]["runs"]
                  if not math.isinf(_num(r["request_rate"]))
                  and _num(r["summary"]["request_throughput"]) >= 0.9 * _num(r["request_rate"])]
         for r in below:
             p99 = _num(r["summary"]["tpot_s"]["p99"]) * 1e3
-            rows.append([f"online p99 TPOT <= 2x batch-1 {SERVE_GRAPHS} decode step ({step:.1f} ms), "
-                         f"rate {_f(r['request_rate'])} req/s",
-                         f"{p99:.1f} ms ({p99 / step:.2f}x)", _yes(p99 <= 2 * step)])
+            rows.append(
+                [
+                    f"online p99 TPOT <= 2x batch-1 {SERVE_GRAPHS} decode step ({step:.1f} ms), "
+                    f"rate {_f(r['request_rate'])} req/s",
+                    f"{p99:.1f} ms ({p99 / step:.2f}x)",
+                    _yes(p99 <= 2 * step),
+                ]
+            )
         if not below:
-            rows.append(["online p99 TPOT <= 2x batch-1 decode step", "no rate measured below saturation", "-"])
+            rows.append(
+                [
+                    "online p99 TPOT <= 2x batch-1 decode step",
+                    "no rate measured below saturation",
+                    "-",
+                ]
+            )
     else:
-        rows.append(["online p99 TPOT <= 2x batch-1 decode step (needs the serve and latency results)", *missing])
+        rows.append(
+            [
+                "online p99 TPOT <= 2x batch-1 decode step (needs the serve and latency results)",
+                *missing,
+            ]
+        )
     return _table(["target", "measured", "met"], rows)
 
 
 SMALL_PREFIX_TTFT = (
-    "Why this workload's median TTFT ratio stays under 5x: its first round sends 20 requests at once, all "
-    "sharing the 1024-token system prompt. Radix answers its median request after two steps: one prefills a "
-    "1056-token prompt (the shared prefix), the next the other 19 requests' 736 new tokens. Naive answers its "
-    "median request at the end of its first step, one chunk of 8192 tokens (the engine's chunk budget). At equal "
-    "cost per token that bounds the ratio at 8192 / 1792 = 4.6x, and radix's tokens cost more, since each "
-    "suffix token attends to over 1024 keys. With the dataset's own sizes (above: 40 requests in the first round) "
-    "naive's median request waits for its second 8192-token step, while radix still needs the same two steps, "
-    "with more suffixes in the second.")
+    "Why this workload's median TTFT ratio stays under 5x: its first round sends 20 requests at "
+    "once, all sharing the 1024-token system prompt. Radix answers its median request after two "
+    "steps: one prefills a 1056-token prompt (the shared prefix), the next the other 19 requests' "
+    "736 new tokens. Naive answers its median request at the end of its first step, one chunk of "
+    "8192 tokens (the engine's chunk budget). At equal cost per token that bounds the ratio at "
+    "8192 / 1792 = 4.6x, and radix's tokens cost more, since each suffix token attends to over "
+    "1024 keys. With the dataset's own sizes (above: 40 requests in the first round) naive's "
+    "median request waits for its second 8192-token step, while radix still needs the same two "
+    "steps, with more suffixes in the second."
+)
 
 
 def _yes(ok: bool) -> str:
@@ -261,15 +355,24 @@ def render() -> str:
     machine = next((d["machine"] for d in docs.values() if d), None)
     lines = [BEGIN, "## Results", ""]
     if machine:
-        lines += [f"Machine: {machine['cores']} cores of an `{machine['cpu']}` "
-                  f"({', '.join(machine['cpu_flags']) or 'no AVX-512'}), torch {machine['torch']} with "
-                  f"{machine['torch_threads']} threads, Python {machine['python']}. The cores are shared with "
-                  "other work, so absolute numbers are noisy: every claim below is a ratio of runs made one after "
-                  "the other in the same process (offline) or the same client run (online).", ""]
-    lines += ["Model: the bench checkpoint (`compiled_engine/apps/bench/models.py`): a random Llama, hidden 768, "
-              "12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 32000, bf16 (~122M parameters), loaded by "
-              "our engine and by transformers alike. KV pool: 65536 one-token pages.", "",
-              "### Targets", ""]
+        lines += [
+            f"Machine: {machine['cores']} cores of an `{machine['cpu']}` "
+            f"({', '.join(machine['cpu_flags']) or 'no AVX-512'}), torch {machine['torch']} with "
+            f"{machine['torch_threads']} threads, Python {machine['python']}. The cores are shared "
+            "with other work, so absolute numbers are noisy: every claim below is a ratio of runs "
+            "made one after the other in the same process (offline) or the same client run "
+            "(online).",
+            "",
+        ]
+    lines += [
+        "Model: the bench checkpoint (`compiled_engine/apps/bench/models.py`): a random Llama, "
+        "hidden 768, 12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 32000, bf16 (~122M "
+        "parameters), loaded by our engine and by transformers alike. KV pool: 65536 one-token "
+        "pages.",
+        "",
+        "### Targets",
+        "",
+    ]
     lines += _targets(docs)
     lines += [""]
     if docs["offline_random"]:
@@ -279,17 +382,26 @@ def render() -> str:
         lines += _offline_section(docs["offline_prefix"], "Offline prefix sharing: radix vs naive",
                                   "benchmarks/offline_prefix.png")
     if docs["offline_prefix_small"]:
-        lines += _offline_section(docs["offline_prefix_small"], "Offline prefix sharing, smaller workload",
-                                  "benchmarks/offline_prefix_small/offline_prefix.png")
+        lines += _offline_section(
+            docs["offline_prefix_small"],
+            "Offline prefix sharing, smaller workload",
+            "benchmarks/offline_prefix_small/offline_prefix.png",
+        )
         lines += [SMALL_PREFIX_TTFT, ""]
     if docs["latency"]:
         lines += _latency_section(docs["latency"])
     if docs["serve_random"]:
-        lines += _serve_section(docs["serve_random"], "Online serving, random dataset, Poisson arrivals",
-                                "benchmarks/serve_random")
+        lines += _serve_section(
+            docs["serve_random"],
+            "Online serving, random dataset, Poisson arrivals",
+            "benchmarks/serve_random",
+        )
     if docs["serve_prefix"]:
-        lines += _serve_section(docs["serve_prefix"], "Online prefix sharing: radix vs naive server",
-                                "benchmarks/serve_prefix")
+        lines += _serve_section(
+            docs["serve_prefix"],
+            "Online prefix sharing: radix vs naive server",
+            "benchmarks/serve_prefix",
+        )
     lines += [END]
     return "\n".join(lines) + "\n"
 
@@ -316,7 +428,7 @@ compiled-engine bench serve --url http://127.0.0.1:8000 [--url URL2 --label A --
   each turn's prompt is the previous prompt + an answer + a new user message.
 
 Regenerate the section below with `.venv/bin/python scripts/make_benchmarks_page.py`.
-"""
+"""  # noqa: E501 (the page text, byte for byte as it is generated: lines as long as in the page)
 
 
 def write_page(section: str) -> None:
@@ -331,8 +443,12 @@ def write_page(section: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of {', '.join(STEPS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only", default=",".join(STEPS), help=f"comma-separated steps of {', '.join(STEPS)}"
+    )
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

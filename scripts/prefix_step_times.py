@@ -37,9 +37,15 @@ class Step:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prefix-cache", choices=["radix", "naive"], default="radix")
-    parser.add_argument("--small", action="store_true", help="16 shared + 4 chats x 3 turns (default: the dataset's)")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="16 shared + 4 chats x 3 turns (default: the dataset's)",
+    )
     args = parser.parse_args()
     llm = build_llm(str(bench_model_dir()), prefix_cache=args.prefix_cache)
     engine, scheduler = llm.engine, llm.engine.scheduler
@@ -60,14 +66,22 @@ def main() -> int:
 
     scheduler.schedule, engine.step = timed_schedule, timed_step
     try:
-        timings = run_rounds(llm, prefix_dataset(SMALL if args.small else PrefixShape(), vocab=32000))
+        timings = run_rounds(
+            llm, prefix_dataset(SMALL if args.small else PrefixShape(), vocab=32000)
+        )
     finally:
         close_llm(llm)
     summary = summarize(timings.timings, timings.duration_s)
-    print(f"{args.prefix_cache}: {timings.duration_s:.2f} s, median TTFT {summary.ttft_s.p50 * 1e3:.0f} ms")
+    print(
+        f"{args.prefix_cache}: {timings.duration_s:.2f} s, median TTFT "
+        f"{summary.ttft_s.p50 * 1e3:.0f} ms"
+    )
     for s in steps:
         if not s.is_decode:
-            print(f"  prefill step: {s.requests:3d} requests, {s.new_tokens:5d} new tokens: {s.seconds * 1e3:7.1f} ms")
+            print(
+                f"  prefill step: {s.requests:3d} requests, {s.new_tokens:5d} new tokens: "
+                f"{s.seconds * 1e3:7.1f} ms"
+            )
     decodes = [s.seconds for s in steps if s.is_decode]
     if decodes:
         print(f"  {len(decodes)} decode steps, mean {sum(decodes) / len(decodes) * 1e3:.1f} ms")

@@ -12,7 +12,14 @@ import sysconfig
 
 import sentencepiece as spm
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "compiled_engine", "models", "demo_tokenizer", "tokenizer.model")
+OUT = os.path.join(
+    os.path.dirname(__file__),
+    "..",
+    "compiled_engine",
+    "models",
+    "demo_tokenizer",
+    "tokenizer.model",
+)
 
 
 def main() -> None:

@@ -30,7 +30,9 @@ def resolve(processor: Processor | str) -> Processor:
     if callable(processor):
         return processor
     if not isinstance(processor, str):
-        raise ValueError(f"logits processor {processor!r} is neither a function nor a 'module:function' name")
+        raise ValueError(
+            f"logits processor {processor!r} is neither a function nor a 'module:function' name"
+        )
     return _import(processor)
 
 
@@ -42,7 +44,9 @@ def _import(name: str) -> Processor:
         for part in attr.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"logits processor {name!r}: cannot import it ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"logits processor {name!r}: cannot import it ({type(e).__name__}: {e})"
+        ) from e
     if not callable(target):
         raise ValueError(f"logits processor {name!r} is not a function")
     return target
@@ -67,8 +71,13 @@ def apply(processor: Processor, token_ids: torch.Tensor, logits: torch.Tensor) -
     try:
         result = processor(to_jax(token_ids.to(torch.int32)), to_jax(logits))
     except Exception as e:  # noqa: BLE001 - any failure of user code fails its request only
-        raise ProcessorError(f"logits processor {_name(processor)} raised {type(e).__name__}: {e}") from e
-    shape, dtype = tuple(getattr(result, "shape", ())), str(getattr(result, "dtype", type(result).__name__))
+        raise ProcessorError(
+            f"logits processor {_name(processor)} raised {type(e).__name__}: {e}"
+        ) from e
+    shape, dtype = (
+        tuple(getattr(result, "shape", ())),
+        str(getattr(result, "dtype", type(result).__name__)),
+    )
     if shape != tuple(logits.shape) or not dtype.startswith(("float", "bfloat")):
         raise ProcessorError(f"logits processor {_name(processor)} returned {dtype}{list(shape)}; "
                              f"expected float{list(logits.shape)} (one logits row)")

@@ -38,18 +38,30 @@ class JaxConfig:
         c = json.loads(path.read_text())
         arch = (c.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
-            raise ValueError(f"the JAX reference forward knows {', '.join(ARCHITECTURES)}, not {arch}")
+            raise ValueError(
+                f"the JAX reference forward knows {', '.join(ARCHITECTURES)}, not {arch}"
+            )
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r}: only silu is implemented")
-        rope = c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
+        rope = c.get("rope_parameters") or {
+            "rope_type": "default",
+            "rope_theta": c.get("rope_theta", 10000.0),
+        }
         scaling = c.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", "default") != "default":
-            raise ValueError(f"rope scaling {rope or scaling}: only the default rotary embedding is implemented")
+        if (
+            rope.get("rope_type", "default") != "default"
+            or scaling.get("rope_type", "default") != "default"
+        ):
+            raise ValueError(
+                f"rope scaling {rope or scaling}: only the default rotary embedding is implemented"
+            )
         windowed = arch == "MistralForCausalLM" or c.get("use_sliding_window")
         return cls(
-            layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
+            layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"],
             kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], eps=c["rms_norm_eps"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            eps=c["rms_norm_eps"],
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             sliding_window=c.get("sliding_window") if windowed else None,
             tied=bool(c.get("tie_word_embeddings", False)),

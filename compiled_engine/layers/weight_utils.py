@@ -18,7 +18,10 @@ def source_shape(src: WeightSource) -> tuple[int, ...]:
 
 def check_shape(src: WeightSource, expected: tuple[int, ...]) -> None:
     if source_shape(src) != tuple(expected):
-        raise ValueError(f"shape mismatch: checkpoint has {list(source_shape(src))}, model expects {list(expected)}")
+        raise ValueError(
+            f"shape mismatch: checkpoint has {list(source_shape(src))}, model expects "
+            f"{list(expected)}"
+        )
 
 
 def narrow(src: WeightSource, dim: int, start: int, length: int) -> torch.Tensor:

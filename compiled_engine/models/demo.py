@@ -20,7 +20,9 @@ from pathlib import Path
 
 DEMO_NAME = "demo"
 DEMO_VERSION = "v2"
-DEMO_LABEL = "compiled-engine demo model (random weights: output is gibberish, for trying the plumbing)"
+DEMO_LABEL = (
+    "compiled-engine demo model (random weights: output is gibberish, for trying the plumbing)"
+)
 
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -47,11 +49,14 @@ DEMO_CONFIG = {
 # Tools and tool calls in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), as
 # Qwen's templates write them: the server's default tool-call parser reads the same.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}{{ '<|system|>\nTools: answer <tool_call>{\"name\": ..., \"arguments\": ...}"
-    "</tool_call> to call one.\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ bos_token }}{% if tools %}"
+    "{{ '<|system|>\nTools: answer <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call> to call one.\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}"
+    "{% endfor %}"
     "{{ eos_token + '\n' }}{% endif %}{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}{{ '<|assistant|>\n' }}"
-    "{% for call in message['tool_calls'] %}{{ '<tool_call>' }}{{ {'name': call['function']['name'], "
+    "{% for call in message['tool_calls'] %}{{ '<tool_call>' }}"
+    "{{ {'name': call['function']['name'], "
     "'arguments': call['function']['arguments']} | tojson }}{{ '</tool_call>' }}{% endfor %}"
     "{{ eos_token + '\n' }}{% else %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
@@ -86,7 +91,9 @@ def demo_model_dir(root: Path | None = None) -> Path:
     return cached_folder((root or cache_root()) / f"demo-model-{DEMO_VERSION}", write_demo_model)
 
 
-def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "model.safetensors") -> Path:
+def cached_folder(
+    target: Path, write: Callable[[Path], None], marker: str = "model.safetensors"
+) -> Path:
     """`target`, written by `write` into a temporary folder and renamed into place on first use (so
     a concurrent or interrupted creation never leaves a half-written folder); `marker` is a file it
     holds."""
@@ -111,7 +118,12 @@ def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
     generator (so the bytes do not depend on creation order); norms are ones."""
     import torch
 
-    hidden, inter, vocab, head_dim = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    hidden, inter, vocab, head_dim = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["vocab_size"],
+        c["head_dim"],
+    )
     q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(c["num_hidden_layers"]):
@@ -128,7 +140,10 @@ def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
             p + "mlp.down_proj.weight": (hidden, inter),
         }
         if c.get("model_type") == "qwen3":  # per-head RMSNorms of q and k
-            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+            shapes |= {
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+            }
     shapes |= {"model.norm.weight": (hidden,)}
     if not c.get("tie_word_embeddings"):
         shapes |= {"lm_head.weight": (vocab, hidden)}
@@ -155,14 +170,18 @@ def write_demo_model(out: Path) -> None:
         out / "generation_config.json",
         {"bos_token_id": 1, "eos_token_id": [2], "do_sample": False},
     )
-    save_file(random_llama_weights(DEMO_CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        random_llama_weights(DEMO_CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     staging = out / ".tokenizer-src"
     staging.mkdir()
     shutil.copyfile(_SPM_FILE, staging / "tokenizer.model")
     dump_json(staging / "tokenizer_config.json", TOKENIZER_CONFIG)
     AutoTokenizer.from_pretrained(str(staging)).save_pretrained(str(out))
     shutil.rmtree(staging)
-    (out / "README.md").write_text(f"# {DEMO_LABEL}\n\nCreated by compiled_engine/models/demo.py.\n")
+    (out / "README.md").write_text(
+        f"# {DEMO_LABEL}\n\nCreated by compiled_engine/models/demo.py.\n"
+    )
 
 
 def dump_json(path: Path, obj: dict) -> None:

@@ -68,7 +68,9 @@ class GGUFCheckpoint:
             # the reader's words for a type id it does not know
             if "GGMLQuantizationType" in str(e):
                 raise CheckpointError(f"{self.path}: unsupported quantization type ({e})") from e
-            raise CheckpointError(f"{self.path}: cannot read this GGUF file, truncated or corrupt ({e})") from e
+            raise CheckpointError(
+                f"{self.path}: cannot read this GGUF file, truncated or corrupt ({e})"
+            ) from e
         except Exception as e:  # noqa: BLE001 - a truncated file fails in numpy's memmap or struct parsing
             raise CheckpointError(f"{self.path}: cannot read this GGUF file, truncated or corrupt "
                                   f"({type(e).__name__}: {e})") from e
@@ -96,11 +98,18 @@ class GGUFCheckpoint:
         names = {t.name for t in self._reader.tensors}
         scaling = meta(f"{a}.rope.scaling.type", "none")
         if scaling not in ("none", "linear") or "rope_freqs.weight" in names:
-            raise CheckpointError(f"{self.path}: rope scaling {scaling!r} (or a rope_freqs tensor) is not supported")
-        rope: dict = {"rope_type": "default", "rope_theta": float(meta(f"{a}.rope.freq_base", 10000.0))}
+            raise CheckpointError(
+                f"{self.path}: rope scaling {scaling!r} (or a rope_freqs tensor) is not supported"
+            )
+        rope: dict = {
+            "rope_type": "default",
+            "rope_theta": float(meta(f"{a}.rope.freq_base", 10000.0)),
+        }
         if scaling == "linear":
             rope |= {"rope_type": "linear", "factor": float(meta(f"{a}.rope.scaling.factor"))}
-        weight_types = {t.tensor_type.name for t in self._reader.tensors if t.name.endswith(".weight")}
+        weight_types = {
+            t.tensor_type.name for t in self._reader.tensors if t.name.endswith(".weight")
+        }
         hf_arch, model_type = ARCHITECTURES[a]
         config = {
             "architectures": [hf_arch],
@@ -155,13 +164,19 @@ class GGUFCheckpoint:
         for t in self._reader.tensors:
             hf = names.get(t.name)
             if hf is None:
-                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for GGUF architecture {self.arch!r}")
+                raise CheckpointError(
+                    f"{self.path}: unexpected tensor {t.name!r} for GGUF architecture {self.arch!r}"
+                )
             try:
                 values = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r}: quantization type {t.tensor_type.name} "
-                                      f"is not supported ({e})") from e
-            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed(t.shape)))
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r}: quantization type {t.tensor_type.name} "
+                    f"is not supported ({e})"
+                ) from e
+            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+                tuple(reversed(t.shape))
+            )
             if self.arch in _PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = c["num_attention_heads"] if "q_proj" in hf else c["num_key_value_heads"]
                 w = unpermute_rotary_rows(w, heads)

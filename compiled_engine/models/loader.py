@@ -114,7 +114,9 @@ def checkpoint_files(model_dir: str) -> list[str]:
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: listed in {index} but missing")
         return files
-    files = sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    files = sorted(
+        os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors")
+    )
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     return files
@@ -142,7 +144,9 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
         if fused is None:
             names.add(pname)
         else:
-            names.update(".".join([*parts[:fused], c, *parts[fused + 1 :]]) for c in by_fused[parts[fused]])
+            names.update(
+                ".".join([*parts[:fused], c, *parts[fused + 1 :]]) for c in by_fused[parts[fused]]
+            )
     return names
 
 
@@ -150,8 +154,9 @@ def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, str, WeightSource
     """(file, tensor name, tensor or lazy slice) for every tensor of the checkpoint."""
     if is_gguf(model_path):
         checkpoint = open_gguf(model_path)
-        for name, tensor in tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="Loading GGUF",
-                                 unit="tensor"):
+        for name, tensor in tqdm(
+            checkpoint.tensors(), total=checkpoint.num_tensors, desc="Loading GGUF", unit="tensor"
+        ):
             yield model_path, name, tensor
         return
     for path in tqdm(checkpoint_files(model_path), desc="Loading safetensors", unit="file"):
@@ -184,5 +189,7 @@ def load_weights(model: nn.Module, model_path: str, tied: bool = False) -> None:
         loaded.add(name)
     missing = sorted(expected - loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise CheckpointError(f"{model_path}: missing tensors {shown}")

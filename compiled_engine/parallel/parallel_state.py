@@ -50,7 +50,9 @@ def all_reduce(x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
         return x
     if not ordered or _size == 2:
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", _group))
-    parts = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, _group)).chunk(_size, dim=0)
+    parts = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, _group)).chunk(
+        _size, dim=0
+    )
     total = parts[0]
     for part in parts[1:]:
         total = total + part

@@ -12,8 +12,14 @@ import torch.distributed as dist
 from compiled_engine.parallel.parallel_state import init_tensor_parallel
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
-                     local_world_size: int) -> dist.ProcessGroup:
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: torch.device,
+    timeout_s: float,
+    local_world_size: int,
+) -> dist.ProcessGroup:
     """Initialize the default group (the TP group) and return the gloo control group."""
     # ranks on a host share its cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))

@@ -14,8 +14,13 @@ def build_metadata(page_rows: torch.Tensor, out_slots: torch.Tensor, seq_lens: t
                    cu_q_lens: torch.Tensor, is_decode: bool) -> AttentionMetadata:
     """The step's metadata; `page_rows` [B, W]: each row's raw KV slots (the device page table's
     rows)."""
-    return AttentionMetadata(out_slots=out_slots, page_table=page_rows, seq_lens=seq_lens, cu_q_lens=cu_q_lens,
-                             is_decode=is_decode)
+    return AttentionMetadata(
+        out_slots=out_slots,
+        page_table=page_rows,
+        seq_lens=seq_lens,
+        cu_q_lens=cu_q_lens,
+        is_decode=is_decode,
+    )
 
 
 def dynamic_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:

@@ -32,7 +32,9 @@ def _configure_dynamo() -> None:
     CompiledForward)."""
     # One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 512
+    )
     # With dynamic=True dynamo traces float module attributes (RMSNorm eps, attention scale) as
     # symbolic floats, then restarts the trace to specialize them: that first attempt missed the AOT
     # autograd cache on every start, and aot_compile has no restart at all (it raises
@@ -111,7 +113,9 @@ class CompiledForward:
     def _set_compile_mode(self, mode: str) -> None:
         """The inductor options (see COMPILE_MODES) every graph is compiled with."""
         if mode not in COMPILE_MODES:
-            raise ValueError(f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+            raise ValueError(
+                f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}"
+            )
         self.compile_mode = mode
         self._freezing = False
         # bucket, "extend" or "decode" -> its graph
@@ -130,14 +134,19 @@ class CompiledForward:
         # freezing keeps those.
         self._freezing = bool(self._options.get("freezing", False))
         self._decode = self._compiler(_decode_graph, dynamic=False)
-        self._dynamic = {key: self._marked(self._compiler(fn, dynamic=True)) for key, fn in DYNAMIC_GRAPHS.items()}
+        self._dynamic = {
+            key: self._marked(self._compiler(fn, dynamic=True))
+            for key, fn in DYNAMIC_GRAPHS.items()
+        }
 
     @staticmethod
     def _marked(graph: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return lambda *args: graph(*_mark_dynamic(args))
 
     def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
-        return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
+        return torch.compile(
+            fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None
+        )
 
     def graph_for(self, n: int) -> DecodeGraph:
         """The graph a decode batch of `n` requests runs: its bucket, else the shape-generic decode
@@ -185,11 +194,18 @@ class CompiledForward:
             return lazy
         name = {"extend": "extend", "decode": "decode-dynamic"}.get(key, f"decode-{key}")
         path, static = self.precompiled_dir / f"{name}.bin", key not in DYNAMIC_GRAPHS
-        return precompiled.load_or_compile(lambda: self._aot_compile(key, args), lazy, args, path, static) or lazy
+        return (
+            precompiled.load_or_compile(
+                lambda: self._aot_compile(key, args), lazy, args, path, static
+            )
+            or lazy
+        )
 
     def _aot_compile(self, key: object, args: tuple):
         if key not in DYNAMIC_GRAPHS:
-            return self._compiler(_decode_graph, dynamic=False, fullgraph=True).aot_compile((args, {}))
+            return self._compiler(_decode_graph, dynamic=False, fullgraph=True).aot_compile(
+                (args, {})
+            )
         # Marked dimensions get symbols of their own (unmarked ones would be duck-sized: equal sizes
         # in the example, one symbol). The saved guards lose the markings and reject marked inputs,
         # so later calls pass unmarked tensors (which the guards of a graph compiled in this process
@@ -206,7 +222,9 @@ class CompiledForward:
                                                        make_inputs(n_rows), pool)
 
 
-def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+def _logits(
+    model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index
+) -> torch.Tensor:
     hidden = model(input_ids, positions, meta)
     return model.local_logits(hidden.index_select(0, logits_index))
 

@@ -20,11 +20,17 @@ class DeviceDefault:
 
 DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
     "cpu-avx2": DeviceDefault(True, "measured faster than --no-deterministic (AMD Zen3)"),
-    "cpu-avx512-bf16": DeviceDefault(True, "measured 0.97-1.07x --no-deterministic's offline throughput, prefill "
-                                           "1.00-1.03x, batch-32 decode 1.14-1.24x (AMD Zen5)"),
+    "cpu-avx512-bf16": DeviceDefault(
+        True,
+        "measured 0.97-1.07x --no-deterministic's offline throughput, prefill "
+        "1.00-1.03x, batch-32 decode 1.14-1.24x (AMD Zen5)",
+    ),
     "cpu-amx": DeviceDefault(False, "not measured on an AMX CPU yet"),
-    "cpu-portable": DeviceDefault(False, "no native kernels (one row at a time) or no AVX2 (ARM: scalar C++ "
-                                         "kernels): not measured, slow"),
+    "cpu-portable": DeviceDefault(
+        False,
+        "no native kernels (one row at a time) or no AVX2 (ARM: scalar C++ "
+        "kernels): not measured, slow",
+    ),
     "cuda": DeviceDefault(False, "not measured on a GPU yet"),
 }
 
@@ -46,5 +52,8 @@ def deterministic_default(device: torch.device) -> tuple[bool, str]:
     """(on or off, a one-line reason) for this device."""
     kind = device_kind(device)
     row = DETERMINISTIC_BY_DEVICE[kind]
-    return row.deterministic, f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: " \
-                              f"{row.why}"
+    return (
+        row.deterministic,
+        f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: "
+        f"{row.why}",
+    )

@@ -78,16 +78,26 @@ class ModelRunner:
         self.model, self.config, self.device = model, config, device
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model.num_kv_heads, model.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
+        self.k_caches = [
+            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)
+        ]
+        self.v_caches = [
+            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)
+        ]
         model.attach_kv_cache(self.k_caches, self.v_caches)
         self.tables = DeviceTables(config.max_rows, config.max_context, device)
         # the readback's (tests fake it)
         self.make_event: Callable[[], DeviceEvent] = event_factory(device)
         self.staging = Staging(device, make_event=self.make_event)
         self.sampler = Sampler(device, seed=config.seed)
-        self.forward = CompiledForward(model, config.buckets, enabled=not config.enforce_eager, device=device,
-                                       compile_mode=config.compile_mode, deterministic=config.deterministic)
+        self.forward = CompiledForward(
+            model,
+            config.buckets,
+            enabled=not config.enforce_eager,
+            device=device,
+            compile_mode=config.compile_mode,
+            deterministic=config.deterministic,
+        )
         # Launches return before the device has run them (CUDA queues the work): the engine then
         # launches the next step before it reads this one's tokens, on its own thread. On the CPU a
         # launch computes.
@@ -101,7 +111,9 @@ class ModelRunner:
         # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must
         # agree.
         with torch.inference_mode():
-            targets = self.tables.apply_writes(plan, self.staging, sample_targets(plan, self.tables))
+            targets = self.tables.apply_writes(
+                plan, self.staging, sample_targets(plan, self.tables)
+            )
             logits = self.logits(plan)
             if not sampling:
                 return PendingStep(None, self.make_event)
@@ -121,7 +133,9 @@ class ModelRunner:
         decode step runs its bucket's graph, its inputs built into that graph's buffers where it has
         them."""
         graph = self.forward.graph_for(len(plan.reqs)) if plan.is_decode else None
-        inputs = build_step_inputs(plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs)
+        inputs = build_step_inputs(
+            plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs
+        )
         return self.forward(inputs, graph)[: inputs.num_sampled]
 
     def warm_up(self, progress: Callable[[str, int], None] | None = None,

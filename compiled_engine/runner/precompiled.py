@@ -47,7 +47,9 @@ class Precompiled:
             self._passed = signature
             return self.aot(*args)
         if not counts[f"guard_failed:{self.name}"]:
-            log.warning("precompiled graph %s: guards reject these inputs; compiling with dynamo", self.name)
+            log.warning(
+                "precompiled graph %s: guards reject these inputs; compiling with dynamo", self.name
+            )
         counts["guard_failed"] += 1
         counts[f"guard_failed:{self.name}"] += 1
         return self.fallback(*args)
@@ -68,8 +70,13 @@ def input_signature(args: tuple) -> tuple:
     )
 
 
-def load_or_compile(aot_compile: Callable[[], AOTCompiledFunction], fallback: Callable[..., torch.Tensor], args: tuple,
-                    path: Path, static: bool = False) -> Precompiled | None:
+def load_or_compile(
+    aot_compile: Callable[[], AOTCompiledFunction],
+    fallback: Callable[..., torch.Tensor],
+    args: tuple,
+    path: Path,
+    static: bool = False,
+) -> Precompiled | None:
     """The graph saved at `path` if it loads and accepts `args`, else the one `aot_compile()`
     returns (a `torch.compile(..., fullgraph=True)(...).aot_compile(...)` for `args`), saved there;
     None if that fails, now or in an earlier start (a `.failed` file next to `path` says why, so
@@ -80,7 +87,10 @@ def load_or_compile(aot_compile: Callable[[], AOTCompiledFunction], fallback: Ca
         return None
     aot = _load(path) if path.is_file() else None
     if aot is not None and not aot.guard_check(*args):
-        log.warning("precompiled graph %s: stale (guards reject the warm-up inputs); compiling it again", name)
+        log.warning(
+            "precompiled graph %s: stale (guards reject the warm-up inputs); compiling it again",
+            name,
+        )
         aot = None
     if aot is None:
         aot = _compile(aot_compile, path)
@@ -95,19 +105,30 @@ def _load(path: Path) -> AOTCompiledFunction | None:
         with open(path, "rb") as f:
             aot = torch.compiler.load_compiled_function(f)
     except Exception as e:  # noqa: BLE001 - any failure to load means: compile instead
-        log.warning("precompiled graph %s: cannot load (%s: %s); compiling it again", path.stem, type(e).__name__, e)
+        log.warning(
+            "precompiled graph %s: cannot load (%s: %s); compiling it again",
+            path.stem,
+            type(e).__name__,
+            e,
+        )
         return None
     counts["loaded"] += 1
     return aot
 
 
-def _compile(aot_compile: Callable[[], AOTCompiledFunction], path: Path) -> AOTCompiledFunction | None:
+def _compile(
+    aot_compile: Callable[[], AOTCompiledFunction], path: Path
+) -> AOTCompiledFunction | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         aot = aot_compile()
     except Exception as e:  # noqa: BLE001 - torch.compile's lazy path still works without it
-        log.warning("precompiled graph %s: aot_compile failed (%s: %s); falling back to torch.compile",
-                    path.stem, type(e).__name__, e)
+        log.warning(
+            "precompiled graph %s: aot_compile failed (%s: %s); falling back to torch.compile",
+            path.stem,
+            type(e).__name__,
+            e,
+        )
         path.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
         return None
     counts["compiled"] += 1

@@ -50,8 +50,10 @@ class SampleOutput:
     errors: dict[int, str] | None = None
 
 
-NOTHING_ALLOWED = ("structured output: the constraint allows no next token (no token of the vocabulary "
-                   "continues the output so far)")
+NOTHING_ALLOWED = (
+    "structured output: the constraint allows no next token (no token of the vocabulary "
+    "continues the output so far)"
+)
 GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by a tinier temperature overflows to inf
 
 
@@ -76,7 +78,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         params = [r.params for r in rows]
-        if all(is_greedy(p) and not _processes_logits(r) and p.logprobs is None for p, r in zip(params, rows)):
+        if all(
+            is_greedy(p) and not _processes_logits(r) and p.logprobs is None
+            for p, r in zip(params, rows)
+        ):
             return SampleOutput(tokens=ops.argmax(logits))
         logits = logits.float()
         if any(_processes_logits(r) for r in rows):
@@ -115,7 +120,9 @@ class Sampler:
         if logits.is_cuda:
             words = words.pin_memory().to(logits.device, non_blocking=True)
         table = _bit_table(logits.device)
-        allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(len(masked), -1)[:, :vocab]
+        allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(
+            len(masked), -1
+        )[:, :vocab]
         index = to_device(masked, torch.long, logits.device)
         logits[index] = torch.where(allowed, logits.index_select(0, index), float("-inf"))
         return stuck
@@ -131,13 +138,18 @@ class Sampler:
                         vals.append(bias)
         device = logits.device
         if idx_r:
-            logits.index_put_((to_device(idx_r, torch.long, device), to_device(idx_c, torch.long, device)),
-                              to_device(vals, logits.dtype, device), accumulate=True)
+            logits.index_put_(
+                (to_device(idx_r, torch.long, device), to_device(idx_c, torch.long, device)),
+                to_device(vals, logits.dtype, device),
+                accumulate=True,
+            )
         ban_r = [i for i, r in enumerate(rows) for t in r.banned_ids if 0 <= t < logits.shape[1]]
         ban_c = [t for r in rows for t in r.banned_ids if 0 <= t < logits.shape[1]]
         if ban_r:
-            logits.index_put_((to_device(ban_r, torch.long, device), to_device(ban_c, torch.long, device)),
-                              logits.new_full((len(ban_r),), float("-inf")))
+            logits.index_put_(
+                (to_device(ban_r, torch.long, device), to_device(ban_c, torch.long, device)),
+                logits.new_full((len(ban_r),), float("-inf")),
+            )
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = logits.shape[1]
@@ -149,7 +161,9 @@ class Sampler:
             row = logits[i]
             if p.repetition_penalty != 1.0:
                 seen = (counts > 0) | (_counts(r.prompt_ids, vocab, logits) > 0)
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                penalized = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
                 row.copy_(torch.where(seen, penalized, row))
             if p.frequency_penalty:
                 row.sub_(p.frequency_penalty * counts)
@@ -202,7 +216,12 @@ def _allows_nothing(mask: torch.Tensor, vocab: int) -> bool:
 
 
 def _processes_logits(r: SamplingRow) -> bool:
-    return r.token_mask is not None or bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
+    return (
+        r.token_mask is not None
+        or bool(r.params.logit_bias)
+        or bool(r.banned_ids)
+        or needs_history(r.params)
+    )
 
 
 def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
@@ -240,4 +259,6 @@ def _counts(ids: torch.Tensor | None, vocab: int, logits: torch.Tensor) -> torch
 @functools.cache
 def _bit_table(device: torch.device) -> torch.Tensor:
     """[256, 8] bool: the bits of each byte, least significant first (xgrammar's bitmask order)."""
-    return ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).bool()
+    return (
+        (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    ).bool()

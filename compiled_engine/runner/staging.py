@@ -56,8 +56,15 @@ class DeviceSlab:
         return [(name, t.numel()) for name, t in self.fields.items()]
 
     @classmethod
-    def allocate(cls, layout: dict[str, tuple[int, torch.dtype]], device: torch.device) -> DeviceSlab:
-        return cls({name: torch.empty(n, dtype=dtype, device=device) for name, (n, dtype) in layout.items()})
+    def allocate(
+        cls, layout: dict[str, tuple[int, torch.dtype]], device: torch.device
+    ) -> DeviceSlab:
+        return cls(
+            {
+                name: torch.empty(n, dtype=dtype, device=device)
+                for name, (n, dtype) in layout.items()
+            }
+        )
 
 
 class _HostBuffer:
@@ -119,22 +126,30 @@ class Staging:
         packed: dict[torch.dtype, list[int]] = {}
         for values, dtype in fields.values():
             packed.setdefault(dtype, []).extend(values)
-        staged = {dtype: host.block(dtype, len(values)) for dtype, values in packed.items() if values}
+        staged = {
+            dtype: host.block(dtype, len(values)) for dtype, values in packed.items() if values
+        }
         for dtype, block in staged.items():
             block.copy_(torch.tensor(packed[dtype], dtype=dtype))
         offsets = dict.fromkeys(staged, 0)
         for name, (values, dtype) in fields.items():
             if values:
                 at = offsets[dtype]
-                into.fields[name].copy_(staged[dtype][at:at + len(values)], non_blocking=host.pinned)
+                into.fields[name].copy_(
+                    staged[dtype][at : at + len(values)], non_blocking=host.pinned
+                )
                 offsets[dtype] = at + len(values)
         host.event = self.make_event()
         host.event.record()
         return into
 
 
-def to_device(values: Sequence[int | float | bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(
+    values: Sequence[int | float | bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """A small host list on the device without a host sync: through pinned memory on CUDA (torch's
     host allocator reuses the block only after its copy has run); on the CPU the host tensor
     itself."""
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(
+        device, non_blocking=True
+    )

@@ -30,7 +30,9 @@ class DeviceTables:
         self.page_table = torch.zeros(max_rows + 1, max_context, dtype=torch.int32, device=device)
         self.device = device
 
-    def apply_writes(self, plan: StepPlan, staging: Staging, sample_next: list[int] | None = None) -> torch.Tensor:
+    def apply_writes(
+        self, plan: StepPlan, staging: Staging, sample_next: list[int] | None = None
+    ) -> torch.Tensor:
         """One upload and one scatter per table for all of the plan's writes. `sample_next`: the
         flat table positions the step's sampled tokens go to, uploaded with them; returns them on
         the device."""
@@ -48,9 +50,15 @@ class DeviceTables:
                 self.flat(w.row, w.start + len(values) - 1)  # the run ends inside its row
                 at.extend(range(base, base + len(values)))
                 vals.extend(values)
-        up = staging.upload({"slot_at": (slot_at, torch.long), "slot_val": (slot_val, torch.int32),
-                             "token_at": (token_at, torch.long), "token_val": (token_val, torch.long),
-                             "sample_next": (sample_next or [], torch.long)}).fields
+        up = staging.upload(
+            {
+                "slot_at": (slot_at, torch.long),
+                "slot_val": (slot_val, torch.int32),
+                "token_at": (token_at, torch.long),
+                "token_val": (token_val, torch.long),
+                "sample_next": (sample_next or [], torch.long),
+            }
+        ).fields
         if slot_at:
             self.page_table.view(-1).index_copy_(0, up["slot_at"], up["slot_val"])
         if token_at:
@@ -65,7 +73,9 @@ class DeviceTables:
         """A table cell's index in the flattened table (a position past the row would land in the
         next row)."""
         if not 0 <= position < self.width:
-            raise IndexError(f"position {position} is outside the token table's {self.width} columns")
+            raise IndexError(
+                f"position {position} is outside the token table's {self.width} columns"
+            )
         return row * self.width + position
 
 
@@ -138,6 +148,10 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         page_rows = tables.page_table.index_select(0, f["table_rows"])
     else:
         input_ids = torch.index_select(tables.tokens.view(-1), 0, f["token_at"], out=into.input_ids)
-        page_rows = torch.index_select(tables.page_table, 0, f["table_rows"], out=into.meta.page_table)
+        page_rows = torch.index_select(
+            tables.page_table, 0, f["table_rows"], out=into.meta.page_table
+        )
     meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode)
-    return StepInputs(input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["table_rows"], staged)
+    return StepInputs(
+        input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["table_rows"], staged
+    )

@@ -67,12 +67,18 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
                 runner.logits(decode(beyond))
     finally:
         fwd.precompiled_dir = None  # graphs are saved under the cache entry's lock only
-    log.info("compiled %d decode buckets + %d dynamic graphs in %.1fs", len(fwd.buckets), 1 + (beyond is not None),
-             time.perf_counter() - t0)
+    log.info(
+        "compiled %d decode buckets + %d dynamic graphs in %.1fs",
+        len(fwd.buckets),
+        1 + (beyond is not None),
+        time.perf_counter() - t0,
+    )
 
 
 def _plan(lengths: list[int], max_rows: int, decode: bool) -> StepPlan:
     """A plan that samples every request and writes nowhere; rows are shared when the pool has
     fewer."""
-    reqs = tuple(ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True) for i, n in enumerate(lengths))
+    reqs = tuple(
+        ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True) for i, n in enumerate(lengths)
+    )
     return StepPlan(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)

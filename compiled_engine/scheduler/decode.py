@@ -49,7 +49,9 @@ def _page_for(sched: Scheduler, req: Request) -> int | None:
             return page
         if book.cache.evict(1):
             continue
-        if book.deferred or any(r.planned_len >= r.fill_to and r.device_len == r.max_len for r in sched.running):
+        if book.deferred or any(
+            r.planned_len >= r.fill_to and r.device_len == r.max_len for r in sched.running
+        ):
             return None
         victim = sched.running[-1]
         deferred = victim.last_step > book.committed

@@ -35,7 +35,9 @@ class KvBook:
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.rows = IdPool(config.max_rows)
         self.cache: PrefixCache = (
-            RadixCache(self.allocator) if config.prefix_cache == "radix" else NaiveCache(config.page_size)
+            RadixCache(self.allocator)
+            if config.prefix_cache == "radix"
+            else NaiveCache(config.page_size)
         )
         self.deferred: list[DeferredRelease] = []
         self.committed = -1  # id of the last committed step
@@ -69,7 +71,14 @@ class KvBook:
         """Cache the computed prefix, then return pages, row and lock (deferred while in flight)."""
         dups = self.cache_prefix(req, min(req.planned_len, req.known_len), live=False)
         d = DeferredRelease(req.last_step, req.lock, req.pages[req.prefix_pages :] + dups, req.row)
-        req.pages, req.lock, req.prefix_pages, req.row, req.planned_len, req.rewrite = [], None, 0, -1, 0, None
+        req.pages, req.lock, req.prefix_pages, req.row, req.planned_len, req.rewrite = (
+            [],
+            None,
+            0,
+            -1,
+            0,
+            None,
+        )
         self._defer(d)
 
     def commit_step(self, step: int) -> None:

@@ -17,7 +17,9 @@ from compiled_engine.scheduler.prefix_cache import PrefixCache
 class RadixNode:
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "id")
 
-    def __init__(self, key: tuple[int, ...], pages: tuple[int, ...], parent: RadixNode | None, nid: int):
+    def __init__(
+        self, key: tuple[int, ...], pages: tuple[int, ...], parent: RadixNode | None, nid: int
+    ):
         self.key = key  # tokens of this edge; len(key) == len(pages) * page_size
         self.pages = pages
         # first page of the child's key -> child
@@ -79,7 +81,9 @@ class RadixCache(PrefixCache):
         node, pages, _ = self._walk(tokens, len(tokens) // self.page_size * self.page_size)
         return node, tuple(pages)
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[RadixNode, tuple[int, ...]]:
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int]
+    ) -> tuple[RadixNode, tuple[int, ...]]:
         ps = self.page_size
         n = len(pages) * ps
         assert len(tokens) == n, f"insert: {len(tokens)} tokens for {len(pages)} pages of {ps}"
@@ -159,7 +163,12 @@ class RadixCache(PrefixCache):
 
     def _evictable(self, node: RadixNode, access: int) -> bool:
         """Whether a heap entry stamped `access` still names an unlocked leaf in the tree."""
-        return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == access
+        return (
+            node.parent is not None
+            and not node.children
+            and node.lock_ref == 0
+            and node.last_access == access
+        )
 
     def _offer(self, node: RadixNode) -> None:
         """Push `node` if it is an unlocked leaf now; rebuild the heap when stale entries dominate
@@ -168,7 +177,11 @@ class RadixCache(PrefixCache):
             return
         heapq.heappush(self._heap, (node.last_access, node.id, node))
         if len(self._heap) > 2 * self._num_nodes + 64:
-            self._heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+            self._heap = [
+                (n.last_access, n.id, n)
+                for n in self._nodes()
+                if not n.children and n.lock_ref == 0
+            ]
             heapq.heapify(self._heap)
 
     @property
@@ -227,14 +240,23 @@ class RadixCache(PrefixCache):
                 node = node.parent
         evictable = protected = 0
         for node in self._nodes():
-            assert node.key and len(node.key) % ps == 0, f"radix node {node.id} key not page-aligned"
-            assert len(node.pages) * ps == len(node.key), f"radix node {node.id} pages do not cover its key"
-            assert isinstance(node.key, tuple) and isinstance(node.pages, tuple), "node must own its copies"
+            assert node.key and len(node.key) % ps == 0, (
+                f"radix node {node.id} key not page-aligned"
+            )
+            assert len(node.pages) * ps == len(node.key), (
+                f"radix node {node.id} pages do not cover its key"
+            )
+            assert isinstance(node.key, tuple) and isinstance(node.pages, tuple), (
+                "node must own its copies"
+            )
             for first, child in node.children.items():
-                assert child.key[:ps] == first, f"radix node {child.id} filed under a wrong first page"
+                assert child.key[:ps] == first, (
+                    f"radix node {child.id} filed under a wrong first page"
+                )
                 assert child.parent is node, f"radix node {child.id} has a wrong parent"
             assert node.lock_ref == expected.get(node.id, 0), (
-                f"radix node {node.id} lock_ref {node.lock_ref} != {expected.get(node.id, 0)} live locks"
+                f"radix node {node.id} lock_ref {node.lock_ref} != {expected.get(node.id, 0)} live "
+                "locks"
             )
             if node.lock_ref:
                 protected += len(node.key)
@@ -247,8 +269,12 @@ class RadixCache(PrefixCache):
         pages = self.cached_pages()
         assert len(set(pages)) == len(pages), "a page is cached twice in the radix tree"
         nodes = self._nodes()
-        assert len(nodes) == self._num_nodes, f"radix node count {self._num_nodes}, the tree has {len(nodes)}"
+        assert len(nodes) == self._num_nodes, (
+            f"radix node count {self._num_nodes}, the tree has {len(nodes)}"
+        )
         queued = {id(n) for access, _, n in self._heap if self._evictable(n, access)}
         for node in nodes:
             if not node.children and node.lock_ref == 0:
-                assert id(node) in queued, f"radix leaf {node.id} is unlocked but not in the eviction heap"
+                assert id(node) in queued, (
+                    f"radix leaf {node.id} is unlocked but not in the eviction heap"
+                )

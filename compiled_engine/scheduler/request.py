@@ -24,8 +24,16 @@ class LedgerParams:
         for ok, message, value in (
             (self.max_tokens >= 0, "max_tokens must be >= 0", self.max_tokens),
             (self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens),
-            (self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", self.min_tokens),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids),
+            (
+                self.min_tokens <= self.max_tokens,
+                "min_tokens must be <= max_tokens",
+                self.min_tokens,
+            ),
+            (
+                all(t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be >= 0",
+                self.stop_token_ids,
+            ),
         ):
             if not ok:
                 raise ValueError(f"{message}, got {value!r}")

@@ -145,7 +145,9 @@ class Scheduler:
         """Apply the sampled tokens of the oldest in-flight step (one per sampling ReqStep, in
         order)."""
         if not self.inflight or self.inflight[0][0] is not plan:
-            raise ValueError(f"commit of step {plan.step} out of order: steps are committed as planned")
+            raise ValueError(
+                f"commit of step {plan.step} out of order: steps are committed as planned"
+            )
         _, members = self.inflight.popleft()
         self.book.committed = plan.step
         tokens = iter(sampled_tokens)

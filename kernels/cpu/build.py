@@ -26,8 +26,16 @@ log = logging.getLogger(__name__)
 NATIVE = Path(__file__).with_name("native")
 SOURCES = [
     NATIVE / name
-    for name in ("attention.cpp", "extend_attention.cpp", "invariant_attention.cpp", "invariant_linear.cpp",
-                 "invariant_linear_dpbf16.cpp", "linear.cpp", "sampling.cpp", "torch_ops.cpp")
+    for name in (
+        "attention.cpp",
+        "extend_attention.cpp",
+        "invariant_attention.cpp",
+        "invariant_linear.cpp",
+        "invariant_linear_dpbf16.cpp",
+        "linear.cpp",
+        "sampling.cpp",
+        "torch_ops.cpp",
+    )
 ]
 HEADERS = [NATIVE / "common.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # + cpu_isa.compiler_flags()
@@ -50,7 +58,9 @@ def _torch_flags() -> list[str]:
     ]
 
 def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
     flags = FLAGS + cpu_isa.compiler_flags() + _torch_flags()
     cpu = " ".join(sorted(cpu_isa.cpu_flags())) or platform.processor()
@@ -67,8 +77,12 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *map(str, SOURCES), *flags, "-o", tmp], capture_output=True, text=True,
-                           check=True)
+            subprocess.run(
+                [compiler, *map(str, SOURCES), *flags, "-o", tmp],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             # atomic: a concurrent build of the same key writes the same bytes
             os.replace(tmp, target)
         finally:
@@ -91,7 +105,9 @@ def load() -> bool:
         torch.ops.load_library(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("building the native CPU kernels failed, using the portable ones: %s", detail[-2000:])
+        log.warning(
+            "building the native CPU kernels failed, using the portable ones: %s", detail[-2000:]
+        )
         return False
     return True
 
@@ -101,7 +117,9 @@ def compiled_isa() -> set[str] | None:
     if not load():
         return None
     mask = torch.ops.kernels.native_isa()
-    return {name for bit, name in enumerate(("avx512f", "avx512bf16", "amx_bf16")) if mask >> bit & 1}
+    return {
+        name for bit, name in enumerate(("avx512f", "avx512bf16", "amx_bf16")) if mask >> bit & 1
+    }
 
 
 def amx_available() -> bool:

@@ -27,11 +27,15 @@ def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V at `slots` [..., L] as [..., Hkv, L, D] views of the workspace."""
     flat = slots.reshape(-1)
     row_shape = k_cache.shape[1:]
-    buf = _workspace(2 * flat.numel() * row_shape.numel(), k_cache).view(2, flat.numel(), *row_shape)
+    buf = _workspace(2 * flat.numel() * row_shape.numel(), k_cache).view(
+        2, flat.numel(), *row_shape
+    )
     torch.index_select(k_cache, 0, flat, out=buf[0])
     torch.index_select(v_cache, 0, flat, out=buf[1])
     k, v = buf.view(2, *slots.shape, *row_shape).unbind(0)
@@ -39,7 +43,12 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, soft_cap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float,
 ) -> torch.Tensor:
     """GQA softmax attention of q [..., H, M, D] over k, v [..., Hkv, L, D]. `mask` (True = attend)
     broadcasts to [..., 1, M, L]; None means causal with M == L."""
@@ -51,13 +60,19 @@ def _attend(
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     grouped = q.float().unflatten(-3, (k.shape[-3], -1))
     scores = torch.matmul(grouped, k.float().unsqueeze(-3).transpose(-1, -2)) * scale
-    scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill(
+        ~mask.unsqueeze(-3), float("-inf")
+    )
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float().unsqueeze(-3))
     return out.flatten(-4, -3).to(q.dtype)
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     keep = slots >= 0
     if bool(keep.all()):
@@ -81,7 +96,9 @@ def decode_attention(
 ) -> torch.Tensor:
     if invariant:  # a decode step is an extend of one token per row
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return invariant_attention(q, k_cache, v_cache, page_table, cu, seq_lens, scale, sliding_window, soft_cap)
+        return invariant_attention(
+            q, k_cache, v_cache, page_table, cu, seq_lens, scale, sliding_window, soft_cap
+        )
     batch = q.shape[0]
     lens = seq_lens.long()
     start = (lens - sliding_window).clamp(min=0) if sliding_window > 0 else torch.zeros_like(lens)
@@ -112,14 +129,19 @@ def extend_attention(
     suffixes over a shared system prompt: faster than one by one, docs/benchmarks.md); others attend
     one by one."""
     if invariant:
-        return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window,
-                                   soft_cap)
+        return invariant_attention(
+            q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap
+        )
     out = torch.zeros_like(q)
     cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
-    reqs = [_Req(b, cu[b], cu[b + 1] - cu[b], lens[b]) for b in range(len(lens)) if cu[b + 1] > cu[b]]
+    reqs = [
+        _Req(b, cu[b], cu[b + 1] - cu[b], lens[b]) for b in range(len(lens)) if cu[b + 1] > cu[b]
+    ]
     for group in _attention_groups(reqs, sliding_window):
         if len(group) == 1:
-            _extend_one(out, q, k_cache, v_cache, page_table, group[0], scale, sliding_window, soft_cap)
+            _extend_one(
+                out, q, k_cache, v_cache, page_table, group[0], scale, sliding_window, soft_cap
+            )
         else:
             _extend_padded(out, q, k_cache, v_cache, page_table, group, scale, soft_cap)
     return out
@@ -140,7 +162,9 @@ def invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, sc
             start = max(0, end - sliding_window) if sliding_window > 0 else 0
             k, v = _gather_kv(k_cache, v_cache, page_table[b, start:end].long())
             every = torch.ones(1, end - start, dtype=torch.bool, device=q.device)
-            out[row] = _attend(q[row, :, None][None], k[None], v[None], every, scale, soft_cap)[0, :, 0]
+            out[row] = _attend(q[row, :, None][None], k[None], v[None], every, scale, soft_cap)[
+                0, :, 0
+            ]
     return out
 
 
@@ -162,7 +186,9 @@ def _attention_groups(reqs: list[_Req], sliding_window: int) -> list[list[_Req]]
     requests with a prefix in `_similar_groups`."""
     if sliding_window > 0:
         return [[r] for r in reqs]
-    return [[r] for r in reqs if r.seq_len == r.q_len] + _similar_groups([r for r in reqs if r.seq_len > r.q_len])
+    return [[r] for r in reqs if r.seq_len == r.q_len] + _similar_groups(
+        [r for r in reqs if r.seq_len > r.q_len]
+    )
 
 
 def _similar_groups(reqs: list[_Req]) -> list[list[_Req]]:
@@ -197,11 +223,15 @@ def _extend_one(out, q, k_cache, v_cache, page_table, r: _Req, scale: float, sli
             mask &= kv_pos > q_pos - sliding_window
     # 4-D inputs: SDPA sends 3-D ones to its slow math fallback.
     q_end = r.q_start + r.q_len
-    attended = _attend(q[None, r.q_start : q_end].transpose(1, 2), k[None], v[None], mask, scale, soft_cap)
+    attended = _attend(
+        q[None, r.q_start : q_end].transpose(1, 2), k[None], v[None], mask, scale, soft_cap
+    )
     out[r.q_start : q_end] = attended[0].transpose(0, 1)
 
 
-def _extend_padded(out, q, k_cache, v_cache, page_table, group: list[_Req], scale: float, soft_cap: float) -> None:
+def _extend_padded(
+    out, q, k_cache, v_cache, page_table, group: list[_Req], scale: float, soft_cap: float
+) -> None:
     """Causal attention of a group (no sliding window), padded to its longest query and row. Padding
     queries repeat the request's last one and are dropped; padding positions are masked out."""
     q_max = max(r.q_len for r in group)

@@ -34,7 +34,11 @@ def dot_fp32(q: torch.Tensor) -> bool:
 
 
 def store_kv_triton(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     tokens, num_kv, head_dim = k.shape
     if tokens == 0:
@@ -92,13 +96,16 @@ def decode_attention_triton(
     part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     decode_split_kernel[(batch, num_kv, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, seq_lens if query_rows is None else query_rows, part_out, part_lse,
+        q, k_cache, v_cache, page_table, seq_lens, seq_lens if query_rows is None else query_rows,
+        part_out, part_lse,
         scale, soft_cap, sliding_window, split_len,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         GROUP=group, NUM_HEADS=num_heads, NUM_SPLITS=splits, HEAD_DIM=head_dim,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), QUERY_ROWS=query_rows is not None, num_warps=4, num_stages=2,
+        SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), QUERY_ROWS=query_rows is not None,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
@@ -147,7 +154,8 @@ def extend_attention_triton(
     extend_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, out, batch,
         scale, soft_cap, sliding_window,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_B=extend_block_b(batch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
@@ -172,9 +180,23 @@ def extend_attention_invariant_triton(
     zeros."""
     tokens = q.shape[0]
     t = torch.arange(tokens, device=q.device, dtype=torch.int32)
-    req = torch.searchsorted(cu_q_lens[1:].to(torch.int32), t, right=True).clamp(max=seq_lens.shape[0] - 1)
+    req = torch.searchsorted(cu_q_lens[1:].to(torch.int32), t, right=True).clamp(
+        max=seq_lens.shape[0] - 1
+    )
     ends = cu_q_lens[1:].to(torch.int32)[req]
-    lens = torch.where(t < cu_q_lens[-1], seq_lens.to(torch.int32)[req] - (ends - t) + 1, 0).to(torch.int32)
-    return decode_attention_triton(q, k_cache, v_cache, page_table, lens, scale, sliding_window, soft_cap,
-                                   num_splits=1, query_rows=req.to(torch.int32))
+    lens = torch.where(t < cu_q_lens[-1], seq_lens.to(torch.int32)[req] - (ends - t) + 1, 0).to(
+        torch.int32
+    )
+    return decode_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        lens,
+        scale,
+        sliding_window,
+        soft_cap,
+        num_splits=1,
+        query_rows=req.to(torch.int32),
+    )
 

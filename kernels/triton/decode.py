@@ -75,8 +75,21 @@ def decode_split_kernel(
     else:
         row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(start, end, BLOCK_N):
-        _, n_mask, k, v = load_kv_block(k_cache, v_cache, row, n0, end, kv_head, offs_d, d_mask, stride_k_s,
-                                        stride_k_h, stride_v_s, stride_v_h, BLOCK_N)
+        _, n_mask, k, v = load_kv_block(
+            k_cache,
+            v_cache,
+            row,
+            n0,
+            end,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_k_s,
+            stride_k_h,
+            stride_v_s,
+            stride_v_h,
+            BLOCK_N,
+        )
         s = scores_log2(qk_dot(qh, k, DOT_FP32), scale, soft_cap, SOFT_CAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
@@ -113,7 +126,9 @@ def decode_merge_kernel(
     m = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     total = tl.sum(weight, 0)
-    partial = tl.load(part_out + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    partial = tl.load(
+        part_out + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0
+    )
     merged = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out + b * stride_o_b + head * stride_o_h + offs_d,

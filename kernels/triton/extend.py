@@ -75,8 +75,21 @@ def extend_kernel(
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     table_row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n, n_mask, k, v = load_kv_block(k_cache, v_cache, table_row, n0, hi, kv_head, offs_d, d_mask, stride_k_s,
-                                             stride_k_h, stride_v_s, stride_v_h, BLOCK_N)
+        offs_n, n_mask, k, v = load_kv_block(
+            k_cache,
+            v_cache,
+            table_row,
+            n0,
+            hi,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_k_s,
+            stride_k_h,
+            stride_v_s,
+            stride_v_h,
+            BLOCK_N,
+        )
         s = scores_log2(qk_dot(qb, k, DOT_FP32), scale, soft_cap, SOFT_CAP)
         keep = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         keep &= (sliding_window <= 0) | (offs_n[None, :] > q_pos[:, None] - sliding_window)

@@ -50,7 +50,9 @@ def demo_dir() -> str:
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory, demo_dir: str) -> str:
-    path = make_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "Qwen3ForCausalLM", tie_word_embeddings=True)
+    path = make_checkpoint(
+        str(tmp_path_factory.mktemp("qwen3")), "Qwen3ForCausalLM", tie_word_embeddings=True
+    )
     for name in TOKENIZER_FILES:
         shutil.copy(Path(demo_dir) / name, Path(path) / name)
     return path

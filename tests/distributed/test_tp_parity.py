@@ -57,7 +57,9 @@ def assert_a_hung_rank_fails_the_engine(llm: LLM) -> None:
     procs = llm.engine.handle.procs
     threading.Timer(1.0, os.kill, (procs[1].pid, signal.SIGSTOP)).start()
     t0 = time.monotonic()
-    with pytest.raises(EngineFailure, match=r"engine rank . \(pid \d+\) made no progress .* it is hung"):
+    with pytest.raises(
+        EngineFailure, match=r"engine rank . \(pid \d+\) made no progress .* it is hung"
+    ):
         llm.generate([list(range(3, 33))], SamplingParams(max_tokens=1000, ignore_eos=True))
     assert time.monotonic() - t0 < 60
     assert not any(p.is_alive() for p in procs), "every rank is stopped"

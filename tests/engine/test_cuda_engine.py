@@ -22,7 +22,8 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 would interpret the CUDA kernels"
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="TRITON_INTERPRET=1 would interpret the CUDA kernels",
     ),
 ]
 
@@ -34,7 +35,10 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def references(demo_dir: str) -> dict[str, tuple[list, Bounds]]:
     refs = hf_fp32_greedy(demo_dir, PROMPTS, NEW_TOKENS, device="cuda")
-    return {"float32": (refs, FP32), "bfloat16": (refs, bf16_bounds(demo_dir, PROMPTS, refs, "cuda"))}
+    return {
+        "float32": (refs, FP32),
+        "bfloat16": (refs, bf16_bounds(demo_dir, PROMPTS, refs, "cuda")),
+    }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -74,11 +78,22 @@ def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingPa
     """Ragged prompts (1-300 tokens) with ragged outputs and every kind of sampling, so that the
     steps meet every batch size, prefill chunking, mixed steps and the sampler's paths."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))] for _ in range(n)]
-    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, top_k=20),
-             dict(temperature=0.0, logprobs=3), dict(temperature=0.7, repetition_penalty=1.2, min_tokens=4),
-             dict(temperature=0.0, logit_bias={5: 3.0}, presence_penalty=0.5)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **rng.choice(kinds)) for _ in range(n)]
+    prompts = [
+        [rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))]
+        for _ in range(n)
+    ]
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9, seed=1),
+        dict(temperature=1.0, top_k=20),
+        dict(temperature=0.0, logprobs=3),
+        dict(temperature=0.7, repetition_penalty=1.2, min_tokens=4),
+        dict(temperature=0.0, logit_bias={5: 3.0}, presence_penalty=0.5),
+    ]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **rng.choice(kinds))
+        for _ in range(n)
+    ]
     return prompts, params
 
 

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 
 PROBE = [1, 17, 230, 45, 999, 3001, 12, 77, 640, 5, 88, 1234, 4321, 9, 66, 2500, 31, 700]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(
+    max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True, logprobs=2
+)
 MAX_STEPS = 3000
 REACHED: collections.Counter = collections.Counter()  # what the property's examples went through
 # transformers fp32: " a" -1.4836, " there" -1.4873 for the first token (the issue's report)
@@ -31,8 +33,16 @@ NEAR_TIE = "Once upon a time in a quiet village by the sea,"
 
 
 def _engine(demo_dir: str, **kw):
-    return build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4], max_running=16,
-                                     deterministic=True, **kw))
+    return build_engine(
+        EngineConfig(
+            model=demo_dir,
+            dtype="bfloat16",
+            buckets=[1, 4],
+            max_running=16,
+            deterministic=True,
+            **kw,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,9 @@ def _run(engine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> 
 def eager(demo_dir):
     """The tight engine's settings without graphs (`--enforce-eager`: its own bits, as
     deterministic)."""
-    engine = _engine(demo_dir, num_pages=28, page_size=4, chunk_budget=8, overlap=True, enforce_eager=True)
+    engine = _engine(
+        demo_dir, num_pages=28, page_size=4, chunk_budget=8, overlap=True, enforce_eager=True
+    )
     yield engine
     engine.shutdown()
 
@@ -112,12 +124,24 @@ def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
     params=st.sampled_from(["greedy", "seeded"]),
     seed=st.integers(0, 2**16),
 )
-def test_probe_is_bit_identical_to_the_probe_alone(roomy, tight, eager, alone, prompts, arrivals, probe_step, which,
-                                                     params, seed):
+def test_probe_is_bit_identical_to_the_probe_alone(
+    roomy, tight, eager, alone, prompts, arrivals, probe_step, which, params, seed
+):
     rng = random.Random(seed)
-    others = [(arrivals[i], f"o{i}", p, SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0, 1]),
-                                                        ignore_eos=True, logprobs=rng.choice([None, 0, 3])))
-              for i, p in enumerate(_others(prompts, rng))]
+    others = [
+        (
+            arrivals[i],
+            f"o{i}",
+            p,
+            SamplingParams(
+                max_tokens=rng.randrange(1, 25),
+                temperature=rng.choice([0, 1]),
+                ignore_eos=True,
+                logprobs=rng.choice([None, 0, 3]),
+            ),
+        )
+        for i, p in enumerate(_others(prompts, rng))
+    ]
     probe_params = GREEDY if params == "greedy" else SEEDED
     engine = {"roomy": roomy, "tight": tight, "eager": eager}[which]
     scheduler = engine.scheduler

@@ -28,8 +28,15 @@ print(json.dumps(dict(before=before, loaded=loaded, native=native, ready=ready, 
 def _probe(mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in CAPS}
     env["COMPILED_ENGINE_CPU_ISA"] = "avx2"  # a level with caps to set
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, cwd=ROOT, env=env,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=300,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

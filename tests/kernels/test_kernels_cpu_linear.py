@@ -10,12 +10,22 @@ from kernels import ops
 
 @pytest.mark.parametrize(
     ("shape", "n", "k"),
-    [((1,), 2048, 768), ((3,), 100, 72), ((2, 5), 64, 256), ((64,), 33, 40), ((37,), 200, 96), ((0,), 64, 64),
-     # the last two: big GEMMs, which the C++ op hands to oneDNN
-     ((2, 400), 1100, 64), ((2048,), 64, 96)],
+    [
+        ((1,), 2048, 768),
+        ((3,), 100, 72),
+        ((2, 5), 64, 256),
+        ((64,), 33, 40),
+        ((37,), 200, 96),
+        ((0,), 64, 64),
+        # the last two: big GEMMs, which the C++ op hands to oneDNN
+        ((2, 400), 1100, 64),
+        ((2048,), 64, 96),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_fp32_within_bf16_rounding(shape: tuple, n: int, k: int, bias: bool) -> None:
+def test_packed_linear_matches_fp32_within_bf16_rounding(
+    shape: tuple, n: int, k: int, bias: bool
+) -> None:
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(*shape, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -26,7 +36,9 @@ def test_packed_linear_matches_fp32_within_bf16_rounding(shape: tuple, n: int, k
         _assert_within_bf16_rounding(out, x, w, b)
 
 
-def _assert_within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+def _assert_within_bf16_rounding(
+    out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> None:
     expected = F.linear(x.float(), w.float(), None if b is None else b.float())
     torch_error = (F.linear(x, w, b).float() - expected).abs().max()
     assert (out.float() - expected).abs().max() <= max(2 * torch_error, 1e-2 * expected.abs().max())
@@ -103,7 +115,9 @@ def test_frozen_graphs_leave_bf16_linears_to_inductor() -> None:
         backend = EagerAndRecordGraphs()
         with inductor_config.patch(freezing=freezing):
             torch.compile(lambda x: ops.linear(x, w), backend=backend, fullgraph=True)(x)
-        return {str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"}
+        return {
+            str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"
+        }
 
     assert any("kernels.linear" in t for t in targets(False))
     frozen = targets(True)

@@ -12,24 +12,34 @@ from kernels.portable import attention as portable_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
-pytestmark = pytest.mark.skipif(not ops.load_cpu_kernels(), reason="no C++ compiler: the portable ops serve the CPU")
+pytestmark = pytest.mark.skipif(
+    not ops.load_cpu_kernels(), reason="no C++ compiler: the portable ops serve the CPU"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # 16 and 80 take the generic (non-AVX512) path
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128, 256])
-@pytest.mark.parametrize(("group", "sliding_window", "soft_cap"), [(1, 0, 0.0), (3, 0, 0.0), (4, 9, 0.0), (2, 0, 4.0)])
+@pytest.mark.parametrize(
+    ("group", "sliding_window", "soft_cap"), [(1, 0, 0.0), (3, 0, 0.0), (4, 9, 0.0), (2, 0, 4.0)]
+)
 def test_decode_matches_torch_fallback(dtype, head_dim, group, sliding_window, soft_cap) -> None:
     seq_lens = [0, 1, 2, 9, 10, 33, 300, 0]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 4, dtype, seed=head_dim + group)
+    batch = make_batch(
+        seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 4, dtype, seed=head_dim + group
+    )
     args = (*batch.decode_args(head_dim**-0.5)[:5], head_dim**-0.5)
     # the C++ kernel
     native = ops.decode_attention(*batch.decode_args(head_dim**-0.5), sliding_window, soft_cap)
     fallback = portable_attention.decode_attention(*args, sliding_window, soft_cap)
-    expected = reference.decode_attention_reference(*batch.decode_args(head_dim**-0.5), sliding_window, soft_cap)
+    expected = reference.decode_attention_reference(
+        *batch.decode_args(head_dim**-0.5), sliding_window, soft_cap
+    )
     torch.testing.assert_close(native.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(native.float(), fallback.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(native[0], torch.zeros_like(native[0])) and torch.equal(native[-1], torch.zeros_like(native[-1]))
+    assert torch.equal(native[0], torch.zeros_like(native[0])) and torch.equal(
+        native[-1], torch.zeros_like(native[-1])
+    )
 
 
 amx_only = pytest.mark.skipif(not ops.amx_available(), reason="no AMX bf16 on this CPU / build")
@@ -43,7 +53,9 @@ def test_decode_rows_sharing_cached_prefixes_match_reference(head_dim: int, grou
     against fp32."""
     tails = [0, 1, 37, 64, 200, 5, 90]
     seq_lens = [300 + t for t in tails[:3]] + [700 + t for t in tails[3:]] + [0]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 1, torch.bfloat16, seed=group)
+    batch = make_batch(
+        seq_lens, [1] * len(seq_lens), 2 * group, 2, head_dim, 1, torch.bfloat16, seed=group
+    )
     batch.page_table[1:3, :300] = batch.page_table[0, :300]
     batch.page_table[4:7, :700] = batch.page_table[3, :700]
     scale = head_dim**-0.5
@@ -60,7 +72,9 @@ def test_extend_matches_reference(head_dim: int, group: int) -> None:
     # decode-like one-token extend, an empty extend, and key counts on and off the 64-key blocks
     seq_lens = [1, 70, 64, 200, 33, 0, 129]
     q_lens = [1, 70, 5, 150, 1, 0, 64]
-    batch = make_batch(seq_lens, q_lens, 2 * group, 2, head_dim, 16, torch.bfloat16, seed=head_dim + group)
+    batch = make_batch(
+        seq_lens, q_lens, 2 * group, 2, head_dim, 16, torch.bfloat16, seed=head_dim + group
+    )
     scale = head_dim**-0.5
     native = ops.extend_attention(*batch.extend_args(scale))  # the C++ kernel
     expected = reference.extend_attention_reference(*batch.extend_args(scale))
@@ -113,19 +127,28 @@ def test_extend_zeroes_rows_of_no_request_and_reads_strided_queries(invariant: b
     q[: batch.q.shape[0]] = batch.q
     native = ops.extend_attention(q, *batch.extend_args(0.125)[1:], 0, 0.0, invariant)
     expected = reference.extend_attention_reference(*batch.extend_args(0.125))
-    torch.testing.assert_close(native[: batch.q.shape[0]].float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        native[: batch.q.shape[0]].float(), expected.float(), atol=2e-2, rtol=2e-2
+    )
     assert torch.equal(native[batch.q.shape[0] :], torch.zeros_like(native[batch.q.shape[0] :]))
 
 
 def test_extend_op_serves_what_the_amx_kernel_declines() -> None:
     """Sliding windows, soft caps, fp32 and head sizes not a multiple of 64 take the other routes
     (decode rows on an AVX512 build, the portable op elsewhere)."""
-    cases = [(torch.bfloat16, 64, 0, 0.0), (torch.bfloat16, 64, 8, 0.0), (torch.bfloat16, 64, 0, 5.0),
-             (torch.float32, 64, 0, 0.0), (torch.bfloat16, 96, 0, 0.0)]
+    cases = [
+        (torch.bfloat16, 64, 0, 0.0),
+        (torch.bfloat16, 64, 8, 0.0),
+        (torch.bfloat16, 64, 0, 5.0),
+        (torch.float32, 64, 0, 0.0),
+        (torch.bfloat16, 96, 0, 0.0),
+    ]
     for dtype, head_dim, sliding_window, soft_cap in cases:
         batch = make_batch([20, 9], [20, 4], 4, 2, head_dim, 1, dtype)
         out = ops.extend_attention(*batch.extend_args(0.125), sliding_window, soft_cap)
-        expected = reference.extend_attention_reference(*batch.extend_args(0.125), sliding_window, soft_cap)
+        expected = reference.extend_attention_reference(
+            *batch.extend_args(0.125), sliding_window, soft_cap
+        )
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -149,11 +172,15 @@ def test_cpp_kernels_hand_what_they_decline_to_the_torch_ops() -> None:
     """Strided caches (decode, store) and a soft cap (extend) go from the C++ kernels to
     kernels::*_portable."""
     batch = make_batch([5, 40], [1, 1], 4, 2, 64, 4, torch.bfloat16, seed=4)
-    wide_k, wide_v = (torch.cat([c, torch.zeros_like(c)], dim=-1) for c in (batch.k_cache, batch.v_cache))
+    wide_k, wide_v = (
+        torch.cat([c, torch.zeros_like(c)], dim=-1) for c in (batch.k_cache, batch.v_cache)
+    )
     k_view, v_view = wide_k[..., :64], wide_v[..., :64]  # the same caches, not contiguous
     args = batch.decode_args(0.125)
     out = ops.decode_attention(args[0], k_view, v_view, *args[3:])
-    torch.testing.assert_close(out.float(), reference.decode_attention_reference(*args).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        out.float(), reference.decode_attention_reference(*args).float(), atol=2e-2, rtol=2e-2
+    )
     k = torch.randn(2, 2, 64).bfloat16()
     ops.store_kv(k_view, v_view, k, -k, torch.tensor([1, 2]))
     assert torch.equal(wide_k[1:3, :, :64], k) and torch.equal(wide_v[1:3, :, :64], -k)
@@ -182,7 +209,11 @@ def test_store_kv_from_token_strided_views() -> None:
     k, v = qkv[:, 4:6], qkv[:, 6:8]
     k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
     ops.store_kv(k_cache, v_cache, k, v, torch.tensor([5, -1, 2]))
-    assert torch.equal(k_cache[5], k[0]) and torch.equal(k_cache[2], k[2]) and torch.equal(v_cache[2], v[2])
+    assert (
+        torch.equal(k_cache[5], k[0])
+        and torch.equal(k_cache[2], k[2])
+        and torch.equal(v_cache[2], v[2])
+    )
     assert k_cache[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
 
 
@@ -202,7 +233,9 @@ def test_decode_whole_row_and_per_head_tasks_agree(dtype: torch.dtype) -> None:
         torch.set_num_threads(threads)
     torch.testing.assert_close(whole_rows, per_head, atol=TOL[dtype], rtol=TOL[dtype])
     expected = reference.decode_attention_reference(*batch.decode_args(0.125))
-    torch.testing.assert_close(whole_rows.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        whole_rows.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

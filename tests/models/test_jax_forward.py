@@ -40,7 +40,9 @@ def test_tied_embeddings(tmp_path: Path) -> None:
 def test_sliding_window(tmp_path: Path) -> None:
     """Mistral attends to its last 8 keys only: prompts longer than the window decide
     differently."""
-    _agree(make_checkpoint(str(tmp_path), "MistralForCausalLM", sliding_window=8), [list(range(3, 40))])
+    _agree(
+        make_checkpoint(str(tmp_path), "MistralForCausalLM", sliding_window=8), [list(range(3, 40))]
+    )
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:

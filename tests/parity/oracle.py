@@ -43,13 +43,17 @@ def hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Mod
 
     where = Path(path)
     if where.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(where.parent), gguf_file=where.name, dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 
 
-def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device: str = "cpu") -> list[Reference]:
+def hf_fp32_greedy(
+    path: str, prompts: list[list[int]], new_tokens: int, device: str = "cpu"
+) -> list[Reference]:
     """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens
     would mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs
     come back on the CPU."""
@@ -63,8 +67,11 @@ def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device:
                 lp = torch.log_softmax(out.logits[0, -1].float(), -1).cpu()
                 tokens.append(int(lp.argmax()))
                 logprobs.append(lp)
-                out = hf(torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
-                         use_cache=True)
+                out = hf(
+                    torch.tensor([[tokens[-1]]], device=device),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
             refs.append(Reference(tokens, torch.stack(logprobs)))
     return refs
 
@@ -81,7 +88,9 @@ class Spread:
     typical: float
 
 
-def _spread_here(path: str, prompts: list[list[int]], refs: list[Reference], top: int, device: str) -> Spread:
+def _spread_here(
+    path: str, prompts: list[list[int]], refs: list[Reference], top: int, device: str
+) -> Spread:
     """transformers bf16 teacher-forced on fp32's tokens, in this process."""
     hf = hf_model(path, torch.bfloat16, device)
     chosen, step_worst = 0.0, []
@@ -93,7 +102,9 @@ def _spread_here(path: str, prompts: list[list[int]], refs: list[Reference], top
             errors = (lp.gather(1, ids_top) - ref.logprobs.gather(1, ids_top)).abs()
             step_worst += errors.max(1).values.tolist()
             mine = torch.tensor(ref.tokens)[:, None]
-            chosen = max(chosen, (lp.gather(1, mine) - ref.logprobs.gather(1, mine)).abs().max().item())
+            chosen = max(
+                chosen, (lp.gather(1, mine) - ref.logprobs.gather(1, mine)).abs().max().item()
+            )
     return Spread(chosen, max(step_worst), statistics.median(step_worst))
 
 
@@ -107,12 +118,27 @@ def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], t
         return _spread_here(path, prompts, refs, top, device)
     with tempfile.TemporaryDirectory() as tmp:
         given, got = Path(tmp) / "in.pt", Path(tmp) / "out.json"
-        torch.save({"path": path, "prompts": prompts, "refs": [(r.tokens, r.logprobs) for r in refs], "top": top},
-                   given)
+        torch.save(
+            {
+                "path": path,
+                "prompts": prompts,
+                "refs": [(r.tokens, r.logprobs) for r in refs],
+                "top": top,
+            },
+            given,
+        )
         env = os.environ | isa.env_caps(isa.PORTABLE)
-        run = subprocess.run([sys.executable, "-m", "tests.parity.oracle", str(given), str(got)], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, f"measuring transformers' bf16 spread failed:\n{run.stderr[-3000:]}"
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.parity.oracle", str(given), str(got)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert run.returncode == 0, (
+            f"measuring transformers' bf16 spread failed:\n{run.stderr[-3000:]}"
+        )
         return Spread(**json.loads(got.read_text()))
 
 
@@ -179,15 +205,24 @@ class Agreement:
     def typical_error(self) -> float:
         return statistics.median(self.step_errors) if self.step_errors else 0.0
 
-    def score(self, where: tuple[int, int], lp: torch.Tensor, chosen: int, ranked: list[tuple[int, float]],
-              top: int, rank_slack: float) -> None:
+    def score(
+        self,
+        where: tuple[int, int],
+        lp: torch.Tensor,
+        chosen: int,
+        ranked: list[tuple[int, float]],
+        top: int,
+        rank_slack: float,
+    ) -> None:
         """One step: fp32's log-probs `lp` and its `chosen` token against the engine's `ranked` top
         tokens."""
         ours = dict(ranked)
         wanted = lp.topk(top).indices.tolist()
         missing = [t for t in wanted if t not in ours]
-        assert not missing, f"prompt {where[0]} step {where[1]}: fp32's top tokens {missing} not in our top " \
-                            f"{len(ranked)}"
+        assert not missing, (
+            f"prompt {where[0]} step {where[1]}: fp32's top tokens {missing} not in our top "
+            f"{len(ranked)}"
+        )
         self.step_errors.append(max(abs(ours[t] - lp[t].item()) for t in wanted))
         self.max_chosen_error = max(self.max_chosen_error, abs(ours[chosen] - lp[chosen].item()))
         kth = lp[wanted[top - 2]].item()
@@ -195,30 +230,48 @@ class Agreement:
                            if lp[t].item() < kth - rank_slack]
 
     def report(self, what: str) -> str:
-        gaps = ", ".join(f"prompt {p} step {s}: fp32 gap {g:.4f}" for p, s, g in self.divergences) or "none"
-        return (f"{what}: |logprob error| chosen tokens max {self.max_chosen_error:.2e}, top tokens median step "
-                f"{self.typical_error:.2e} max {self.max_error:.2e}, over {self.steps - self.greedy_steps} "
-                f"teacher-forced and {self.greedy_steps} greedy steps; greedy divergences: {gaps}")
+        gaps = (
+            ", ".join(f"prompt {p} step {s}: fp32 gap {g:.4f}" for p, s, g in self.divergences)
+            or "none"
+        )
+        return (
+            f"{what}: |logprob error| chosen tokens max {self.max_chosen_error:.2e}, top tokens "
+            f"median step {self.typical_error:.2e} max {self.max_error:.2e}, over "
+            f"{self.steps - self.greedy_steps} teacher-forced and {self.greedy_steps} greedy "
+            f"steps; greedy divergences: {gaps}"
+        )
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
             agreement: Agreement) -> None:
     """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a
     divergence, fp32's gap between its token and ours."""
-    params = SamplingParams(max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
+    params = SamplingParams(
+        max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP
+    )
     outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for p, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         assert len(out.token_ids) == len(ref.tokens)
         for step, (ours, theirs) in enumerate(zip(out.token_ids, ref.tokens, strict=True)):
             if ours != theirs:
-                agreement.divergences.append((p, step, (ref.logprobs[step, theirs] - ref.logprobs[step, ours]).item()))
+                agreement.divergences.append(
+                    (p, step, (ref.logprobs[step, theirs] - ref.logprobs[step, ours]).item())
+                )
                 break
-            agreement.score((p, step), ref.logprobs[step], theirs, out.top_logprobs[step], top, rank_slack)
+            agreement.score(
+                (p, step), ref.logprobs[step], theirs, out.top_logprobs[step], top, rank_slack
+            )
             agreement.greedy_steps += 1
 
 
-def _teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
-                    agreement: Agreement) -> None:
+def _teacher_forced(
+    llm: LLM,
+    prompts: list[list[int]],
+    refs: list[Reference],
+    top: int,
+    rank_slack: float,
+    agreement: Agreement,
+) -> None:
     """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one
     request each)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
@@ -227,7 +280,9 @@ def _teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], t
     outputs = iter(o.outputs[0] for o in llm.generate(forced, params))
     for p, ref in enumerate(refs):
         for step, lp in enumerate(ref.logprobs):
-            agreement.score((p, step), lp, ref.tokens[step], next(outputs).top_logprobs[0], top, rank_slack)
+            agreement.score(
+                (p, step), lp, ref.tokens[step], next(outputs).top_logprobs[0], top, rank_slack
+            )
 
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bounds, what: str,
@@ -247,8 +302,10 @@ def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bou
     assert not agreement.misranked, f"tokens in our top k that fp32 ranks far below its k-th: " \
                                     f"{agreement.misranked[:5]}: {report}"
     for prompt, step, gap in agreement.divergences:
-        assert gap <= bounds.gap, f"prompt {prompt} diverged at step {step} where fp32 was not near a tie " \
-                                  f"(gap {gap:.4f}): {report}"
+        assert gap <= bounds.gap, (
+            f"prompt {prompt} diverged at step {step} where fp32 was not near a tie "
+            f"(gap {gap:.4f}): {report}"
+        )
     return agreement
 
 

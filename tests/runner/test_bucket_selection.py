@@ -41,7 +41,11 @@ def test_parse_buckets_sorts_and_rejects_nonpositive() -> None:
 def test_cpu_keeps_its_one_row_graph_then_the_dynamic_graph_at_two_rows_or_more() -> None:
     fwd = _forward("cpu", [1])
     assert fwd.buckets == [1]
-    assert [(g.n_rows, g.key) for g in map(fwd.graph_for, (1, 2, 5))] == [(1, 1), (2, "decode"), (5, "decode")]
+    assert [(g.n_rows, g.key) for g in map(fwd.graph_for, (1, 2, 5))] == [
+        (1, 1),
+        (2, "decode"),
+        (5, "decode"),
+    ]
 
 
 def test_cuda_buckets_start_at_two_rows() -> None:

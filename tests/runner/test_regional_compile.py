@@ -47,7 +47,10 @@ def checkpoint(path: Path, layers: int) -> str:
 
 def test_layers_share_compiled_code(tmp_path: Path) -> None:
     shallow, deep = checkpoint(tmp_path / "2", 2), checkpoint(tmp_path / "6", 6)
-    two, six = compiled_work(shallow, tmp_path / "cache-2"), compiled_work(deep, tmp_path / "cache-6")
+    two, six = (
+        compiled_work(shallow, tmp_path / "cache-2"),
+        compiled_work(deep, tmp_path / "cache-6"),
+    )
     print(f"compiled for 2 layers: {two}; for 6 layers: {six}")
     # prefill, decode at batch 1, decode at any batch
     assert two["graphs"] == 3 and two["kernels"] > 0

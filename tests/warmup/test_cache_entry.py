@@ -12,11 +12,32 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
-from compiled_engine.runner.compile_cache import CacheEntry, CacheKey, clear_entries, compile_with_cache, list_entries
+from compiled_engine.runner.compile_cache import (
+    CacheEntry,
+    CacheKey,
+    clear_entries,
+    compile_with_cache,
+    list_entries,
+)
 
-KEY = CacheKey(model_config="m", dtype="float32", device="cpu", tp_size=1, tp_rank=0, buckets=(1, 2), max_running=4,
-               max_context=256, page_size=1, num_pages=64, compile_mode="default", deterministic=True, torch="t",
-               triton="tr", python="p", engine_source="s")
+KEY = CacheKey(
+    model_config="m",
+    dtype="float32",
+    device="cpu",
+    tp_size=1,
+    tp_rank=0,
+    buckets=(1, 2),
+    max_running=4,
+    max_context=256,
+    page_size=1,
+    num_pages=64,
+    compile_mode="default",
+    deterministic=True,
+    torch="t",
+    triton="tr",
+    python="p",
+    engine_source="s",
+)
 
 
 def fake_compile() -> None:

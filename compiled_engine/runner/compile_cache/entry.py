@@ -89,7 +89,9 @@ class CacheEntry:
             "key": key.fields(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "compile_s": round(compile_s, 2),
-            "files": {str(p.relative_to(self.path)): [p.stat().st_size, _sha256(p)] for p in self._files()},
+            "files": {
+                str(p.relative_to(self.path)): [p.stat().st_size, _sha256(p)] for p in self._files()
+            },
         }
         tmp = self.path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -109,7 +111,11 @@ class CacheEntry:
 def list_entries(root: Path) -> list[CacheEntry]:
     if not root.is_dir():
         return []
-    return [CacheEntry(root, p.name) for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")]
+    return [
+        CacheEntry(root, p.name)
+        for p in sorted(root.iterdir())
+        if p.is_dir() and not p.name.startswith(".")
+    ]
 
 
 def clear_entries(root: Path, prefix: str = "") -> list[CacheEntry]:

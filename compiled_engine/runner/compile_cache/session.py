@@ -44,10 +44,13 @@ class CacheCounts:
     @staticmethod
     def now() -> CacheCounts:
         fx, aot, pre = counters["inductor"], counters["aot_autograd"], precompiled.counts
-        return CacheCounts(fx["fxgraph_cache_hit"] + pre["loaded"],
-                           fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"] + pre["compiled"],
-                           aot["autograd_cache_hit"], aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
-                           pre["loaded"])
+        return CacheCounts(
+            fx["fxgraph_cache_hit"] + pre["loaded"],
+            fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"] + pre["compiled"],
+            aot["autograd_cache_hit"],
+            aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
+            pre["loaded"],
+        )
 
     def __sub__(self, other: CacheCounts) -> CacheCounts:
         return CacheCounts(*(a - b for a, b in zip(astuple(self), astuple(other))))
@@ -64,9 +67,11 @@ class CompileReport:
     def summary(self) -> str:
         why = f" (discarded: {self.rebuilt})" if self.rebuilt else ""
         c = self.counts
-        return (f"compile cache {self.status}{why}: {self.entry.path}; compiled in {self.compile_s:.1f}s "
-                f"({c.hits} graph hits ({c.precompiled} precompiled) / {c.misses} misses, AOT autograd cache "
-                f"{c.aot_hits} / {c.aot_misses})")
+        return (
+            f"compile cache {self.status}{why}: {self.entry.path}; compiled in "
+            f"{self.compile_s:.1f}s ({c.hits} graph hits ({c.precompiled} precompiled) / "
+            f"{c.misses} misses, AOT autograd cache {c.aot_hits} / {c.aot_misses})"
+        )
 
 
 def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]) -> CompileReport:
@@ -81,8 +86,12 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
             entry.wipe()
             rebuilt = problem
         if problem is not None:
-            log.warning("compiling the model's graphs for this machine and settings (%s). A one-time cost: later "
-                        "starts load them from %s", rebuilt or miss_reason(root, key), entry.path)
+            log.warning(
+                "compiling the model's graphs for this machine and settings (%s). A one-time cost: "
+                "later starts load them from %s",
+                rebuilt or miss_reason(root, key),
+                entry.path,
+            )
         use_entry(entry)
         if problem is None and key.device.startswith("cpu"):
             vec_isa.reuse(entry)

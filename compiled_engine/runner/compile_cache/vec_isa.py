@@ -37,7 +37,11 @@ def reuse(entry: CacheEntry) -> bool:
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
     if _valid() == recorded:
         return True
-    log.info("compile cache %s: CPU vector ISAs differ from the warm-up's %s; probing them", entry.digest, recorded)
+    log.info(
+        "compile cache %s: CPU vector ISAs differ from the warm-up's %s; probing them",
+        entry.digest,
+        recorded,
+    )
     inductor_config.cpp.vec_isa_ok = before
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
     return False
