@@ -1,10 +1,12 @@
-"""The compile progress bar: graphs done / total and elapsed time, fed by `startup.warm_up`'s callback."""
+"""The compile progress bar: graphs done / total and elapsed time, fed by `startup.warm_up`'s
+callback."""
 
 from __future__ import annotations
 
 
 class GraphBar:
-    """`graphs: 1/2 [00:38<00:38, decode, any batch]`: called as each graph starts, with its name."""
+    """`graphs: 1/2 [00:38<00:38, decode, any batch]`: called as each graph starts, with its
+    name."""
 
     def __init__(self) -> None:
         self.bar = None

@@ -1,5 +1,6 @@
-"""One sub-request's output as its engine events arrive: the tokens, their log-probs, the text (cut at a
-stop string) and the finish reason. The offline API and the server both fold events through it."""
+"""One sub-request's output as its engine events arrive: the tokens, their log-probs, the text (cut
+at a stop string) and the finish reason. The offline API and the server both fold events through
+it."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ class OutputStream:
         return self.detok.text
 
     def apply(self, ev: TokenEvent) -> tuple[str, bool]:
-        """Fold in one event of this request. Returns the text it added and whether a stop string ended the
-        request here: the caller then tells the engine to finish it (no event says so). Events after the
-        end (a token already in flight when a stop string matched) change nothing."""
+        """Fold in one event of this request. Returns the text it added and whether a stop string
+        ended the request here: the caller then tells the engine to finish it (no event says so).
+        Events after the end (a token already in flight when a stop string matched) change
+        nothing."""
         if self.finish_reason is not None:
             return "", False
         text = ""

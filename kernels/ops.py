@@ -1,19 +1,19 @@
 """The kernel ops (`torch.ops.kernels.*`): the only way the engine reaches a kernel.
 
 Each op has one schema and, per device, one implementation:
-    CUDA  the Triton kernels of `kernels.triton` (attention, KV store, and deterministic mode's linear);
-          torch for linear and argmax otherwise
+    CUDA  the Triton kernels of `kernels.triton` (attention, KV store, and deterministic mode's
+          linear); torch for linear and argmax otherwise
     CPU   the native C++ kernels of `kernels.cpu` where they load, registered by the library itself
           (native/torch_ops.cpp); they hand what they decline to `kernels::<op>_portable`
-    else  the portable torch implementations of `kernels.portable` (CompositeExplicitAutograd: every device
-          without its own kernel, the CPU too when the native library is not there)
+    else  the portable torch implementations of `kernels.portable` (CompositeExplicitAutograd: every
+          device without its own kernel, the CPU too when the native library is not there)
 
-Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined with
-`torch.library.Library` and per-device implementations rather than `torch.library.custom_op`, whose Python
-wrapper costs more per call of a mutating op than the CPU decode attention itself (docs/benchmarks.md).
-The native library is built and loaded by `kernels.init` (or the first `load_cpu_kernels` call; never at
-import), and the Triton module is imported on the first CUDA call, so that tests can set TRITON_INTERPRET
-before anything decorates a kernel.
+Each op is opaque to torch.compile (one node, a fake implementation for shapes). They are defined
+with `torch.library.Library` and per-device implementations rather than `torch.library.custom_op`,
+whose Python wrapper costs more per call of a mutating op than the CPU decode attention itself
+(docs/benchmarks.md). The native library is built and loaded by `kernels.init` (or the first
+`load_cpu_kernels` call; never at import), and the Triton module is imported on the first CUDA call,
+so that tests can set TRITON_INTERPRET before anything decorates a kernel.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ from kernels.portable import linear as portable_linear
 _lib = torch.library.Library("kernels", "DEF")
 _SCHEMAS = {
     "store_kv": "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()",
-    "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
-    "int sliding_window=0, float soft_cap=0.0, bool invariant=False) -> Tensor",
-    "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_q_lens, "
-    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, bool invariant=False) -> Tensor",
+    "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+    "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, bool invariant=False) "
+    "-> Tensor",
+    "extend_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+    "Tensor cu_q_lens, Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0, "
+    "bool invariant=False) -> Tensor",
     "linear": "(Tensor x, Tensor weight, Tensor? bias=None, bool invariant=False) -> Tensor",
     "argmax": "(Tensor x) -> Tensor",
 }
@@ -47,24 +49,27 @@ _PORTABLE = {
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
-    _lib.define(_name + "_portable" + _schema)  # what the native kernels hand on for inputs they decline
+    # what the native kernels hand on for inputs they decline
+    _lib.define(_name + "_portable" + _schema)
     _lib.impl(_name, _PORTABLE[_name], "CompositeExplicitAutograd")
     _lib.impl(_name + "_portable", _PORTABLE[_name], "CompositeExplicitAutograd")
 
 store_kv = torch.ops.kernels.store_kv.default
-"""store_kv(k_cache, v_cache, k, v, slots): write k, v [T, Hkv, D] into the caches [S, Hkv, D] at `slots`
-[T] int64; slots < 0 are skipped."""
+"""store_kv(k_cache, v_cache, k, v, slots): write k, v [T, Hkv, D] into the caches [S, Hkv, D] at
+`slots` [T] int64; slots < 0 are skipped."""
 
 decode_attention = torch.ops.kernels.decode_attention.default
-"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
-invariant=False): one new query per row, q [B, H, D] -> [B, H, D]; page_table [B, W] holds raw KV slots;
-rows with seq_len 0 give zeros. `invariant`: as `linear`'s, for each query row."""
+"""decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0,
+soft_cap=0.0, invariant=False): one new query per row, q [B, H, D] -> [B, H, D]; page_table [B, W]
+holds raw KV slots; rows with seq_len 0 give zeros. `invariant`: as `linear`'s, for each query
+row."""
 
 extend_attention = torch.ops.kernels.extend_attention.default
 """extend_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
 soft_cap=0.0, invariant=False): ragged new tokens q [T, H, D] -> [T, H, D]; request b's queries
-cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix included).
-With `invariant`, a query's output is bit-identical to `decode_attention`'s for the same query and keys."""
+cu_q_lens[b]:cu_q_lens[b+1] are its last positions and attend causally to the whole row (prefix
+included). With `invariant`, a query's output is bit-identical to `decode_attention`'s for the same
+query and keys."""
 
 argmax = torch.ops.kernels.argmax.default
 """argmax(x [R, V]) -> [R] int64: `torch.argmax(x, -1)` (the first maximum, or the first NaN)."""
@@ -72,18 +77,18 @@ argmax = torch.ops.kernels.argmax.default
 
 @torch.compiler.assume_constant_result
 def _packed_linears() -> bool:
-    """Whether CPU bf16 linears take the op: always, unless a graph is being frozen (inductor's freezing
-    packs constant weights itself, and max-autotune then picks its own GEMM templates: an opaque op would
-    hide the linears from both). A constant to torch.compile, read while tracing."""
+    """Whether CPU bf16 linears take the op: always, unless a graph is being frozen (inductor's
+    freezing packs constant weights itself, and max-autotune then picks its own GEMM templates: an
+    opaque op would hide the linears from both). A constant to torch.compile, read while tracing."""
     return not inductor_config.freezing
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            invariant: bool = False) -> torch.Tensor:
-    """`F.linear`; CPU bf16 weights go through `kernels::linear` (a copy of the weight prepared once for
-    the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch. `invariant`
-    (deterministic mode): every linear takes the op, and each row's result depends on that row only, never
-    on the batch, its size, chunking, cached prefixes or the step kind."""
+    """`F.linear`; CPU bf16 weights go through `kernels::linear` (a copy of the weight prepared once
+    for the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch.
+    `invariant` (deterministic mode): every linear takes the op, and each row's result depends on
+    that row only, never on the batch, its size, chunking, cached prefixes or the step kind."""
     if invariant:
         return torch.ops.kernels.linear.default(x, weight, bias, True)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_linears():
@@ -92,8 +97,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def extend_request_counts(max_requests: int, device: torch.device) -> list[int]:
-    """Request counts (padding included) at which extend steps meet every compiled variant of the device's
-    extend kernels: the warm-up runs one step of each, so that serving compiles none. [] off CUDA."""
+    """Request counts (padding included) at which extend steps meet every compiled variant of the
+    device's extend kernels: the warm-up runs one step of each, so that serving compiles none. []
+    off CUDA."""
     if device.type != "cuda":
         return []
     from kernels.triton import attention
@@ -107,20 +113,54 @@ def _store_kv_cuda(k_cache, v_cache, k, v, slots) -> None:
     attention.store_kv_triton(k_cache, v_cache, k, v, slots)
 
 
-def _decode_attention_cuda(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0,
-                           invariant=False):
+def _decode_attention_cuda(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seq_lens,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+    invariant=False,
+):
     from kernels.triton import attention
 
-    return attention.decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window,
-                                             soft_cap, num_splits=1 if invariant else None)
+    return attention.decode_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        scale,
+        sliding_window,
+        soft_cap,
+        num_splits=1 if invariant else None,
+    )
 
 
-def _extend_attention_cuda(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window=0,
-                           soft_cap=0.0, invariant=False):
+def _extend_attention_cuda(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_q_lens,
+    seq_lens,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+    invariant=False,
+):
     from kernels.triton import attention
 
-    launch = attention.extend_attention_invariant_triton if invariant else attention.extend_attention_triton
-    return launch(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap)
+    launch = (
+        attention.extend_attention_invariant_triton
+        if invariant
+        else attention.extend_attention_triton
+    )
+    return launch(
+        q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap
+    )
 
 
 def _linear_cuda(x, weight, bias=None, invariant=False):
@@ -143,7 +183,17 @@ def _(k_cache, v_cache, k, v, slots) -> None:
 
 
 @torch.library.register_fake("kernels::decode_attention")
-def _(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window=0, soft_cap=0.0, invariant=False):
+def _(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seq_lens,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+    invariant=False,
+):
     return torch.empty_like(q)
 
 
@@ -165,13 +215,15 @@ def _(x):
 
 @functools.cache
 def load_cpu_kernels() -> bool:
-    """Build and load the native CPU kernels (once per process): True when they now serve the CPU, False
-    when the portable implementations do (no compiler, `COMPILED_ENGINE_NATIVE=0`, a failed build)."""
+    """Build and load the native CPU kernels (once per process): True when they now serve the CPU,
+    False when the portable implementations do (no compiler, `COMPILED_ENGINE_NATIVE=0`, a failed
+    build)."""
     return build.load()
 
 
 def isa_level() -> str:
-    """The `COMPILED_ENGINE_CPU_ISA` level in force (`kernels.cpu.isa`): part of what compiled code depends on."""
+    """The `COMPILED_ENGINE_CPU_ISA` level in force (`kernels.cpu.isa`): part of what compiled code
+    depends on."""
     return isa.level()
 
 
@@ -181,7 +233,8 @@ def native_isa() -> set[str] | None:
 
 
 def cpu_has_avx2() -> bool:
-    """Whether the CPU has AVX2 and FMA, which the native kernels' vector paths need (else they run scalar code)."""
+    """Whether the CPU has AVX2 and FMA, which the native kernels' vector paths need (else they run
+    scalar code)."""
     return {"avx2", "fma"} <= isa.cpu_flags()
 
 
@@ -195,7 +248,8 @@ LINEAR_ROUTES = ("amx", "onednn_bf16", "onednn_fp32", "blas_fp32", "invariant", 
 
 
 def linear_route(weight: torch.Tensor, invariant: bool) -> str:
-    """The route of a CPU weight through kernels::linear, by name ("portable" without the native library)."""
+    """The route of a CPU weight through kernels::linear, by name ("portable" without the native
+    library)."""
     if not load_cpu_kernels():
         return "portable"
     return LINEAR_ROUTES[torch.ops.kernels.linear_route(weight, invariant)]

@@ -1,10 +1,15 @@
-"""Slow, obviously correct paged attention and KV store: per request, per head, fp32 math. Tests only."""
+"""Slow, obviously correct paged attention and KV store: per request, per head, fp32 math. Tests
+only."""
 
 import torch
 
 
 def store_kv_reference(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -22,7 +27,8 @@ def _attend_row(
     sliding_window: int,
     soft_cap: float,
 ) -> torch.Tensor:
-    """Queries q [n, H, D] at `positions` of one row whose tokens sit at `slots`, one head at a time."""
+    """Queries q [n, H, D] at `positions` of one row whose tokens sit at `slots`, one head at a
+    time."""
     group = q.shape[1] // k_cache.shape[1]
     index = torch.tensor(slots, dtype=torch.long)
     keys, values = k_cache[index].float(), v_cache[index].float()
@@ -55,9 +61,16 @@ def decode_attention_reference(
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len > 0:
             slots = page_table[b, :seq_len].tolist()
-            out[b] = _attend_row(q[b : b + 1], k_cache, v_cache, slots, [seq_len - 1], scale, sliding_window, soft_cap)[
-                0
-            ]
+            out[b] = _attend_row(
+                q[b : b + 1],
+                k_cache,
+                v_cache,
+                slots,
+                [seq_len - 1],
+                scale,
+                sliding_window,
+                soft_cap,
+            )[0]
     return out.to(q.dtype)
 
 

@@ -1,4 +1,5 @@
-"""Hypothesis profiles: "ci" (default, fast on two slow cores) and "deep" (``--hypothesis-profile=deep``)."""
+"""Hypothesis profiles: "ci" (default, fast on two slow cores) and "deep"
+(``--hypothesis-profile=deep``)."""
 
 from hypothesis import HealthCheck, settings
 

@@ -58,7 +58,9 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(seq=tokens, lock=st.booleans())
     def match(self, seq: list[int], lock: bool) -> None:
         handle, pages = self.cache.match(seq)
-        assert pages == self._expected(seq), f"match {seq}: got {pages}, model says {self._expected(seq)}"
+        assert pages == self._expected(seq), (
+            f"match {seq}: got {pages}, model says {self._expected(seq)}"
+        )
         assert self.cache.pages_of(handle) == pages
         if lock:
             self.cache.lock(handle)
@@ -75,9 +77,15 @@ class RadixMachine(RuleBasedStateMachine):
         evictable = self.cache.evictable_pages
         free_before = self.alloc.num_free
         freed = self.cache.evict(n)
-        assert freed >= min(n, evictable), f"evict({n}) freed {freed} of {evictable} evictable pages"
+        assert freed >= min(n, evictable), (
+            f"evict({n}) freed {freed} of {evictable} evictable pages"
+        )
         assert self.alloc.num_free == free_before + freed
-        now = {seq[:end] for seq in self.cache.cached_sequences() for end in range(self.ps, len(seq) + 1, self.ps)}
+        now = {
+            seq[:end]
+            for seq in self.cache.cached_sequences()
+            for end in range(self.ps, len(seq) + 1, self.ps)
+        }
         assert now <= set(self.model), "eviction created content"
         removed = [p for p in self.model if p not in now]
         assert len(removed) == freed

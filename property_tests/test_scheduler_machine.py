@@ -1,10 +1,11 @@
 """The whole scheduler driven by the fake executor: tiny pools, shared prefixes, abort, overlap.
 
-After every rule the ledger invariants hold; every emitted token is the fake model's greedy token for
-that request run alone; finished requests end exactly as the model run alone would. Every step admits
-from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its token
-budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a shared prefix
-and the shared-prefix wait, and the run asserts that each of them was reached and prints how often.
+After every rule the ledger invariants hold; every emitted token is the fake model's greedy token
+for that request run alone; finished requests end exactly as the model run alone would. Every step
+admits from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its
+token budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a
+shared prefix and the shared-prefix wait, and the run asserts that each of them was reached and
+prints how often.
 """
 
 import collections
@@ -23,7 +24,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from compiled_engine.scheduler import LedgerParams, RequestRejected, Scheduler, SchedulerConfig, StepPlan
+from compiled_engine.scheduler import (
+    LedgerParams,
+    RequestRejected,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+)
 from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
@@ -49,7 +56,8 @@ def guarded(f):
 request_args = st.fixed_dictionaries(
     {
         "base": st.integers(0, 1),
-        "keep": st.one_of(st.just(8), st.integers(0, 8)),  # whole shared bases often: prefix sharing
+        # whole shared bases often: prefix sharing
+        "keep": st.one_of(st.just(8), st.integers(0, 8)),
         "suffix": st.lists(st.integers(0, VOCAB - 1), max_size=4),
         "max_tokens": st.integers(0, 8),
         "min_tokens": st.integers(0, 2),
@@ -70,10 +78,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_cache=st.sampled_from(["radix", "naive"]),
         lag=st.sampled_from([0, 1]),
         share_wait=st.sampled_from([1, 2, 3, 32]),
-        bases=st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2),
+        bases=st.lists(
+            st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2
+        ),
     )
-    def setup(self, page_size, num_pages, max_running, max_context, chunk_budget, mixed, prefix_cache, lag, share_wait,
-              bases):
+    def setup(
+        self,
+        page_size,
+        num_pages,
+        max_running,
+        max_context,
+        chunk_budget,
+        mixed,
+        prefix_cache,
+        lag,
+        share_wait,
+        bases,
+    ):
         self.cfg = SchedulerConfig(
             num_pages=num_pages,
             page_size=page_size,
@@ -168,25 +189,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.pending and (batch is None or len(self.pending) > self.lag):
             self.commit()
         elif batch is None:
-            assert not self.sched.has_work(), "stalled: work left, nothing planned, nothing in flight"
+            assert not self.sched.has_work(), (
+                "stalled: work left, nothing planned, nothing in flight"
+            )
         self.sched.check_integrity()
 
     def plan(self) -> StepPlan | None:
-        """schedule(), checking that it admitted a prefix of the waiting queue and kept its budget."""
+        """schedule(), checking that it admitted a prefix of the waiting queue and kept its
+        budget."""
         before = [r.rid for r in self.sched.waiting]
         batch = self.sched.schedule()
         still = {r.rid for r in self.sched.waiting}
         admitted = [rid for rid in before if rid not in still]
-        assert admitted == before[: len(admitted)], f"admission overtook the queue: {before} -> admitted {admitted}"
+        assert admitted == before[: len(admitted)], (
+            f"admission overtook the queue: {before} -> admitted {admitted}"
+        )
         if batch is not None:
-            assert len(batch.reqs) <= self.cfg.max_running, "more requests in a step than max_running"
+            assert len(batch.reqs) <= self.cfg.max_running, (
+                "more requests in a step than max_running"
+            )
             chunks = [rs for rs in batch.reqs if rs.start < self.sched.get_request(rs.rid).fill_to]
             prefill = sum(rs.length for rs in chunks)
             decodes = len(batch.reqs) - len(chunks)
             if self.cfg.mixed:
-                assert prefill <= max(0, self.cfg.chunk_budget - decodes), f"prefill {prefill} over the budget"
+                assert prefill <= max(0, self.cfg.chunk_budget - decodes), (
+                    f"prefill {prefill} over the budget"
+                )
             else:
-                assert prefill <= self.cfg.chunk_budget and not (prefill and decodes), "a mixed or oversized step"
+                assert prefill <= self.cfg.chunk_budget and not (prefill and decodes), (
+                    "a mixed or oversized step"
+                )
         return batch
 
     @precondition(lambda self: self.pending)
@@ -200,7 +232,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if ev.token is not None:
                 out = self.outputs[ev.rid]
                 out.append(ev.token)
-                assert out == self.expected[ev.rid][: len(out)], f"{ev.rid}: {out} vs {self.expected[ev.rid]}"
+                assert out == self.expected[ev.rid][: len(out)], (
+                    f"{ev.rid}: {out} vs {self.expected[ev.rid]}"
+                )
             if ev.finished:
                 self.reasons[ev.rid] = ev.finish_reason
                 self.live.remove(ev.rid)
@@ -220,8 +254,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             assert rid in self.reasons, f"{rid} never finished"
             assert self.outputs[rid] == ref, f"{rid}: {self.outputs[rid]} vs reference {ref}"
-            stopped = bool(ref) and ref[-1] in self.stop_ids[rid] and len(ref) > self.min_tokens[rid]
-            assert self.reasons[rid] == ("stop" if stopped else "length"), f"{rid}: {self.reasons[rid]}"
+            stopped = (
+                bool(ref) and ref[-1] in self.stop_ids[rid] and len(ref) > self.min_tokens[rid]
+            )
+            assert self.reasons[rid] == ("stop" if stopped else "length"), (
+                f"{rid}: {self.reasons[rid]}"
+            )
 
     @invariant()
     @guarded

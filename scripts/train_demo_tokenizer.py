@@ -1,7 +1,8 @@
-"""Train the demo tokenizer shipped as compiled_engine/models/demo_tokenizer/tokenizer.model (run once, by hand).
+"""Train the demo tokenizer shipped as compiled_engine/models/demo_tokenizer/tokenizer.model (run
+once, by hand).
 
-Corpus: the Python standard library's top-level sources plus Debian's license texts. The shipped file,
-not this script, is what makes the demo model byte-identical everywhere.
+Corpus: the Python standard library's top-level sources plus Debian's license texts. The shipped
+file, not this script, is what makes the demo model byte-identical everywhere.
 """
 
 import glob
@@ -11,7 +12,14 @@ import sysconfig
 
 import sentencepiece as spm
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "compiled_engine", "models", "demo_tokenizer", "tokenizer.model")
+OUT = os.path.join(
+    os.path.dirname(__file__),
+    "..",
+    "compiled_engine",
+    "models",
+    "demo_tokenizer",
+    "tokenizer.model",
+)
 
 
 def main() -> None:

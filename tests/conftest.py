@@ -1,7 +1,7 @@
-"""Without CUDA the Triton kernels run in the interpreter, which must be chosen before triton reads its
-settings: set here, before any test module or other conftest imports the engine (importing inductor reads
-them; a kernels-only conftest was too late when another test folder ran first). CI exports
-TRITON_INTERPRET=1 itself. The CPU ISA switch is applied here for the same reason."""
+"""Without CUDA the Triton kernels run in the interpreter, which must be chosen before triton reads
+its settings: set here, before any test module or other conftest imports the engine (importing
+inductor reads them; a kernels-only conftest was too late when another test folder ran first). CI
+exports TRITON_INTERPRET=1 itself. The CPU ISA switch is applied here for the same reason."""
 
 import gc
 import os
@@ -18,9 +18,10 @@ if not torch.cuda.is_available():
 
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: E402
 
-# inductor's graph cache does not key on the ISA cap: a graph that the tests compiled at the native level and
-# then reused at `avx2` gave wrong results (test_ops_inside_torch_compile; not explained yet). So each capped
-# level gets its own folder. (The engine's compile cache keys its entries by level itself.)
+# inductor's graph cache does not key on the ISA cap: a graph that the tests compiled at the native
+# level and then reused at `avx2` gave wrong results (test_ops_inside_torch_compile; not explained
+# yet). So each capped level gets its own folder. (The engine's compile cache keys its entries by
+# level itself.)
 if cpu_isa.level() != "native":
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"isa-{cpu_isa.level()}")
@@ -28,7 +29,8 @@ if cpu_isa.level() != "native":
 
 @pytest.fixture(autouse=True)
 def _engines_collectable_after_each_test():
-    """`startup.build_engine` freezes everything that exists out of the cyclic GC (a serving process has
-    one engine); tests build many in one process, so each test gives its objects back afterwards."""
+    """`startup.build_engine` freezes everything that exists out of the cyclic GC (a serving process
+    has one engine); tests build many in one process, so each test gives its objects back
+    afterwards."""
     yield
     gc.unfreeze()

@@ -9,8 +9,12 @@ from compiled_engine.models.demo import demo_model_dir
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compiled_engine", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "compiled_engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_demo_model_prints_the_checkpoint_path() -> None:

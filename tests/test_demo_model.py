@@ -11,7 +11,11 @@ from compiled_engine.models.demo import DEMO_CONFIG, demo_model_dir
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,9 @@ def test_transformers_loads_it_and_the_chat_template_has_one_bos(demo: Path) -> 
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("text", ["def f(x):\n    return  x + 1\n", "héllo wörld 你好 🙂", "  leading spaces"])
+@pytest.mark.parametrize(
+    "text", ["def f(x):\n    return  x + 1\n", "héllo wörld 你好 🙂", "  leading spaces"]
+)
 def test_tokenizer_round_trips_text(demo: Path, text: str) -> None:
     from transformers import AutoTokenizer
 

@@ -41,10 +41,27 @@ def test_folders(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_generate_answers_a_real_question_by_default() -> None:
-    """The console script with no --model: SmolLM2 through the chat template. Its first 32 greedy steps are no
-    near ties in transformers fp32 (top-2 gaps >= 0.128), so bf16 gives the same answer."""
-    out = subprocess.run([sys.executable, "-m", "compiled_engine", "generate", "--enforce-eager", "--max-tokens",
-                          "24", "--prompt", "Explain in one sentence what a CPU does."],
-                         capture_output=True, text=True, timeout=600)
+    """The console script with no --model: SmolLM2 through the chat template. Its first 32 greedy
+    steps are no near ties in transformers fp32 (top-2 gaps >= 0.128), so bf16 gives the same
+    answer."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compiled_engine",
+            "generate",
+            "--enforce-eager",
+            "--max-tokens",
+            "24",
+            "--prompt",
+            "Explain in one sentence what a CPU does.",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
-    assert "A CPU (Central Processing Unit) is the brain of a computer that executes instructions" in out.stdout
+    assert (
+        "A CPU (Central Processing Unit) is the brain of a computer that executes instructions"
+        in out.stdout
+    )

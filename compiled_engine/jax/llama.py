@@ -1,9 +1,11 @@
-"""A reference forward of the Llama family (Llama, Qwen2, Qwen3, Mistral) in JAX: a second oracle, written
-from the architecture, not from the engine's model code, that loads the same Hugging Face checkpoints.
+"""A reference forward of the Llama family (Llama, Qwen2, Qwen3, Mistral) in JAX: a second oracle,
+written from the architecture, not from the engine's model code, that loads the same Hugging Face
+checkpoints.
 
-Plain full-sequence causal attention (no KV cache), jitted per bucket of sequence lengths (powers of two,
-from 16): a greedy step re-runs the whole sequence padded to its bucket, which compiles a handful of shapes.
-Everything is computed in `dtype` (float32 by default: bf16 weights upcast exactly).
+Plain full-sequence causal attention (no KV cache), jitted per bucket of sequence lengths (powers of
+two, from 16): a greedy step re-runs the whole sequence padded to its bucket, which compiles a
+handful of shapes. Everything is computed in `dtype` (float32 by default: bf16 weights upcast
+exactly).
 """
 
 from __future__ import annotations
@@ -36,18 +38,30 @@ class JaxConfig:
         c = json.loads(path.read_text())
         arch = (c.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
-            raise ValueError(f"the JAX reference forward knows {', '.join(ARCHITECTURES)}, not {arch}")
+            raise ValueError(
+                f"the JAX reference forward knows {', '.join(ARCHITECTURES)}, not {arch}"
+            )
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r}: only silu is implemented")
-        rope = c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
+        rope = c.get("rope_parameters") or {
+            "rope_type": "default",
+            "rope_theta": c.get("rope_theta", 10000.0),
+        }
         scaling = c.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", "default") != "default":
-            raise ValueError(f"rope scaling {rope or scaling}: only the default rotary embedding is implemented")
+        if (
+            rope.get("rope_type", "default") != "default"
+            or scaling.get("rope_type", "default") != "default"
+        ):
+            raise ValueError(
+                f"rope scaling {rope or scaling}: only the default rotary embedding is implemented"
+            )
         windowed = arch == "MistralForCausalLM" or c.get("use_sliding_window")
         return cls(
-            layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
+            layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"],
             kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], eps=c["rms_norm_eps"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            eps=c["rms_norm_eps"],
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             sliding_window=c.get("sliding_window") if windowed else None,
             tied=bool(c.get("tie_word_embeddings", False)),
@@ -102,7 +116,8 @@ def forward(w: dict, c: JaxConfig, ids):
         q = _linear(w, p + "self_attn.q_proj", h).reshape(t, c.heads, c.head_dim)
         k = _linear(w, p + "self_attn.k_proj", h).reshape(t, c.kv_heads, c.head_dim)
         v = _linear(w, p + "self_attn.v_proj", h).reshape(t, c.kv_heads, c.head_dim)
-        if p + "self_attn.q_norm.weight" in w:  # Qwen3: RMSNorm of each head before the rotary embedding
+        # Qwen3: RMSNorm of each head before the rotary embedding
+        if p + "self_attn.q_norm.weight" in w:
             q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], c.eps)
             k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], c.eps)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -134,7 +149,8 @@ class JaxLlama:
         self._forward = jax.jit(functools.partial(forward, c=self.config))
 
     def logits(self, ids: list[int]) -> jax.Array:
-        """Logits of the last token of `ids` (the sequence padded to its bucket; padding comes after it)."""
+        """Logits of the last token of `ids` (the sequence padded to its bucket; padding comes after
+        it)."""
         padded = np.zeros(bucket(len(ids)), dtype=np.int32)
         padded[: len(ids)] = ids
         return self._forward(self.weights, ids=jnp.asarray(padded))[len(ids) - 1]

@@ -30,7 +30,14 @@ class Attention(nn.Module):
     """Stores this step's K/V in the layer's cache, then attends. The runner attaches `k_cache` and
     `v_cache` ([num_slots, num_kv_heads, head_dim]) once it has sized the KV pool."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int = 0,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -39,7 +46,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""
         ops.store_kv(self.k_cache, self.v_cache, k, v, meta.out_slots)
         if meta.is_decode:

@@ -1,5 +1,5 @@
-"""Vocab-parallel embedding and LM head. Each rank holds `ceil(vocab / tp)` rows; the last rank's rows
-past the vocabulary are zero padding, never refused and never visible in the logits."""
+"""Vocab-parallel embedding and LM head. Each rank holds `ceil(vocab / tp)` rows; the last rank's
+rows past the vocabulary are zero padding, never refused and never visible in the logits."""
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +17,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // self.tp_size)
         self.vocab_start = ps.get_tp_rank() * self.rows_per_rank
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
+    ) -> None:
         check_shape(src, (self.vocab_size, param.shape[1]))
         rows = max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))
         param.data[:rows].copy_(narrow(src, 0, self.vocab_start, rows))
@@ -31,14 +35,18 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.masked_fill(~mine, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight) * mine.unsqueeze(-1).to(
+            self.weight.dtype
+        )
         return ps.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the vocabulary; `tie_to` shares the embedding's weight."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabParallelEmbedding | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tie_to: VocabParallelEmbedding | None = None
+    ) -> None:
         super().__init__(vocab_size, hidden_size)
         self.batch_invariant = False  # deterministic mode (layers/invariance.py)
         if tie_to is not None:

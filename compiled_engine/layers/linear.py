@@ -30,7 +30,9 @@ class _Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
+    ) -> None:
         raise NotImplementedError
 
 
@@ -39,7 +41,9 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, _divide(out_features, ps.get_tp_size(), "out_features"), bias)
         self.full_out = out_features
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
+    ) -> None:
         check_shape(src, (self.full_out, *param.shape[1:]))
         rows = param.shape[0]
         param.data.copy_(narrow(src, 0, self.tp_rank * rows, rows))
@@ -49,13 +53,16 @@ class ColumnParallelLinear(_Linear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (e.g. gate and up); `shard_id` indexes `sizes`."""
+    """Several column-parallel outputs in one matmul (e.g. gate and up); `shard_id` indexes
+    `sizes`."""
 
     def __init__(self, in_features: int, sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(sizes), bias)
         self.sizes = sizes
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
+    ) -> None:
         assert isinstance(shard_id, int)
         full = self.sizes[shard_id]
         check_shape(src, (full, *param.shape[1:]))
@@ -68,7 +75,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul. Query heads are split over the ranks; KV heads too, or
     replicated (each rank holding one) when there are fewer KV heads than ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp = ps.get_tp_size()
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
         if num_kv_heads >= tp:
@@ -76,15 +85,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         elif tp % num_kv_heads == 0:
             self.num_kv_heads = 1
         else:
-            raise ValueError(f"tensor-parallel size {tp} is not a multiple of num_key_value_heads={num_kv_heads}")
+            raise ValueError(
+                f"tensor-parallel size {tp} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
         self.head_dim = head_dim
-        self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        self.full_sizes = {
+            "q": num_heads * head_dim,
+            "k": num_kv_heads * head_dim,
+            "v": num_kv_heads * head_dim,
+        }
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias)
         self.kv_replicas = max(1, tp // num_kv_heads)
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
+    ) -> None:
         check_shape(src, (self.full_sizes[shard_id], *param.shape[1:]))
         if shard_id == "q":
             offset, rows, head0 = 0, self.q_size, self.tp_rank * self.num_heads
@@ -99,7 +116,9 @@ class RowParallelLinear(_Linear):
         super().__init__(_divide(in_features, ps.get_tp_size(), "in_features"), out_features, bias)
         self.full_in = in_features
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
+    ) -> None:
         if param.dim() == 1:  # bias: replicated, added once after the reduction
             check_shape(src, tuple(param.shape))
             param.data.copy_(src[:])
@@ -109,5 +128,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(narrow(src, 1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(ops.linear(x, self.weight, invariant=self.batch_invariant), ordered=self.batch_invariant)
+        y = ps.all_reduce(
+            ops.linear(x, self.weight, invariant=self.batch_invariant), ordered=self.batch_invariant
+        )
         return y if self.bias is None else y + self.bias

@@ -1,5 +1,5 @@
-"""RMSNorm, computed in fp32 like the reference; with `residual` it first adds it (in the model dtype)
-and also returns the sum, the next residual."""
+"""RMSNorm, computed in fp32 like the reference; with `residual` it first adds it (in the model
+dtype) and also returns the sum, the next residual."""
 
 import torch
 from torch import nn

@@ -35,7 +35,9 @@ def _yarn_inv_freq(dim: int, base: float, p: dict, max_position: int) -> tuple[t
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -49,11 +51,15 @@ def _yarn_inv_freq(dim: int, base: float, p: dict, max_position: int) -> tuple[t
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention_factor)
 
 
-def rope_inv_freq(head_dim: int, rope_parameters: dict, max_position: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    head_dim: int, rope_parameters: dict, max_position: int
+) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim/2], attention scaling) for a config's rope parameters."""
     p = rope_parameters
     base, rope_type = p.get("rope_theta", 10000.0), p.get("rope_type", "default")
@@ -67,7 +73,9 @@ def rope_inv_freq(head_dim: int, rope_parameters: dict, max_position: int) -> tu
         return _llama3_inv_freq(_default_inv_freq(head_dim, base), p), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, p, max_position)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)"
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,7 +87,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by `positions` [T]."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

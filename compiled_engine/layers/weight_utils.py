@@ -1,7 +1,8 @@
 """Copying (a rank's part of) a checkpoint tensor into a parameter.
 
-`src` is a full checkpoint tensor: a torch.Tensor or a lazy safetensors slice (`safe_open(...).get_slice`),
-so narrowing to this rank's part happens before anything is read or copied.
+`src` is a full checkpoint tensor: a torch.Tensor or a lazy safetensors slice
+(`safe_open(...).get_slice`), so narrowing to this rank's part happens before anything is read or
+copied.
 """
 
 from typing import Any
@@ -17,7 +18,10 @@ def source_shape(src: WeightSource) -> tuple[int, ...]:
 
 def check_shape(src: WeightSource, expected: tuple[int, ...]) -> None:
     if source_shape(src) != tuple(expected):
-        raise ValueError(f"shape mismatch: checkpoint has {list(source_shape(src))}, model expects {list(expected)}")
+        raise ValueError(
+            f"shape mismatch: checkpoint has {list(source_shape(src))}, model expects "
+            f"{list(expected)}"
+        )
 
 
 def narrow(src: WeightSource, dim: int, start: int, length: int) -> torch.Tensor:

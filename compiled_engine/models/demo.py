@@ -4,7 +4,8 @@ It is created deterministically on first use in a cache folder, in standard Hugg
 (config.json, generation_config.json, model.safetensors, tokenizer files with a chat template), so
 every command that takes `--model` can default to it without a download. The same repo commit gives
 byte-identical files on every machine: weights come from per-tensor seeded generators and the
-sentencepiece tokenizer ships in the package (`compiled_engine/models/demo_tokenizer/tokenizer.model`).
+sentencepiece tokenizer ships in the package
+(`compiled_engine/models/demo_tokenizer/tokenizer.model`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 DEMO_NAME = "demo"
 DEMO_VERSION = "v2"
-DEMO_LABEL = "compiled-engine demo model (random weights: output is gibberish, for trying the plumbing)"
+DEMO_LABEL = (
+    "compiled-engine demo model (random weights: output is gibberish, for trying the plumbing)"
+)
 
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -43,14 +46,17 @@ DEMO_CONFIG = {
     "torch_dtype": "float32",
 }
 
-# Tools and tool calls in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), as Qwen's
-# templates write them: the server's default tool-call parser reads the same.
+# Tools and tool calls in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), as
+# Qwen's templates write them: the server's default tool-call parser reads the same.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}{{ '<|system|>\nTools: answer <tool_call>{\"name\": ..., \"arguments\": ...}"
-    "</tool_call> to call one.\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ bos_token }}{% if tools %}"
+    "{{ '<|system|>\nTools: answer <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call> to call one.\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}"
+    "{% endfor %}"
     "{{ eos_token + '\n' }}{% endif %}{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}{{ '<|assistant|>\n' }}"
-    "{% for call in message['tool_calls'] %}{{ '<tool_call>' }}{{ {'name': call['function']['name'], "
+    "{% for call in message['tool_calls'] %}{{ '<tool_call>' }}"
+    "{{ {'name': call['function']['name'], "
     "'arguments': call['function']['arguments']} | tojson }}{{ '</tool_call>' }}{% endfor %}"
     "{{ eos_token + '\n' }}{% else %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
@@ -74,7 +80,8 @@ _SPM_FILE = Path(__file__).with_name("demo_tokenizer") / "tokenizer.model"
 
 
 def cache_root() -> Path:
-    """Folder for everything compiled-engine caches (`$COMPILED_ENGINE_CACHE` or ~/.cache/compiled-engine)."""
+    """Folder for everything compiled-engine caches (`$COMPILED_ENGINE_CACHE` or
+    ~/.cache/compiled-engine)."""
     env = os.environ.get("COMPILED_ENGINE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "compiled-engine"
 
@@ -84,9 +91,12 @@ def demo_model_dir(root: Path | None = None) -> Path:
     return cached_folder((root or cache_root()) / f"demo-model-{DEMO_VERSION}", write_demo_model)
 
 
-def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "model.safetensors") -> Path:
-    """`target`, written by `write` into a temporary folder and renamed into place on first use (so a
-    concurrent or interrupted creation never leaves a half-written folder); `marker` is a file it holds."""
+def cached_folder(
+    target: Path, write: Callable[[Path], None], marker: str = "model.safetensors"
+) -> Path:
+    """`target`, written by `write` into a temporary folder and renamed into place on first use (so
+    a concurrent or interrupted creation never leaves a half-written folder); `marker` is a file it
+    holds."""
     if (target / marker).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,11 +114,16 @@ def cached_folder(target: Path, write: Callable[[Path], None], marker: str = "mo
 
 
 def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
-    """Every tensor of a Llama (or Qwen3) checkpoint with config `c`, each from its own seeded generator (so
-    the bytes do not depend on creation order); norms are ones."""
+    """Every tensor of a Llama (or Qwen3) checkpoint with config `c`, each from its own seeded
+    generator (so the bytes do not depend on creation order); norms are ones."""
     import torch
 
-    hidden, inter, vocab, head_dim = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    hidden, inter, vocab, head_dim = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["vocab_size"],
+        c["head_dim"],
+    )
     q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(c["num_hidden_layers"]):
@@ -125,7 +140,10 @@ def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
             p + "mlp.down_proj.weight": (hidden, inter),
         }
         if c.get("model_type") == "qwen3":  # per-head RMSNorms of q and k
-            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+            shapes |= {
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+            }
     shapes |= {"model.norm.weight": (hidden,)}
     if not c.get("tie_word_embeddings"):
         shapes |= {"lm_head.weight": (vocab, hidden)}
@@ -152,14 +170,18 @@ def write_demo_model(out: Path) -> None:
         out / "generation_config.json",
         {"bos_token_id": 1, "eos_token_id": [2], "do_sample": False},
     )
-    save_file(random_llama_weights(DEMO_CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        random_llama_weights(DEMO_CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     staging = out / ".tokenizer-src"
     staging.mkdir()
     shutil.copyfile(_SPM_FILE, staging / "tokenizer.model")
     dump_json(staging / "tokenizer_config.json", TOKENIZER_CONFIG)
     AutoTokenizer.from_pretrained(str(staging)).save_pretrained(str(out))
     shutil.rmtree(staging)
-    (out / "README.md").write_text(f"# {DEMO_LABEL}\n\nCreated by compiled_engine/models/demo.py.\n")
+    (out / "README.md").write_text(
+        f"# {DEMO_LABEL}\n\nCreated by compiled_engine/models/demo.py.\n"
+    )
 
 
 def dump_json(path: Path, obj: dict) -> None:

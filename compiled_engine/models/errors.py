@@ -1,4 +1,5 @@
-"""The error every checkpoint problem raises (a file, tensor, key or architecture we cannot load)."""
+"""The error every checkpoint problem raises (a file, tensor, key or architecture we cannot
+load)."""
 
 
 class CheckpointError(ValueError):

@@ -1,10 +1,11 @@
-"""A GGUF file (what llama.cpp and Ollama hold) read as a checkpoint: a Hugging Face config built from its
-metadata, and its tensors under Hugging Face names, dequantized by the `gguf` package's own routines.
+"""A GGUF file (what llama.cpp and Ollama hold) read as a checkpoint: a Hugging Face config built
+from its metadata, and its tensors under Hugging Face names, dequantized by the `gguf` package's own
+routines.
 
-llama.cpp's converter permutes the rows of the Q and K projections of `llama` models (its rotary pairs
-adjacent dimensions; Hugging Face's rotates halves); `tensors()` undoes that, as transformers does when it
-loads a GGUF file. Qwen2 and Qwen3 files are written unpermuted. Every problem is a `CheckpointError`
-naming the file and what is unsupported or missing.
+llama.cpp's converter permutes the rows of the Q and K projections of `llama` models (its rotary
+pairs adjacent dimensions; Hugging Face's rotates halves); `tensors()` undoes that, as transformers
+does when it loads a GGUF file. Qwen2 and Qwen3 files are written unpermuted. Every problem is a
+`CheckpointError` naming the file and what is unsupported or missing.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
-    """The file's checkpoint, parsed once per process (the reader takes seconds on a 49k-token vocabulary, and
-    the config, the weights and the tokenizer each need it); a changed file is parsed again."""
+    """The file's checkpoint, parsed once per process (the reader takes seconds on a 49k-token
+    vocabulary, and the config, the weights and the tokenizer each need it); a changed file is
+    parsed again."""
     where = Path(path).resolve()
     stat = where.stat() if where.is_file() else None
     return _open(where, None if stat is None else (stat.st_size, stat.st_mtime_ns))
@@ -64,9 +66,12 @@ class GGUFCheckpoint:
         try:
             self._reader = GGUFReader(self.path)
         except ValueError as e:
-            if "GGMLQuantizationType" in str(e):  # the reader's words for a type id it does not know
+            # the reader's words for a type id it does not know
+            if "GGMLQuantizationType" in str(e):
                 raise CheckpointError(f"{self.path}: unsupported quantization type ({e})") from e
-            raise CheckpointError(f"{self.path}: cannot read this GGUF file, truncated or corrupt ({e})") from e
+            raise CheckpointError(
+                f"{self.path}: cannot read this GGUF file, truncated or corrupt ({e})"
+            ) from e
         except Exception as e:  # noqa: BLE001 - a truncated file fails in numpy's memmap or struct parsing
             raise CheckpointError(f"{self.path}: cannot read this GGUF file, truncated or corrupt "
                                   f"({type(e).__name__}: {e})") from e
@@ -86,18 +91,26 @@ class GGUFCheckpoint:
 
     @cached_property
     def config_dict(self) -> dict:
-        """The Hugging Face config of the model, as a plain dict (its JSON is the compile-cache's model key)."""
+        """The Hugging Face config of the model, as a plain dict (its JSON is the compile-cache's
+        model key)."""
         a, meta = self.arch, self.metadata
         heads = int(meta(f"{a}.attention.head_count"))
         hidden = int(meta(f"{a}.embedding_length"))
         names = {t.name for t in self._reader.tensors}
         scaling = meta(f"{a}.rope.scaling.type", "none")
         if scaling not in ("none", "linear") or "rope_freqs.weight" in names:
-            raise CheckpointError(f"{self.path}: rope scaling {scaling!r} (or a rope_freqs tensor) is not supported")
-        rope: dict = {"rope_type": "default", "rope_theta": float(meta(f"{a}.rope.freq_base", 10000.0))}
+            raise CheckpointError(
+                f"{self.path}: rope scaling {scaling!r} (or a rope_freqs tensor) is not supported"
+            )
+        rope: dict = {
+            "rope_type": "default",
+            "rope_theta": float(meta(f"{a}.rope.freq_base", 10000.0)),
+        }
         if scaling == "linear":
             rope |= {"rope_type": "linear", "factor": float(meta(f"{a}.rope.scaling.factor"))}
-        weight_types = {t.tensor_type.name for t in self._reader.tensors if t.name.endswith(".weight")}
+        weight_types = {
+            t.tensor_type.name for t in self._reader.tensors if t.name.endswith(".weight")
+        }
         hf_arch, model_type = ARCHITECTURES[a]
         config = {
             "architectures": [hf_arch],
@@ -125,8 +138,8 @@ class GGUFCheckpoint:
 
     @cached_property
     def tokenizer_digest(self) -> str:
-        """A hash of everything transformers builds the tokenizer from (vocabulary, merges, special ids, chat
-        template): files that share a tokenizer share its converted copy."""
+        """A hash of everything transformers builds the tokenizer from (vocabulary, merges, special
+        ids, chat template): files that share a tokenizer share its converted copy."""
         h = hashlib.sha256()
         for key in sorted(k for k in self._reader.fields if k.startswith("tokenizer.")):
             h.update(key.encode() + b"\0" + repr(self.metadata(key)).encode() + b"\0")
@@ -143,7 +156,8 @@ class GGUFCheckpoint:
         return len(self._reader.tensors)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
+        """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a
+        time."""
         import gguf
         import numpy as np
         import torch
@@ -153,13 +167,19 @@ class GGUFCheckpoint:
         for t in self._reader.tensors:
             hf = names.get(t.name)
             if hf is None:
-                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for GGUF architecture {self.arch!r}")
+                raise CheckpointError(
+                    f"{self.path}: unexpected tensor {t.name!r} for GGUF architecture {self.arch!r}"
+                )
             try:
                 values = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r}: quantization type {t.tensor_type.name} "
-                                      f"is not supported ({e})") from e
-            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed(t.shape)))
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r}: quantization type {t.tensor_type.name} "
+                    f"is not supported ({e})"
+                ) from e
+            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+                tuple(reversed(t.shape))
+            )
             if self.arch in _PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = c["num_attention_heads"] if "q_proj" in hf else c["num_key_value_heads"]
                 w = unpermute_rotary_rows(w, heads)
@@ -167,7 +187,8 @@ class GGUFCheckpoint:
 
 
 def unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute(w, heads)`: per head, rows (0, half, 1, half+1, ...) back to (0, 1, ..., )."""
+    """Undo llama.cpp's `permute(w, heads)`: per head, rows (0, half, 1, half+1, ...) back to (0, 1,
+    ..., )."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 

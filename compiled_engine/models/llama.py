@@ -9,7 +9,11 @@ from transformers import PretrainedConfig
 from compiled_engine.layers.activation import SiluAndMul
 from compiled_engine.layers.attention import Attention, AttentionMetadata
 from compiled_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from compiled_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from compiled_engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from compiled_engine.layers.norm import RMSNorm
 from compiled_engine.layers.rotary import RotaryEmbedding
 from compiled_engine.models.registry import register
@@ -26,27 +30,43 @@ class DecoderOptions:
 
 class DecoderAttention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, opts: DecoderOptions, rotary: RotaryEmbedding, sliding_window: int
+        self,
+        config: PretrainedConfig,
+        opts: DecoderOptions,
+        rotary: RotaryEmbedding,
+        sliding_window: int,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, opts.qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            opts.qkv_bias,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, opts.o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, opts.o_bias
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if opts.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window
+        )
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden states [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D] with the rotary applied."""
+    def qkv(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden states [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D] with the rotary
+        applied."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        # its own tensor, not a view of the projection: a compile region may not return aliased outputs
+        # its own tensor, not a view of the projection: a compile region may not return aliased
+        # outputs
         v = v.reshape(-1, self.num_kv_heads, self.head_dim).clone()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -59,7 +79,9 @@ class DecoderMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias
+        )
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
 
@@ -69,7 +91,11 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, opts: DecoderOptions, rotary: RotaryEmbedding, sliding_window: int
+        self,
+        config: PretrainedConfig,
+        opts: DecoderOptions,
+        rotary: RotaryEmbedding,
+        sliding_window: int,
     ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, opts, rotary, sliding_window)
@@ -82,16 +108,21 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, opts: DecoderOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, config.rope_parameters)
+        self.rotary = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, config.rope_parameters
+        )
         windows = opts.sliding_windows or [0] * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, opts, self.rotary, windows[i]) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, opts, self.rotary, windows[i])
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Each layer is two compile regions around its attention op; the norm that ends a layer's region
-        is the next layer's input norm (the last one: the final norm)."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Each layer is two compile regions around its attention op; the norm that ends a layer's
+        region is the next layer's input norm (the last one: the final norm)."""
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -102,20 +133,24 @@ class DecoderModel(nn.Module):
         return x
 
 
-# Regional compilation: dynamo traces each of these once per graph as a subgraph, inductor compiles it once and
-# every layer calls the same code, so compile time does not grow with depth. The attention op between them
-# stays outside: it writes the KV cache, and a compile region may not mutate its inputs.
+# Regional compilation: dynamo traces each of these once per graph as a subgraph, inductor compiles
+# it once and every layer calls the same code, so compile time does not grow with depth. The
+# attention op between them stays outside: it writes the KV cache, and a compile region may not
+# mutate its inputs.
 @torch.compiler.nested_compile_region
 def attention_inputs(attn: DecoderAttention, positions: torch.Tensor, x: torch.Tensor):
     return attn.qkv(positions, x)
 
 
 @torch.compiler.nested_compile_region
-def layer_outputs(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm):
+def layer_outputs(
+    layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+):
     """Attention output [T, H, D] -> (the next layer's normed input, the residual stream)."""
     attn = layer.self_attn
-    x, residual = layer.post_attention_layernorm(attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim)),
-                                                 residual)
+    x, residual = layer.post_attention_layernorm(
+        attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim)), residual
+    )
     return next_norm(layer.mlp(x), residual)
 
 
@@ -144,7 +179,9 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         bias = getattr(config, "attention_bias", False)
-        return DecoderOptions(qkv_bias=bias, o_bias=bias, mlp_bias=getattr(config, "mlp_bias", False))
+        return DecoderOptions(
+            qkv_bias=bias, o_bias=bias, mlp_bias=getattr(config, "mlp_bias", False)
+        )
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -165,11 +202,16 @@ class LlamaForCausalLM(nn.Module):
     def attach_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """One [num_slots, num_kv_heads, head_dim] K and V tensor per layer."""
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+            raise ValueError(
+                f"expected {self.num_layers} K and V caches, got {len(k_caches)} and "
+                f"{len(v_caches)}"
+            )
         for layer, k, v in zip(self.model.layers, k_caches, v_caches, strict=True):
             layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Building a model from a local checkpoint: a Hugging Face checkpoint directory or a GGUF file.
 
-    model, config = load_model("/path/to/checkpoint", dtype="auto", device="cpu", load_format="auto")
+    model, config = load_model("/path/to/checkpoint", dtype="auto", device="cpu",
+        load_format="auto")
 
-Weights stream tensor by tensor from the `*.safetensors` file(s) (`model.safetensors.index.json` when
-sharded; each tensor is narrowed to this TP rank's part before it is read, so peak host memory stays
-about one tensor above the model) or from the GGUF file (each tensor dequantized in turn,
+Weights stream tensor by tensor from the `*.safetensors` file(s) (`model.safetensors.index.json`
+when sharded; each tensor is narrowed to this TP rank's part before it is read, so peak host memory
+stays about one tensor above the model) or from the GGUF file (each tensor dequantized in turn,
 `models.gguf_checkpoint`). Every problem with the checkpoint is a `CheckpointError` (a `ValueError`)
 naming the file, tensor or architecture at fault.
 """
@@ -61,8 +62,8 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """Model (eval mode, this TP rank's shard) and its Hugging Face config. `load_format="dummy"` gives
-    deterministic random weights (from `seed`) instead of reading the checkpoint."""
+    """Model (eval mode, this TP rank's shard) and its Hugging Face config. `load_format="dummy"`
+    gives deterministic random weights (from `seed`) instead of reading the checkpoint."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}; use auto, safetensors or dummy")
     config = load_config(model_dir)
@@ -80,7 +81,8 @@ def load_model(
 
 
 def load_config(model_path: str) -> PretrainedConfig:
-    """The Hugging Face config of a checkpoint directory, or the one a GGUF file's metadata gives."""
+    """The Hugging Face config of a checkpoint directory, or the one a GGUF file's metadata
+    gives."""
     if is_gguf(model_path):
         return open_gguf(model_path).config()
     try:
@@ -112,7 +114,9 @@ def checkpoint_files(model_dir: str) -> list[str]:
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: listed in {index} but missing")
         return files
-    files = sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    files = sorted(
+        os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors")
+    )
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     return files
@@ -140,7 +144,9 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
         if fused is None:
             names.add(pname)
         else:
-            names.update(".".join([*parts[:fused], c, *parts[fused + 1 :]]) for c in by_fused[parts[fused]])
+            names.update(
+                ".".join([*parts[:fused], c, *parts[fused + 1 :]]) for c in by_fused[parts[fused]]
+            )
     return names
 
 
@@ -148,8 +154,9 @@ def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, str, WeightSource
     """(file, tensor name, tensor or lazy slice) for every tensor of the checkpoint."""
     if is_gguf(model_path):
         checkpoint = open_gguf(model_path)
-        for name, tensor in tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="Loading GGUF",
-                                 unit="tensor"):
+        for name, tensor in tqdm(
+            checkpoint.tensors(), total=checkpoint.num_tensors, desc="Loading GGUF", unit="tensor"
+        ):
             yield model_path, name, tensor
         return
     for path in tqdm(checkpoint_files(model_path), desc="Loading safetensors", unit="file"):
@@ -182,5 +189,7 @@ def load_weights(model: nn.Module, model_path: str, tied: bool = False) -> None:
         loaded.add(name)
     missing = sorted(expected - loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise CheckpointError(f"{model_path}: missing tensors {shown}")

@@ -11,4 +11,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         bias = getattr(config, "attention_bias", False)
-        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_windows=layer_type_windows(config))
+        return DecoderOptions(
+            qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_windows=layer_type_windows(config)
+        )

@@ -1,6 +1,6 @@
-"""Architecture name (config.json `architectures`) -> model class. A model file registers itself with
-`@register("XForCausalLM")`; every module of this package is imported on the first lookup, so adding an
-architecture is adding one file."""
+"""Architecture name (config.json `architectures`) -> model class. A model file registers itself
+with `@register("XForCausalLM")`; every module of this package is imported on the first lookup, so
+adding an architecture is adding one file."""
 
 import importlib
 import pkgutil

@@ -1,5 +1,5 @@
-"""Joining the TP world: NCCL for the model's collectives on CUDA (gloo on the CPU), plus a gloo group
-that carries rank 0's inputs and the debug digests (control traffic stays on the host)."""
+"""Joining the TP world: NCCL for the model's collectives on CUDA (gloo on the CPU), plus a gloo
+group that carries rank 0's inputs and the debug digests (control traffic stays on the host)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,17 @@ import torch.distributed as dist
 from compiled_engine.parallel.parallel_state import init_tensor_parallel
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
-                     local_world_size: int) -> dist.ProcessGroup:
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: torch.device,
+    timeout_s: float,
+    local_world_size: int,
+) -> dist.ProcessGroup:
     """Initialize the default group (the TP group) and return the gloo control group."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # ranks on a host share its cores
+    # ranks on a host share its cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -23,8 +30,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout)
     init_tensor_parallel()
-    # Inputs get their own group: with overlap the forward's collectives run in a worker thread, and two
-    # threads interleaving ops on one group would pair them differently on different ranks.
+    # Inputs get their own group: with overlap the forward's collectives run in a worker thread, and
+    # two threads interleaving ops on one group would pair them differently on different ranks.
     return dist.new_group(backend="gloo", timeout=timeout)
 
 

@@ -6,7 +6,8 @@ import bisect
 
 
 def default_buckets(max_batch: int) -> list[int]:
-    """`[1, 2, 4] + range(8, max_batch + 1, 8)` as mini-sglang, capped at `max_batch` (none for 0)."""
+    """`[1, 2, 4] + range(8, max_batch + 1, 8)` as mini-sglang, capped at `max_batch` (none for
+    0)."""
     if max_batch < 1:
         return []
     sizes = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))

@@ -1,12 +1,13 @@
 """The model forward as compiled graphs. On the CPU: one static-shape graph per decode bucket, one
-dynamic-token-count graph for prefill / mixed steps, and one dynamic-batch decode graph for decode batches
-larger than the largest bucket. On CUDA the dynamic-batch decode graph is compiled once and a CUDA graph of it
-is captured per bucket (at least 2 rows: a 1-row batch runs padded to 2), so buckets cost captures, not
-compiles. Inside each graph every decoder layer calls the same two
-compiled regions (`models.llama`), so compiling costs about one layer, not the model's depth; the attention
-ops between them are opaque custom ops.
-During the warm-up each graph is loaded precompiled from the compile cache, or compiled ahead of time and
-saved there (`runner.precompiled`); without a cache folder, or if that fails, torch.compile compiles lazily."""
+dynamic-token-count graph for prefill / mixed steps, and one dynamic-batch decode graph for decode
+batches larger than the largest bucket. On CUDA the dynamic-batch decode graph is compiled once and
+a CUDA graph of it is captured per bucket (at least 2 rows: a 1-row batch runs padded to 2), so
+buckets cost captures, not compiles. Inside each graph every decoder layer calls the same two
+compiled regions (`models.llama`), so compiling costs about one layer, not the model's depth; the
+attention ops between them are opaque custom ops.
+During the warm-up each graph is loaded precompiled from the compile cache, or compiled ahead of
+time and saved there (`runner.precompiled`); without a cache folder, or if that fails, torch.compile
+compiles lazily."""
 
 from __future__ import annotations
 
@@ -27,28 +28,34 @@ from compiled_engine.runner.step_inputs import StepInputs
 
 
 def _configure_dynamo() -> None:
-    """Dynamo's process-wide settings that the engine's graphs need (set by the first CompiledForward)."""
+    """Dynamo's process-wide settings that the engine's graphs need (set by the first
+    CompiledForward)."""
     # One graph per decode bucket plus the extend graph must fit in dynamo's per-function cache.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
-    # With dynamic=True dynamo traces float module attributes (RMSNorm eps, attention scale) as symbolic
-    # floats, then restarts the trace to specialize them: that first attempt missed the AOT autograd cache on
-    # every start, and aot_compile has no restart at all (it raises TensorifyScalarRestartAnalysis).
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 512
+    )
+    # With dynamic=True dynamo traces float module attributes (RMSNorm eps, attention scale) as
+    # symbolic floats, then restarts the trace to specialize them: that first attempt missed the AOT
+    # autograd cache on every start, and aot_compile has no restart at all (it raises
+    # TensorifyScalarRestartAnalysis).
     torch._dynamo.config.specialize_float = True
 
 
-# `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in the
-# default mode, then captures CUDA graphs). Compared with `python -m compiled_engine.apps.bench.decode_step`
-# (docs/benchmarks.md):
-#   default    generated C++ for the pointwise ops; linears call torch's GEMM (fp32) or `kernels::linear`
-#              (bf16: weights prepared once for the CPU's fastest GEMM). Precompiled and cached: warm starts
-#              are fast.
-#   freezing   weights become graph constants and inductor packs the linears itself (so bf16 linears stay
-#              plain matmuls in these graphs, see `kernels.ops.linear`), constant folding. Bypasses the FX
-#              graph cache and is never precompiled (every start compiles), each graph holds its own packed
-#              copy of the linear weights, and tiny fp32 GEMVs get slower.
-#   max-autotune-freezing   freezing + inductor's C++ GEMM templates (AMX), benchmarked at compile time:
-#              the fastest bf16 steps on AMX, for a long compile of every graph on every start.
+# `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in
+# the default mode, then captures CUDA graphs). Compared with `python -m
+# compiled_engine.apps.bench.decode_step` (docs/benchmarks.md):
+#   default    generated C++ for the pointwise ops; linears call torch's GEMM (fp32) or
+#              `kernels::linear` (bf16: weights prepared once for the CPU's fastest GEMM).
+#              Precompiled and cached: warm starts are fast.
+#   freezing   weights become graph constants and inductor packs the linears itself (so bf16 linears
+#              stay plain matmuls in these graphs, see `kernels.ops.linear`), constant folding.
+#              Bypasses the FX graph cache and is never precompiled (every start compiles), each
+#              graph holds its own packed copy of the linear weights, and tiny fp32 GEMVs get
+#              slower.
+#   max-autotune-freezing   freezing + inductor's C++ GEMM templates (AMX), benchmarked at compile
+#              time: the fastest bf16 steps on AMX, for a long compile of every graph on every
+#              start.
 COMPILE_MODES: dict[str, dict[str, bool]] = {
     "default": {},
     "freezing": {"freezing": True},
@@ -56,17 +63,18 @@ COMPILE_MODES: dict[str, dict[str, bool]] = {
 }
 assert tuple(COMPILE_MODES) == COMPILE_MODE_NAMES
 
-# Inductor options of every CPU mode: no shape asserts per buffer. (Inductor's C++ wrapper, which calls the
-# kernels without the Python wrapper's per-line cost, cannot call a compile region: `invoke_subgraph` has no
-# C++ wrapper codegen. The regions are worth far more: docs/benchmarks.md, "Cold start".)
+# Inductor options of every CPU mode: no shape asserts per buffer. (Inductor's C++ wrapper, which
+# calls the kernels without the Python wrapper's per-line cost, cannot call a compile region:
+# `invoke_subgraph` has no C++ wrapper codegen. The regions are worth far more: docs/benchmarks.md,
+# "Cold start".)
 CPU_OPTIONS: dict[str, bool] = {"size_asserts": False}
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeGraph:
-    """The graph a decode batch runs: the `n_rows` it is padded to, the key of its compiled graph (its
-    bucket, or "decode": the dynamic-batch graph beyond the largest bucket), and on CUDA its captured graph,
-    whose input buffers the step's inputs are built into."""
+    """The graph a decode batch runs: the `n_rows` it is padded to, the key of its compiled graph
+    (its bucket, or "decode": the dynamic-batch graph beyond the largest bucket), and on CUDA its
+    captured graph, whose input buffers the step's inputs are built into."""
 
     n_rows: int
     key: int | str
@@ -78,8 +86,9 @@ class DecodeGraph:
 
 
 class CompiledForward:
-    """Picks the graph of each step. `precompiled_dir` (set by the warm-up, under the compile-cache lock)
-    makes each graph's first call load it from there, or compile it ahead of time and save it there."""
+    """Picks the graph of each step. `precompiled_dir` (set by the warm-up, under the compile-cache
+    lock) makes each graph's first call load it from there, or compile it ahead of time and save it
+    there."""
 
     def __init__(
         self, model: torch.nn.Module, buckets: list[int], enabled: bool, device: torch.device,
@@ -87,11 +96,13 @@ class CompiledForward:
     ) -> None:
         self.model = model
         self.enabled = enabled
-        self.deterministic = deterministic  # every graph is traced, and every eager step runs, batch-invariant
+        # every graph is traced, and every eager step runs, batch-invariant
+        self.deterministic = deterministic
         set_batch_invariant(model, deterministic)
         self.device = device
         if enabled and device.type == "cuda":
-            buckets = [max(b, 2) for b in buckets]  # captured from the dynamic graph, whose batch is >= 2
+            # captured from the dynamic graph, whose batch is >= 2
+            buckets = [max(b, 2) for b in buckets]
         self.buckets = sorted(set(buckets)) if enabled else []
         self.cuda_graphs: dict[int, _CapturedDecode] = {}
         self.precompiled_dir: Path | None = None
@@ -102,46 +113,56 @@ class CompiledForward:
     def _set_compile_mode(self, mode: str) -> None:
         """The inductor options (see COMPILE_MODES) every graph is compiled with."""
         if mode not in COMPILE_MODES:
-            raise ValueError(f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+            raise ValueError(
+                f"unknown compile_mode {mode!r}; use one of {', '.join(COMPILE_MODES)}"
+            )
         self.compile_mode = mode
         self._freezing = False
-        self.graphs: dict[object, Callable[..., torch.Tensor]] = {}  # bucket, "extend" or "decode" -> its graph
+        # bucket, "extend" or "decode" -> its graph
+        self.graphs: dict[object, Callable[..., torch.Tensor]] = {}
         if not self.enabled:
             return
         self._options = {**CPU_OPTIONS, **COMPILE_MODES[mode]} if self.device.type == "cpu" else {}
         if self.deterministic:
-            # Fused kernels round every intermediate to its dtype as eager does: otherwise whether an add feeding
-            # a norm is rounded to bf16 first depends on the fusion, which differs between graphs (bucket sizes).
+            # Fused kernels round every intermediate to its dtype as eager does: otherwise whether
+            # an add feeding a norm is rounded to bf16 first depends on the fusion, which differs
+            # between graphs (bucket sizes).
             self._options["emulate_precision_casts"] = True
-        # Dynamo reads `freezing` from the global config when it traces (to install the weights as graph
-        # attributes rather than inputs), so the flag is also set around each graph's first call, not only
-        # passed here. The KV caches stay graph inputs: store_kv mutates them, and freezing keeps those.
+        # Dynamo reads `freezing` from the global config when it traces (to install the weights as
+        # graph attributes rather than inputs), so the flag is also set around each graph's first
+        # call, not only passed here. The KV caches stay graph inputs: store_kv mutates them, and
+        # freezing keeps those.
         self._freezing = bool(self._options.get("freezing", False))
         self._decode = self._compiler(_decode_graph, dynamic=False)
-        self._dynamic = {key: self._marked(self._compiler(fn, dynamic=True)) for key, fn in DYNAMIC_GRAPHS.items()}
+        self._dynamic = {
+            key: self._marked(self._compiler(fn, dynamic=True))
+            for key, fn in DYNAMIC_GRAPHS.items()
+        }
 
     @staticmethod
     def _marked(graph: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return lambda *args: graph(*_mark_dynamic(args))
 
     def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
-        return torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None)
+        return torch.compile(
+            fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None
+        )
 
     def graph_for(self, n: int) -> DecodeGraph:
-        """The graph a decode batch of `n` requests runs: its bucket, else the shape-generic decode graph at
-        `n` rows, at least 2 there (dynamo specializes a dimension of size 1, so one row would compile a graph
-        of its own)."""
+        """The graph a decode batch of `n` requests runs: its bucket, else the shape-generic decode
+        graph at `n` rows, at least 2 there (dynamo specializes a dimension of size 1, so one row
+        would compile a graph of its own)."""
         bucket = next_bucket(self.buckets, n)
         if bucket is not None:
             return DecodeGraph(bucket, bucket, self.cuda_graphs.get(bucket))
         return DecodeGraph(max(n, 2) if self.enabled else n, "decode")
 
     def __call__(self, inputs: StepInputs, graph: DecodeGraph | None = None) -> torch.Tensor:
-        """The step's logits over the whole vocabulary; `graph`: a decode step's (`graph_for`), None for a
-        prefill or mixed step. The graphs return each TP rank's slice; the vocab
-        all-gather runs outside them: its functional collective takes the process group as an `Any`
-        argument, which inductor's C++ wrapper cannot pass (compiling a TP graph raised
-        `arg type Any is not yet supported by custom_op_wrapper`)."""
+        """The step's logits over the whole vocabulary; `graph`: a decode step's (`graph_for`), None
+        for a prefill or mixed step. The graphs return each TP rank's slice; the vocab all-gather
+        runs outside them: its functional collective takes the process group as an `Any` argument,
+        which inductor's C++ wrapper cannot pass (compiling a TP graph raised `arg type Any is not
+        yet supported by custom_op_wrapper`)."""
         return self.model.gather_logits(self._local_logits(inputs, graph))
 
     def _local_logits(self, inputs: StepInputs, graph: DecodeGraph | None) -> torch.Tensor:
@@ -157,8 +178,8 @@ class CompiledForward:
         graph = self.graphs.get(key)
         if graph is not None:
             return graph(self.model, *args)
-        # Freezing is on for the first call of each graph only (the one that traces and compiles it):
-        # patching the config costs tens of microseconds, too much for every step.
+        # Freezing is on for the first call of each graph only (the one that traces and compiles
+        # it): patching the config costs tens of microseconds, too much for every step.
         with inductor_config.patch(freezing=True) if self._freezing else contextlib.nullcontext():
             graph = self._first_graph(key, (self.model, *args))
             out = graph(self.model, *args)
@@ -166,41 +187,51 @@ class CompiledForward:
         return out
 
     def _first_graph(self, key: object, args: tuple) -> Callable[..., torch.Tensor]:
-        """The precompiled graph when there is a folder for it (freezing makes the weights graph constants:
-        never saved), else the lazily compiled one."""
+        """The precompiled graph when there is a folder for it (freezing makes the weights graph
+        constants: never saved), else the lazily compiled one."""
         lazy = self._dynamic.get(key, self._decode)
         if self.precompiled_dir is None or self._freezing:
             return lazy
         name = {"extend": "extend", "decode": "decode-dynamic"}.get(key, f"decode-{key}")
         path, static = self.precompiled_dir / f"{name}.bin", key not in DYNAMIC_GRAPHS
-        return precompiled.load_or_compile(lambda: self._aot_compile(key, args), lazy, args, path, static) or lazy
+        return (
+            precompiled.load_or_compile(
+                lambda: self._aot_compile(key, args), lazy, args, path, static
+            )
+            or lazy
+        )
 
     def _aot_compile(self, key: object, args: tuple):
         if key not in DYNAMIC_GRAPHS:
-            return self._compiler(_decode_graph, dynamic=False, fullgraph=True).aot_compile((args, {}))
-        # Marked dimensions get symbols of their own (unmarked ones would be duck-sized: equal sizes in the
-        # example, one symbol). The saved guards lose the markings and reject marked inputs, so later calls
-        # pass unmarked tensors (which the guards of a graph compiled in this process accept too).
+            return self._compiler(_decode_graph, dynamic=False, fullgraph=True).aot_compile(
+                (args, {})
+            )
+        # Marked dimensions get symbols of their own (unmarked ones would be duck-sized: equal sizes
+        # in the example, one symbol). The saved guards lose the markings and reject marked inputs,
+        # so later calls pass unmarked tensors (which the guards of a graph compiled in this process
+        # accept too).
         graph = self._compiler(DYNAMIC_GRAPHS[key], dynamic=True, fullgraph=True)
         return graph.aot_compile((_mark_dynamic(args), {}))
 
     def capture_cuda_graphs(self, make_inputs) -> None:
-        """Capture every decode bucket, largest first, into one memory pool, each from the one dynamic-batch
-        decode graph (CUDA only)."""
+        """Capture every decode bucket, largest first, into one memory pool, each from the one
+        dynamic-batch decode graph (CUDA only)."""
         pool = torch.cuda.graph_pool_handle()
         for n_rows in sorted(self.buckets, reverse=True):
             self.cuda_graphs[n_rows] = _CapturedDecode(lambda *args: self._run("decode", args),
                                                        make_inputs(n_rows), pool)
 
 
-def _logits(model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+def _logits(
+    model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index
+) -> torch.Tensor:
     hidden = model(input_ids, positions, meta)
     return model.local_logits(hidden.index_select(0, logits_index))
 
 
-# Two entry points with their own code objects, so that dynamo keeps their graphs apart. The model is an
-# argument (not a closure or `self`), so that a precompiled graph saves no module and runs with any model
-# of the same shapes.
+# Two entry points with their own code objects, so that dynamo keeps their graphs apart. The model
+# is an argument (not a closure or `self`), so that a precompiled graph saves no module and runs
+# with any model of the same shapes.
 def _decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
     return _logits(model, *args)
 
@@ -213,8 +244,8 @@ def _dynamic_decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
     return _logits(model, *args)
 
 
-# Graphs with a dynamic token / row count, by key: prefill and mixed steps, and decode batches larger than
-# the largest bucket.
+# Graphs with a dynamic token / row count, by key: prefill and mixed steps, and decode batches
+# larger than the largest bucket.
 DYNAMIC_GRAPHS = {"extend": _extend_graph, "decode": _dynamic_decode_graph}
 
 
@@ -223,7 +254,8 @@ def _args(inputs: StepInputs) -> tuple:
 
 
 class _CapturedDecode:
-    """Static input buffers + a CUDA graph of one decode bucket; replay copies the step's inputs in."""
+    """Static input buffers + a CUDA graph of one decode bucket; replay copies the step's inputs
+    in."""
 
     def __init__(self, fn, inputs: StepInputs, pool) -> None:
         self.inputs = inputs
@@ -239,13 +271,15 @@ class _CapturedDecode:
             self.output = fn(*args)
 
     def replay(self) -> torch.Tensor:
-        """Run the graph on the step's inputs, which were built into its buffers (`DecodeGraph.inputs`)."""
+        """Run the graph on the step's inputs, which were built into its buffers
+        (`DecodeGraph.inputs`)."""
         self.graph.replay()
         return self.output
 
 
 def _mark_dynamic(args: tuple) -> tuple:
-    """`args` of a dynamic graph, with the token / request / sampled-row dimension of each tensor marked."""
+    """`args` of a dynamic graph, with the token / request / sampled-row dimension of each tensor
+    marked."""
     _, input_ids, positions, meta, logits_index = args
     for t in (input_ids, positions, logits_index, *attention_metadata.dynamic_tensors(meta)):
         torch._dynamo.mark_dynamic(t, 0)

@@ -1,6 +1,7 @@
 """Deterministic mode's default per device, chosen by measurement: on only where the A/B against
-`--no-deterministic` showed a cost of at most 5% (README, "Deterministic inference", holds this table for
-users; docs/benchmarks.md, the runs behind it). `--deterministic` / `--no-deterministic` override it."""
+`--no-deterministic` showed a cost of at most 5% (README, "Deterministic inference", holds this
+table for users; docs/benchmarks.md, the runs behind it). `--deterministic` / `--no-deterministic`
+override it."""
 
 from __future__ import annotations
 
@@ -19,18 +20,24 @@ class DeviceDefault:
 
 DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
     "cpu-avx2": DeviceDefault(True, "measured faster than --no-deterministic (AMD Zen3)"),
-    "cpu-avx512-bf16": DeviceDefault(True, "measured 0.97-1.07x --no-deterministic's offline throughput, prefill "
-                                           "1.00-1.03x, batch-32 decode 1.14-1.24x (AMD Zen5)"),
+    "cpu-avx512-bf16": DeviceDefault(
+        True,
+        "measured 0.97-1.07x --no-deterministic's offline throughput, prefill "
+        "1.00-1.03x, batch-32 decode 1.14-1.24x (AMD Zen5)",
+    ),
     "cpu-amx": DeviceDefault(False, "not measured on an AMX CPU yet"),
-    "cpu-portable": DeviceDefault(False, "no native kernels (one row at a time) or no AVX2 (ARM: scalar C++ "
-                                         "kernels): not measured, slow"),
+    "cpu-portable": DeviceDefault(
+        False,
+        "no native kernels (one row at a time) or no AVX2 (ARM: scalar C++ "
+        "kernels): not measured, slow",
+    ),
     "cuda": DeviceDefault(False, "not measured on a GPU yet"),
 }
 
 
 def device_kind(device: torch.device) -> str:
-    """The row of DETERMINISTIC_BY_DEVICE a device falls in: what the native kernels run on a CPU (after
-    COMPILED_ENGINE_CPU_ISA's cap)."""
+    """The row of DETERMINISTIC_BY_DEVICE a device falls in: what the native kernels run on a CPU
+    (after COMPILED_ENGINE_CPU_ISA's cap)."""
     if device.type == "cuda":
         return "cuda"
     native = ops.native_isa()
@@ -45,5 +52,8 @@ def deterministic_default(device: torch.device) -> tuple[bool, str]:
     """(on or off, a one-line reason) for this device."""
     kind = device_kind(device)
     row = DETERMINISTIC_BY_DEVICE[kind]
-    return row.deterministic, f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: " \
-                              f"{row.why}"
+    return (
+        row.deterministic,
+        f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: "
+        f"{row.why}",
+    )

@@ -32,12 +32,13 @@ class StepOutput:
     tokens: list[int]  # one per sampled request, in plan order
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    errors: dict[int, str] | None = None  # sampled row -> why its request failed (a logits processor, a mask)
+    # sampled row -> why its request failed (a logits processor, a mask)
+    errors: dict[int, str] | None = None
 
 
 class PendingStep:
-    """A launched step whose tokens are on their way to the host: `result()` waits for them (the one host sync
-    of a step). On CUDA the outputs are copied into pinned host memory behind an event."""
+    """A launched step whose tokens are on their way to the host: `result()` waits for them (the one
+    host sync of a step). On CUDA the outputs are copied into pinned host memory behind an event."""
 
     def __init__(self, out: SampleOutput | None, make_event: Callable[[], DeviceEvent]) -> None:
         self._host: dict[str, torch.Tensor] = {}
@@ -68,32 +69,49 @@ class PendingStep:
 
 
 class ModelRunner:
-    """Owns the model, its paged KV cache, the device tables, the compiled graphs and the sampler."""
+    """Owns the model, its paged KV cache, the device tables, the compiled graphs and the
+    sampler."""
 
     def __init__(self, model: torch.nn.Module, config: RunnerConfig, device: torch.device) -> None:
         self.model, self.config, self.device = model, config, device
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model.num_kv_heads, model.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
+        self.k_caches = [
+            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)
+        ]
+        self.v_caches = [
+            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)
+        ]
         model.attach_kv_cache(self.k_caches, self.v_caches)
         self.tables = DeviceTables(config.max_rows, config.max_context, device)
-        self.make_event: Callable[[], DeviceEvent] = event_factory(device)  # the readback's (tests fake it)
+        # the readback's (tests fake it)
+        self.make_event: Callable[[], DeviceEvent] = event_factory(device)
         self.staging = Staging(device, make_event=self.make_event)
         self.sampler = Sampler(device, seed=config.seed)
-        self.forward = CompiledForward(model, config.buckets, enabled=not config.enforce_eager, device=device,
-                                       compile_mode=config.compile_mode, deterministic=config.deterministic)
-        # Launches return before the device has run them (CUDA queues the work): the engine then launches the
-        # next step before it reads this one's tokens, on its own thread. On the CPU a launch computes.
+        self.forward = CompiledForward(
+            model,
+            config.buckets,
+            enabled=not config.enforce_eager,
+            device=device,
+            compile_mode=config.compile_mode,
+            deterministic=config.deterministic,
+        )
+        # Launches return before the device has run them (CUDA queues the work): the engine then
+        # launches the next step before it reads this one's tokens, on its own thread. On the CPU a
+        # launch computes.
         self.asynchronous = device.type == "cuda"
 
     def launch(self, plan: StepPlan, sampling: list[SamplingRow]) -> PendingStep:
-        """The one entry of a step: apply the plan's writes, run the forward, sample (`sampling`: one row per
-        sampling request, in plan order), and write the sampled tokens to the token table, all queued on the
-        device without a host sync; the tokens come back through the returned `PendingStep`."""
-        # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must agree.
+        """The one entry of a step: apply the plan's writes, run the forward, sample (`sampling`:
+        one row per sampling request, in plan order), and write the sampled tokens to the token
+        table, all queued on the device without a host sync; the tokens come back through the
+        returned `PendingStep`."""
+        # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must
+        # agree.
         with torch.inference_mode():
-            targets = self.tables.apply_writes(plan, self.staging, sample_targets(plan, self.tables))
+            targets = self.tables.apply_writes(
+                plan, self.staging, sample_targets(plan, self.tables)
+            )
             logits = self.logits(plan)
             if not sampling:
                 return PendingStep(None, self.make_event)
@@ -109,9 +127,12 @@ class ModelRunner:
         return self.launch(plan, sampling).result()
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """The logits of the plan's sampling requests (the forward only: no writes, no sampling). A decode
-        step runs its bucket's graph, its inputs built into that graph's buffers where it has them."""
+        """The logits of the plan's sampling requests (the forward only: no writes, no sampling). A
+        decode step runs its bucket's graph, its inputs built into that graph's buffers where it has
+        them."""
         graph = self.forward.graph_for(len(plan.reqs)) if plan.is_decode else None
-        inputs = build_step_inputs(plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs)
+        inputs = build_step_inputs(
+            plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs
+        )
         return self.forward(inputs, graph)[: inputs.num_sampled]
 

@@ -1,14 +1,14 @@
 """Sampling on the device, per request within one batch.
 
-Order of logit processing: logit_bias and banned ids, repetition / frequency / presence penalties, the
-request's JAX logits processors, then the structured-output token mask (tokens the request's grammar does
-not allow next) last, so that no rule brings back a token the grammar excludes (vLLM masks first, and its
-processors can undo the mask); logprobs are taken from these processed logits, then temperature, top-k,
-top-p, min-p and the draw. A row whose mask allows nothing fails its request. Greedy rows (temperature 0,
-or top_k 1) take the argmax. A seeded request draws from its own generator, so its tokens do not depend on
-its batch neighbours.
-Nothing here waits for the device: every per-row setting reaches it through pinned memory (`to_device`), and
-every decision that depends on the rows is taken on the host.
+Order of logit processing: logit_bias and banned ids, repetition / frequency / presence penalties,
+the request's JAX logits processors, then the structured-output token mask (tokens the request's
+grammar does not allow next) last, so that no rule brings back a token the grammar excludes (vLLM
+masks first, and its processors can undo the mask); logprobs are taken from these processed logits,
+then temperature, top-k, top-p, min-p and the draw. A row whose mask allows nothing fails its
+request. Greedy rows (temperature 0, or top_k 1) take the argmax. A seeded request draws from its
+own generator, so its tokens do not depend on its batch neighbours.
+Nothing here waits for the device: every per-row setting reaches it through pinned memory
+(`to_device`), and every decision that depends on the rows is taken on the host.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None = None  # the request's own generator when it is seeded
     banned_ids: tuple[int, ...] = ()  # e.g. EOS ids while fewer than min_tokens were generated
-    prompt_ids: torch.Tensor | None = None  # device tensors; needed only for penalties and processors
+    # device tensors; needed only for penalties and processors
+    prompt_ids: torch.Tensor | None = None
     output_ids: torch.Tensor | None = None
-    token_mask: torch.Tensor | None = None  # structured output: packed int32 bitmask of the allowed next tokens
-    # Where prompt_ids / output_ids lie in the token table, (table row, prompt length, sequence length):
-    # the runner reads them there when it launches the step.
+    # structured output: packed int32 bitmask of the allowed next tokens
+    token_mask: torch.Tensor | None = None
+    # Where prompt_ids / output_ids lie in the token table, (table row, prompt length, sequence
+    # length): the runner reads them there when it launches the step.
     history: tuple[int, int, int] | None = None
 
 
@@ -44,11 +46,14 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [N] logprob of the chosen token (when any row asked)
     top_ids: torch.Tensor | None = None  # [N, K] top alternatives, K = max requested
     top_logprobs: torch.Tensor | None = None
-    errors: dict[int, str] | None = None  # row -> why it failed: its logits processor, or a mask allowing nothing
+    # row -> why it failed: its logits processor, or a mask allowing nothing
+    errors: dict[int, str] | None = None
 
 
-NOTHING_ALLOWED = ("structured output: the constraint allows no next token (no token of the vocabulary "
-                   "continues the output so far)")
+NOTHING_ALLOWED = (
+    "structured output: the constraint allows no next token (no token of the vocabulary "
+    "continues the output so far)"
+)
 GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by a tinier temperature overflows to inf
 
 
@@ -73,7 +78,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         params = [r.params for r in rows]
-        if all(is_greedy(p) and not _processes_logits(r) and p.logprobs is None for p, r in zip(params, rows)):
+        if all(
+            is_greedy(p) and not _processes_logits(r) and p.logprobs is None
+            for p, r in zip(params, rows)
+        ):
             return SampleOutput(tokens=ops.argmax(logits))
         logits = logits.float()
         if any(_processes_logits(r) for r in rows):
@@ -91,16 +99,17 @@ class Sampler:
             out.logprobs = logp.gather(1, out.tokens[:, None]).squeeze(1)
             k = max(want)
             if k > 0:
-                # Equal logprobs in token-id order, whatever the batch: topk leaves the order of ties (and which
-                # of them make the cut) unspecified.
+                # Equal logprobs in token-id order, whatever the batch: topk leaves the order of
+                # ties (and which of them make the cut) unspecified.
                 ordered, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
                 out.top_logprobs, out.top_ids = ordered[:, :k], ids[:, :k]
         return out
 
     def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
-        """-inf for every token a row's mask excludes: all masked rows at once, each packed byte unpacked
-        to its 8 bits through a 256-entry table. A row whose mask allows nothing (its grammar cannot go on
-        in this vocabulary) is left as it is and returned, row -> why: its request fails."""
+        """-inf for every token a row's mask excludes: all masked rows at once, each packed byte
+        unpacked to its 8 bits through a 256-entry table. A row whose mask allows nothing (its
+        grammar cannot go on in this vocabulary) is left as it is and returned, row -> why: its
+        request fails."""
         vocab = logits.shape[1]
         stuck = {i: NOTHING_ALLOWED for i, r in enumerate(rows)
                  if r.token_mask is not None and _allows_nothing(r.token_mask, vocab)}
@@ -111,7 +120,9 @@ class Sampler:
         if logits.is_cuda:
             words = words.pin_memory().to(logits.device, non_blocking=True)
         table = _bit_table(logits.device)
-        allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(len(masked), -1)[:, :vocab]
+        allowed = table.index_select(0, words.view(torch.uint8).view(-1).int()).view(
+            len(masked), -1
+        )[:, :vocab]
         index = to_device(masked, torch.long, logits.device)
         logits[index] = torch.where(allowed, logits.index_select(0, index), float("-inf"))
         return stuck
@@ -127,13 +138,18 @@ class Sampler:
                         vals.append(bias)
         device = logits.device
         if idx_r:
-            logits.index_put_((to_device(idx_r, torch.long, device), to_device(idx_c, torch.long, device)),
-                              to_device(vals, logits.dtype, device), accumulate=True)
+            logits.index_put_(
+                (to_device(idx_r, torch.long, device), to_device(idx_c, torch.long, device)),
+                to_device(vals, logits.dtype, device),
+                accumulate=True,
+            )
         ban_r = [i for i, r in enumerate(rows) for t in r.banned_ids if 0 <= t < logits.shape[1]]
         ban_c = [t for r in rows for t in r.banned_ids if 0 <= t < logits.shape[1]]
         if ban_r:
-            logits.index_put_((to_device(ban_r, torch.long, device), to_device(ban_c, torch.long, device)),
-                              logits.new_full((len(ban_r),), float("-inf")))
+            logits.index_put_(
+                (to_device(ban_r, torch.long, device), to_device(ban_c, torch.long, device)),
+                logits.new_full((len(ban_r),), float("-inf")),
+            )
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = logits.shape[1]
@@ -145,7 +161,9 @@ class Sampler:
             row = logits[i]
             if p.repetition_penalty != 1.0:
                 seen = (counts > 0) | (_counts(r.prompt_ids, vocab, logits) > 0)
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                penalized = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
                 row.copy_(torch.where(seen, penalized, row))
             if p.frequency_penalty:
                 row.sub_(p.frequency_penalty * counts)
@@ -198,15 +216,22 @@ def _allows_nothing(mask: torch.Tensor, vocab: int) -> bool:
 
 
 def _processes_logits(r: SamplingRow) -> bool:
-    return r.token_mask is not None or bool(r.params.logit_bias) or bool(r.banned_ids) or needs_history(r.params)
+    return (
+        r.token_mask is not None
+        or bool(r.params.logit_bias)
+        or bool(r.banned_ids)
+        or needs_history(r.params)
+    )
 
 
 def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
-    """Each row's JAX logits processors, in order, on its own row (so a row never depends on its batch); a
-    processor that fails leaves its row as it was and fails the row's request: row -> the error."""
+    """Each row's JAX logits processors, in order, on its own row (so a row never depends on its
+    batch); a processor that fails leaves its row as it was and fails the row's request: row -> the
+    error."""
     errors: dict[int, str] = {}
     for i, r in enumerate(rows):
-        if not r.params.logits_processors or r.prompt_ids is None:  # None: its request ended while planned
+        # None: its request ended while planned
+        if not r.params.logits_processors or r.prompt_ids is None:
             continue
         from compiled_engine.jax import bridge
 
@@ -221,8 +246,8 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int
 
 
 def _counts(ids: torch.Tensor | None, vocab: int, logits: torch.Tensor) -> torch.Tensor:
-    """[vocab] occurrences of each token id in `ids` (ids outside the vocabulary count nowhere), without the
-    host sync a boolean-mask selection would make."""
+    """[vocab] occurrences of each token id in `ids` (ids outside the vocabulary count nowhere),
+    without the host sync a boolean-mask selection would make."""
     counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
     if ids is not None and ids.numel():
         ids = ids.long()
@@ -234,4 +259,6 @@ def _counts(ids: torch.Tensor | None, vocab: int, logits: torch.Tensor) -> torch
 @functools.cache
 def _bit_table(device: torch.device) -> torch.Tensor:
     """[256, 8] bool: the bits of each byte, least significant first (xgrammar's bitmask order)."""
-    return ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).bool()
+    return (
+        (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    ).bool()

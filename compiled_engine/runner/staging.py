@@ -1,11 +1,11 @@
 """Host -> device uploads of a step's integer inputs, without a host sync (after mini-sglang).
 
-A step's lists (positions, slots, lengths, table writes) are packed into a pinned host buffer (one block per
-dtype) and reach the device in one non-blocking copy per field, into a `DeviceSlab`. A captured CUDA graph's
-static inputs are such a slab, so a decode step's inputs are copied straight into the buffers the graph
-reads. Host buffers form a ring: a buffer is written again only once the event
-recorded behind its last copy has passed, and when none has, the ring grows instead of waiting (on the CPU
-copies are synchronous and the event is a no-op).
+A step's lists (positions, slots, lengths, table writes) are packed into a pinned host buffer (one
+block per dtype) and reach the device in one non-blocking copy per field, into a `DeviceSlab`. A
+captured CUDA graph's static inputs are such a slab, so a decode step's inputs are copied straight
+into the buffers the graph reads. Host buffers form a ring: a buffer is written again only once the
+event recorded behind its last copy has passed, and when none has, the ring grows instead of waiting
+(on the CPU copies are synchronous and the event is a no-op).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ Fields = dict[str, tuple[Sequence[int], torch.dtype]]
 
 @dataclass
 class DeviceSlab:
-    """A step's device tensors by name, each its own allocation: graph inputs that are views into one
-    buffer would make dynamo guard on their storage offsets (and duck-size them against other sizes)."""
+    """A step's device tensors by name, each its own allocation: graph inputs that are views into
+    one buffer would make dynamo guard on their storage offsets (and duck-size them against other
+    sizes)."""
 
     fields: dict[str, torch.Tensor]
 
@@ -55,8 +56,15 @@ class DeviceSlab:
         return [(name, t.numel()) for name, t in self.fields.items()]
 
     @classmethod
-    def allocate(cls, layout: dict[str, tuple[int, torch.dtype]], device: torch.device) -> DeviceSlab:
-        return cls({name: torch.empty(n, dtype=dtype, device=device) for name, (n, dtype) in layout.items()})
+    def allocate(
+        cls, layout: dict[str, tuple[int, torch.dtype]], device: torch.device
+    ) -> DeviceSlab:
+        return cls(
+            {
+                name: torch.empty(n, dtype=dtype, device=device)
+                for name, (n, dtype) in layout.items()
+            }
+        )
 
 
 class _HostBuffer:
@@ -77,8 +85,8 @@ class _HostBuffer:
 
 
 class Staging:
-    """Uploads through a ring of host buffers (pinned on CUDA). `make_event`: the device's event type (tests
-    pass a fake one to check the ring's waits)."""
+    """Uploads through a ring of host buffers (pinned on CUDA). `make_event`: the device's event
+    type (tests pass a fake one to check the ring's waits)."""
 
     def __init__(self, device: torch.device, ring: int = 2,
                  make_event: Callable[[], DeviceEvent] | None = None) -> None:
@@ -92,7 +100,8 @@ class Staging:
         return len(self._ring)
 
     def _free_buffer(self) -> _HostBuffer:
-        """The next ring entry whose last copy has run (never waits: a new entry when all are in use)."""
+        """The next ring entry whose last copy has run (never waits: a new entry when all are in
+        use)."""
         for i in range(len(self._ring)):
             j = (self._next + i) % len(self._ring)
             host = self._ring[j]
@@ -105,8 +114,9 @@ class Staging:
         return host
 
     def upload(self, fields: Fields, into: DeviceSlab | None = None) -> DeviceSlab:
-        """Copy `fields` to the device: into `into` (same names and sizes, e.g. a graph's static inputs) or a
-        new slab. Returns at once on CUDA; the copies are ordered before later work on the stream."""
+        """Copy `fields` to the device: into `into` (same names and sizes, e.g. a graph's static
+        inputs) or a new slab. Returns at once on CUDA; the copies are ordered before later work on
+        the stream."""
         layout = {name: (len(values), dtype) for name, (values, dtype) in fields.items()}
         if into is None:
             into = DeviceSlab.allocate(layout, self.device)
@@ -116,21 +126,30 @@ class Staging:
         packed: dict[torch.dtype, list[int]] = {}
         for values, dtype in fields.values():
             packed.setdefault(dtype, []).extend(values)
-        staged = {dtype: host.block(dtype, len(values)) for dtype, values in packed.items() if values}
+        staged = {
+            dtype: host.block(dtype, len(values)) for dtype, values in packed.items() if values
+        }
         for dtype, block in staged.items():
             block.copy_(torch.tensor(packed[dtype], dtype=dtype))
         offsets = dict.fromkeys(staged, 0)
         for name, (values, dtype) in fields.items():
             if values:
                 at = offsets[dtype]
-                into.fields[name].copy_(staged[dtype][at:at + len(values)], non_blocking=host.pinned)
+                into.fields[name].copy_(
+                    staged[dtype][at : at + len(values)], non_blocking=host.pinned
+                )
                 offsets[dtype] = at + len(values)
         host.event = self.make_event()
         host.event.record()
         return into
 
 
-def to_device(values: Sequence[int | float | bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without a host sync: through pinned memory on CUDA (torch's host
-    allocator reuses the block only after its copy has run); on the CPU the host tensor itself."""
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+def to_device(
+    values: Sequence[int | float | bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list on the device without a host sync: through pinned memory on CUDA (torch's
+    host allocator reuses the block only after its copy has run); on the CPU the host tensor
+    itself."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(
+        device, non_blocking=True
+    )

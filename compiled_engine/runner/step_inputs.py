@@ -1,10 +1,10 @@
 """Where the ledger becomes kernel arguments: a `StepPlan` plan -> the tensors of one forward.
 
-Token ids and page-table rows live on the device (`DeviceTables`); a plan only says which positions of
-which rows to compute, so the token sampled in step k is read by step k+1 without a host round trip.
-Decode batches are padded to a bucket with rows that read the dummy slot and write nowhere; extend
-batches get one padding request of one token so that no dimension is ever 1 (torch.compile would
-specialize on it and recompile).
+Token ids and page-table rows live on the device (`DeviceTables`); a plan only says which positions
+of which rows to compute, so the token sampled in step k is read by step k+1 without a host round
+trip. Decode batches are padded to a bucket with rows that read the dummy slot and write nowhere;
+extend batches get one padding request of one token so that no dimension is ever 1 (torch.compile
+would specialize on it and recompile).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from compiled_engine.scheduler.plan import StepPlan
 
 
 class DeviceTables:
-    """Token table and page table `[max_rows + 1, max_context]`; the last row is all zeros (padding)."""
+    """Token table and page table `[max_rows + 1, max_context]`; the last row is all zeros
+    (padding)."""
 
     def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
         self.pad_row = max_rows
@@ -29,9 +30,12 @@ class DeviceTables:
         self.page_table = torch.zeros(max_rows + 1, max_context, dtype=torch.int32, device=device)
         self.device = device
 
-    def apply_writes(self, plan: StepPlan, staging: Staging, sample_next: list[int] | None = None) -> torch.Tensor:
-        """One upload and one scatter per table for all of the plan's writes. `sample_next`: the flat table
-        positions the step's sampled tokens go to, uploaded with them; returns them on the device."""
+    def apply_writes(
+        self, plan: StepPlan, staging: Staging, sample_next: list[int] | None = None
+    ) -> torch.Tensor:
+        """One upload and one scatter per table for all of the plan's writes. `sample_next`: the
+        flat table positions the step's sampled tokens go to, uploaded with them; returns them on
+        the device."""
         slot_at: list[int] = []
         slot_val: list[int] = []
         token_at: list[int] = []
@@ -46,9 +50,15 @@ class DeviceTables:
                 self.flat(w.row, w.start + len(values) - 1)  # the run ends inside its row
                 at.extend(range(base, base + len(values)))
                 vals.extend(values)
-        up = staging.upload({"slot_at": (slot_at, torch.long), "slot_val": (slot_val, torch.int32),
-                             "token_at": (token_at, torch.long), "token_val": (token_val, torch.long),
-                             "sample_next": (sample_next or [], torch.long)}).fields
+        up = staging.upload(
+            {
+                "slot_at": (slot_at, torch.long),
+                "slot_val": (slot_val, torch.int32),
+                "token_at": (token_at, torch.long),
+                "token_val": (token_val, torch.long),
+                "sample_next": (sample_next or [], torch.long),
+            }
+        ).fields
         if slot_at:
             self.page_table.view(-1).index_copy_(0, up["slot_at"], up["slot_val"])
         if token_at:
@@ -60,9 +70,12 @@ class DeviceTables:
         return self.tokens[row, :prompt_len], self.tokens[row, prompt_len:length]
 
     def flat(self, row: int, position: int) -> int:
-        """A table cell's index in the flattened table (a position past the row would land in the next row)."""
+        """A table cell's index in the flattened table (a position past the row would land in the
+        next row)."""
         if not 0 <= position < self.width:
-            raise IndexError(f"position {position} is outside the token table's {self.width} columns")
+            raise IndexError(
+                f"position {position} is outside the token table's {self.width} columns"
+            )
         return row * self.width + position
 
 
@@ -71,10 +84,13 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_index: torch.Tensor  # [N'] token index of each sampled request, in plan order, then padding
-    num_sampled: int  # the first num_sampled entries of logits_index (and rows of the logits) are real
+    # [N'] token index of each sampled request, in plan order, then padding
+    logits_index: torch.Tensor
+    # the first num_sampled entries of logits_index (and rows of the logits) are real
+    num_sampled: int
     table_rows: torch.Tensor  # [B'] table row of each (padded) request
-    staged: DeviceSlab  # the device tensors the step's host lists were uploaded into (the fields above)
+    # the device tensors the step's host lists were uploaded into (the fields above)
+    staged: DeviceSlab
 
 
 def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
@@ -84,8 +100,8 @@ def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
 
 def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, staging: Staging,
                       into: StepInputs | None = None) -> StepInputs:
-    """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a captured
-    graph's static inputs, which the step's inputs are then written into (and returned)."""
+    """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a
+    captured graph's static inputs, which the step's inputs are then written into (and returned)."""
     reqs = plan.reqs
     pad = tables.pad_row
     rows = [r.row for r in reqs]
@@ -101,7 +117,8 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         out_slots += [-1] * n_pad
         token_rows = rows
     else:
-        # One padding request of one token at position 0 of the padding row (slot 0: the dummy page).
+        # One padding request of one token at position 0 of the padding row (slot 0: the dummy
+        # page).
         rows.append(pad)
         lengths.append(1)
         seq_lens.append(1)
@@ -111,10 +128,10 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    # Logits row j is the j-th sampled request's (plan order; any request of a step may skip sampling,
-    # a 1-token non-final prefill chunk in a decode-shaped step included). The index is padded with the last
-    # token to a fixed width: every (padded) row of a decode step, so that a static graph keeps its shape,
-    # and >= 2 in an extend step, so that no dynamic dimension is 1.
+    # Logits row j is the j-th sampled request's (plan order; any request of a step may skip
+    # sampling, a 1-token non-final prefill chunk in a decode-shaped step included). The index is
+    # padded with the last token to a fixed width: every (padded) row of a decode step, so that a
+    # static graph keeps its shape, and >= 2 in an extend step, so that no dynamic dimension is 1.
     sampled = [i for i, r in enumerate(reqs) if r.sample]
     logits_index = [cu[i + 1] - 1 for i in sampled]
     width = len(rows) if plan.is_decode else max(2, len(logits_index))
@@ -131,6 +148,10 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         page_rows = tables.page_table.index_select(0, f["table_rows"])
     else:
         input_ids = torch.index_select(tables.tokens.view(-1), 0, f["token_at"], out=into.input_ids)
-        page_rows = torch.index_select(tables.page_table, 0, f["table_rows"], out=into.meta.page_table)
+        page_rows = torch.index_select(
+            tables.page_table, 0, f["table_rows"], out=into.meta.page_table
+        )
     meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode)
-    return StepInputs(input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["table_rows"], staged)
+    return StepInputs(
+        input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["table_rows"], staged
+    )

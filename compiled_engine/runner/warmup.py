@@ -1,4 +1,5 @@
-"""The runner's warm-up: every graph a step can meet, compiled (or loaded precompiled) before serving."""
+"""The runner's warm-up: every graph a step can meet, compiled (or loaded precompiled) before
+serving."""
 
 from __future__ import annotations
 
@@ -22,16 +23,16 @@ log = logging.getLogger(__name__)
 
 def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None,
             precompiled_dir: Path | None = None) -> None:
-    """Compile every decode bucket, the dynamic extend graph and (when batches can outgrow the largest
-    bucket) the dynamic-batch decode graph now, through the path serving takes (`ModelRunner.logits`).
-    The warm-up plans write nowhere (slot -1) and read only the dummy page.
-    `progress(graph, total)` is called as each graph starts. With `precompiled_dir`, each graph is loaded
-    from there, or compiled ahead of time and saved there (see `runner.precompiled`)."""
+    """Compile every decode bucket, the dynamic extend graph and (when batches can outgrow the
+    largest bucket) the dynamic-batch decode graph now, through the path serving takes
+    (`ModelRunner.logits`). The warm-up plans write nowhere (slot -1) and read only the dummy page.
+    `progress(graph, total)` is called as each graph starts. With `precompiled_dir`, each graph is
+    loaded from there, or compiled ahead of time and saved there (see `runner.precompiled`)."""
     t0 = time.perf_counter()
     fwd = runner.forward
     max_rows = runner.config.max_rows
-    # The dynamic-batch decode graph, for decode batches larger than the largest bucket (every batch without
-    # buckets); traced at two rows at least, so that the batch dimension stays a symbol.
+    # The dynamic-batch decode graph, for decode batches larger than the largest bucket (every batch
+    # without buckets); traced at two rows at least, so that the batch dimension stays a symbol.
     largest = max(fwd.buckets, default=0)
     beyond = max(largest + 1, 2) if largest < max_rows else None
     total = 1 + len(fwd.buckets) + (beyond is not None)
@@ -51,8 +52,9 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
     try:
         with torch.inference_mode():
             tick("prefill")
-            # Two ragged plans, then one per extend kernel variant that a step can meet (CUDA: one per
-            # request block; a padding request joins each step), so that serving compiles no kernel.
+            # Two ragged plans, then one per extend kernel variant that a step can meet (CUDA: one
+            # per request block; a padding request joins each step), so that serving compiles no
+            # kernel.
             counts = kernel_ops.extend_request_counts(max_rows + 1, runner.device)
             for lengths in ([3, 5], [2, 1, 4], *([1] * (n - 1) for n in counts if n > 2)):
                 runner.logits(_plan(lengths, max_rows, decode=False))
@@ -65,11 +67,18 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
                 runner.logits(decode(beyond))
     finally:
         fwd.precompiled_dir = None  # graphs are saved under the cache entry's lock only
-    log.info("compiled %d decode buckets + %d dynamic graphs in %.1fs", len(fwd.buckets), 1 + (beyond is not None),
-             time.perf_counter() - t0)
+    log.info(
+        "compiled %d decode buckets + %d dynamic graphs in %.1fs",
+        len(fwd.buckets),
+        1 + (beyond is not None),
+        time.perf_counter() - t0,
+    )
 
 
 def _plan(lengths: list[int], max_rows: int, decode: bool) -> StepPlan:
-    """A plan that samples every request and writes nowhere; rows are shared when the pool has fewer."""
-    reqs = tuple(ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True) for i, n in enumerate(lengths))
+    """A plan that samples every request and writes nowhere; rows are shared when the pool has
+    fewer."""
+    reqs = tuple(
+        ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True) for i, n in enumerate(lengths)
+    )
     return StepPlan(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)

@@ -50,7 +50,9 @@ class IdPool:
         is_free = self._is_free
         for i in ids:
             if i < self._first or i >= len(is_free):
-                raise AssertionError(f"freeing id {i} outside the pool [{self._first}, {len(is_free)})")
+                raise AssertionError(
+                    f"freeing id {i} outside the pool [{self._first}, {len(is_free)})"
+                )
             if is_free[i]:
                 raise AssertionError(f"double free of id {i}")
             is_free[i] = 1
@@ -83,7 +85,9 @@ class PageAllocator(IdPool):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved dummy page), got {num_pages}")
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the reserved dummy page), got {num_pages}"
+            )
         super().__init__(num_pages, first=1)
         self.page_size = page_size
 

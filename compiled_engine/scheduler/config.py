@@ -15,7 +15,8 @@ class SchedulerConfig:
     mixed: bool = True  # decode and prefill chunks share a step; False: prefill-only or decode-only
     prefix_cache: str = "radix"  # "radix" | "naive"
     eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int | None = None  # token ids at or above are rejected at admission (None: unchecked)
+    # token ids at or above are rejected at admission (None: unchecked)
+    vocab_size: int | None = None
     # a waiting request defers admission one step to reuse this many tokens of a running prefill
     share_wait_tokens: int = 32
 

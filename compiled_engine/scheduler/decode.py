@@ -1,7 +1,7 @@
-"""Decode planning: one new token for every running request whose prompt is computed, a new page where
-its last one is full, and retraction of the latest-admitted requests when the pool runs dry. Under overlap a
-constrained request (structured output) skips a step while its previous token is in flight: its token mask
-is computed from that token. Unconstrained requests never wait for it."""
+"""Decode planning: one new token for every running request whose prompt is computed, a new page
+where its last one is full, and retraction of the latest-admitted requests when the pool runs dry.
+Under overlap a constrained request (structured output) skips a step while its previous token is in
+flight: its token mask is computed from that token. Unconstrained requests never wait for it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def _page_for(sched: Scheduler, req: Request) -> int | None:
             return page
         if book.cache.evict(1):
             continue
-        if book.deferred or any(r.planned_len >= r.fill_to and r.device_len == r.max_len for r in sched.running):
+        if book.deferred or any(
+            r.planned_len >= r.fill_to and r.device_len == r.max_len for r in sched.running
+        ):
             return None
         victim = sched.running[-1]
         deferred = victim.last_step > book.committed

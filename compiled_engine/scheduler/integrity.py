@@ -1,5 +1,6 @@
-"""The ledger's invariants (docs/architecture.md, "The ledger"), checked in full: O(pages + requests), for
-tests, property machines and the server's `--debug` endpoint, never on a serving path."""
+"""The ledger's invariants (docs/architecture.md, "The ledger"), checked in full: O(pages +
+requests), for tests, property machines and the server's `--debug` endpoint, never on a serving
+path."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def check_integrity(sched: Scheduler) -> None:
     assert len(sched.running) <= cfg.max_running, "more running requests than max_running"
     for req in sched.running:
         name = f"request {req.rid!r}"
-        assert req.status is Status.RUNNING and sched.live.get(req.rid) is req, f"{name}: not live running"
+        assert req.status is Status.RUNNING and sched.live.get(req.rid) is req, (
+            f"{name}: not live running"
+        )
         assert req.lock is not None, f"{name} runs without a prefix-cache lock"
         assert req.row >= 0, f"{name} runs without a table row"
         claim_row(req.row, name)
@@ -51,15 +54,23 @@ def check_integrity(sched: Scheduler) -> None:
             f"{name}: {len(req.pages)} pages for {req.planned_len} computed positions"
         )
         shared = tuple(req.pages[: req.prefix_pages])
-        assert shared == book.cache.pages_of(req.lock), f"{name}: row prefix differs from its cached path"
+        assert shared == book.cache.pages_of(req.lock), (
+            f"{name}: row prefix differs from its cached path"
+        )
         for p in shared:
-            assert where.get(p) == "the prefix cache", f"{name}: row points at page {p} not in the cache"
+            assert where.get(p) == "the prefix cache", (
+                f"{name}: row points at page {p} not in the cache"
+            )
         claim(req.pages[req.prefix_pages :], name)
     for req in sched.waiting:
         name = f"waiting request {req.rid!r}"
-        assert req.status is Status.WAITING and sched.live.get(req.rid) is req, f"{name}: not live waiting"
+        assert req.status is Status.WAITING and sched.live.get(req.rid) is req, (
+            f"{name}: not live waiting"
+        )
         assert not req.pages and req.lock is None and req.row < 0, f"{name} holds resources"
-    assert len(sched.live) == len(sched.running) + len(sched.waiting), "live map out of sync with queues"
+    assert len(sched.live) == len(sched.running) + len(sched.waiting), (
+        "live map out of sync with queues"
+    )
     for d in book.deferred:
         assert d.barrier > book.committed, f"deferred release past its step {d.barrier}"
         claim(d.pages, f"deferred free (step {d.barrier})")
@@ -74,5 +85,6 @@ def check_integrity(sched: Scheduler) -> None:
         assert not book.deferred, "deferred frees with no step in flight"
         cached = len(book.cache.cached_pages())
         assert book.allocator.num_free + cached == book.allocator.total, (
-            f"idle: free {book.allocator.num_free} + cached {cached} != total {book.allocator.total}"
+            f"idle: free {book.allocator.num_free} + cached {cached} != total "
+            f"{book.allocator.total}"
         )

@@ -1,8 +1,9 @@
-"""The KV resources the running requests hold: pages, table rows and prefix-cache locks; their release,
-deferred while a step that may touch them is in flight; and the caching of computed prefixes.
+"""The KV resources the running requests hold: pages, table rows and prefix-cache locks; their
+release, deferred while a step that may touch them is in flight; and the caching of computed
+prefixes.
 
-Overlap: a request planned in an uncommitted step keeps its pages, row and lock until that step commits,
-so nothing an in-flight step touches is handed out again.
+Overlap: a request planned in an uncommitted step keeps its pages, row and lock until that step
+commits, so nothing an in-flight step touches is handed out again.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from compiled_engine.scheduler.request import Request, Status
 
 @dataclass(slots=True)
 class DeferredRelease:
-    """Resources of a released request (or a request's duplicate pages), returned once step `barrier`
-    commits."""
+    """Resources of a released request (or a request's duplicate pages), returned once step
+    `barrier` commits."""
 
     barrier: int
     lock: object | None
@@ -34,7 +35,9 @@ class KvBook:
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.rows = IdPool(config.max_rows)
         self.cache: PrefixCache = (
-            RadixCache(self.allocator) if config.prefix_cache == "radix" else NaiveCache(config.page_size)
+            RadixCache(self.allocator)
+            if config.prefix_cache == "radix"
+            else NaiveCache(config.page_size)
         )
         self.deferred: list[DeferredRelease] = []
         self.committed = -1  # id of the last committed step
@@ -68,7 +71,14 @@ class KvBook:
         """Cache the computed prefix, then return pages, row and lock (deferred while in flight)."""
         dups = self.cache_prefix(req, min(req.planned_len, req.known_len), live=False)
         d = DeferredRelease(req.last_step, req.lock, req.pages[req.prefix_pages :] + dups, req.row)
-        req.pages, req.lock, req.prefix_pages, req.row, req.planned_len, req.rewrite = [], None, 0, -1, 0, None
+        req.pages, req.lock, req.prefix_pages, req.row, req.planned_len, req.rewrite = (
+            [],
+            None,
+            0,
+            -1,
+            0,
+            None,
+        )
         self._defer(d)
 
     def commit_step(self, step: int) -> None:
@@ -101,9 +111,10 @@ class KvBook:
     def cache_prefix(self, req: Request, upto: int, live: bool = True) -> list[int]:
         """Insert the first `upto` computed positions into the prefix cache and lock that prefix.
 
-        Pages the cache already held for these tokens (another request inserted the same prefix first)
-        replace the request's duplicates in its row; the duplicates are returned when `live` is False,
-        otherwise freed once the request's in-flight steps commit and the row is rewritten.
+        Pages the cache already held for these tokens (another request inserted the same prefix
+        first) replace the request's duplicates in its row; the duplicates are returned when `live`
+        is False, otherwise freed once the request's in-flight steps commit and the row is
+        rewritten.
         """
         ps = self.page_size
         n_pages = upto // ps

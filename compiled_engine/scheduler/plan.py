@@ -44,9 +44,9 @@ class StepPlan:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One event for one request: a new token, the end of the request, or both. ``Scheduler.commit`` makes
-    them; the engine adds what sampling knows (log-probs) and the events it ends requests with ("error"), and
-    they go on the wire as they are (ranks, server)."""
+    """One event for one request: a new token, the end of the request, or both. ``Scheduler.commit``
+    makes them; the engine adds what sampling knows (log-probs) and the events it ends requests with
+    ("error"), and they go on the wire as they are (ranks, server)."""
 
     rid: str
     token: int | None  # None: the request ended without a new token (e.g. max_tokens=0)

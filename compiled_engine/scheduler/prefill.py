@@ -25,7 +25,9 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
     reserve = sum(
         1
         for r in sched.running
-        if r.planned_len >= r.fill_to and r.device_len < r.max_len and r.planned_len == len(r.pages) * ps
+        if r.planned_len >= r.fill_to
+        and r.device_len < r.max_len
+        and r.planned_len == len(r.pages) * ps
     )
     for req in chunked:
         if budget <= 0:
@@ -34,7 +36,12 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
             return
         budget -= draft.reqs[-1].length
     waiting = sched.waiting
-    while waiting and budget > 0 and len(sched.running) < sched.config.max_running and book.rows.num_free:
+    while (
+        waiting
+        and budget > 0
+        and len(sched.running) < sched.config.max_running
+        and book.rows.num_free
+    ):
         req = waiting[0]
         if req.last_step > book.committed:
             return  # retracted with a token still in flight: its tokens are not all known yet
@@ -42,11 +49,17 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
         handle, hit = book.cache.match(tokens[:-1])
         if _shares_pending_prefix(sched, tokens, len(hit) * ps):
             sched.num_prefix_waits += 1
-            return  # wait a step: a running prefill is about to cache what this request would recompute
+            # wait a step: a running prefill is about to cache what this request would recompute
+            return
         book.cache.lock(handle)
         row = book.rows.alloc_one()
         assert row is not None
-        req.lock, req.pages, req.prefix_pages, req.planned_len = handle, list(hit), len(hit), len(hit) * ps
+        req.lock, req.pages, req.prefix_pages, req.planned_len = (
+            handle,
+            list(hit),
+            len(hit),
+            len(hit) * ps,
+        )
         req.fill_to = len(tokens)
         req.row = row
         if not plan_chunk(book, req, draft, budget, 0, reserve):
@@ -62,7 +75,9 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
         budget -= draft.reqs[-1].length
 
 
-def plan_chunk(book: KvBook, req: Request, draft: StepDraft, budget: int, write_from: int, reserve: int = 0) -> bool:
+def plan_chunk(
+    book: KvBook, req: Request, draft: StepDraft, budget: int, write_from: int, reserve: int = 0
+) -> bool:
     """Plan the next prefill chunk of `req`; page-table writes cover `write_from` onwards.
 
     False (nothing changed) when the chunk's pages are not available beyond `reserve` pages.
@@ -93,9 +108,9 @@ def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: i
     """True when a running request's prompt, not yet in the radix cache, shares at least
     `config.share_wait_tokens` (and a page) more tokens with `tokens` than the cache already gives.
 
-    Requests arriving together with a new common prefix would otherwise each prefill it in full; the later
-    ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached tail is
-    shorter than a page once it is fully inserted, so the wait always ends."""
+    Requests arriving together with a new common prefix would otherwise each prefill it in full; the
+    later ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached
+    tail is shorter than a page once it is fully inserted, so the wait always ends."""
     book = sched.book
     if not isinstance(book.cache, RadixCache):
         return False
@@ -108,7 +123,10 @@ def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: i
         if r.prefix_pages * ps + need > r.fill_to:
             continue  # its prompt is (as good as) cached already
         n = min(limit, r.fill_to)
-        if n - hit_len < need or r.tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]:
+        if (
+            n - hit_len < need
+            or r.tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]
+        ):
             continue
         return True
     return False

@@ -26,9 +26,9 @@ class PrefixCache(ABC):
         """Offer ``pages`` (one per ``page_size`` tokens) holding the KV of ``tokens``.
 
         Returns the handle and pages of the longest prefix now cached. Where a returned page differs
-        from the offered one the offered page is a duplicate: the caller still owns it (frees it) and
-        must point its page-table row at the cached page. Offered pages past the returned ones also
-        stay with the caller.
+        from the offered one the offered page is a duplicate: the caller still owns it (frees it)
+        and must point its page-table row at the cached page. Offered pages past the returned ones
+        also stay with the caller.
         """
 
     @abstractmethod
@@ -39,7 +39,8 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def evict(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` unlocked pages into the allocator if possible; returns pages freed."""
+        """Free at least ``num_pages`` unlocked pages into the allocator if possible; returns pages
+        freed."""
 
     @property
     @abstractmethod

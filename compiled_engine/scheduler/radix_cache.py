@@ -1,9 +1,9 @@
 """Radix-tree prefix cache: page-aligned keys, lock references, LRU eviction of unlocked leaves.
 
-Eviction is incremental: a heap holds an entry for every unlocked leaf, pushed when a node becomes one or
-is touched; entries that went stale (the node was locked, grew a child, was touched again or evicted) are
-skipped when popped, and the heap is rebuilt when they outnumber the nodes. So evicting k pages costs
-O(k log n), not a walk of the whole tree."""
+Eviction is incremental: a heap holds an entry for every unlocked leaf, pushed when a node becomes
+one or is touched; entries that went stale (the node was locked, grew a child, was touched again or
+evicted) are skipped when popped, and the heap is rebuilt when they outnumber the nodes. So evicting
+k pages costs O(k log n), not a walk of the whole tree."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from compiled_engine.scheduler.prefix_cache import PrefixCache
 class RadixNode:
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "id")
 
-    def __init__(self, key: tuple[int, ...], pages: tuple[int, ...], parent: RadixNode | None, nid: int):
+    def __init__(
+        self, key: tuple[int, ...], pages: tuple[int, ...], parent: RadixNode | None, nid: int
+    ):
         self.key = key  # tokens of this edge; len(key) == len(pages) * page_size
         self.pages = pages
-        self.children: dict[tuple[int, ...], RadixNode] = {}  # first page of the child's key -> child
+        # first page of the child's key -> child
+        self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0  # logical clock, never wall time (ranks must agree)
@@ -40,7 +43,8 @@ class RadixCache(PrefixCache):
         self.queried_tokens = 0
         self._num_nodes = 0
         self.num_evicted_pages = 0
-        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, id, node) of unlocked leaves
+        # (last_access, id, node) of unlocked leaves
+        self._heap: list[tuple[int, int, RadixNode]] = []
 
     # -- lookup / insert -------------------------------------------------------------------------
 
@@ -54,7 +58,8 @@ class RadixCache(PrefixCache):
         return m
 
     def _walk(self, tokens: tuple[int, ...], n: int) -> tuple[RadixNode, list[int], int]:
-        """Follow ``tokens[:n]`` (page-aligned n) splitting a node where the match ends inside it."""
+        """Follow ``tokens[:n]`` (page-aligned n) splitting a node where the match ends inside
+        it."""
         ps = self.page_size
         self._clock += 1
         node, pages, i = self.root, [], 0
@@ -76,7 +81,9 @@ class RadixCache(PrefixCache):
         node, pages, _ = self._walk(tokens, len(tokens) // self.page_size * self.page_size)
         return node, tuple(pages)
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[RadixNode, tuple[int, ...]]:
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int]
+    ) -> tuple[RadixNode, tuple[int, ...]]:
         ps = self.page_size
         n = len(pages) * ps
         assert len(tokens) == n, f"insert: {len(tokens)} tokens for {len(pages)} pages of {ps}"
@@ -135,7 +142,8 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        """Free unlocked leaves, least recently used first (ties: oldest node), until `num_pages` pages."""
+        """Free unlocked leaves, least recently used first (ties: oldest node), until `num_pages`
+        pages."""
         freed = 0
         heap = self._heap
         while freed < num_pages and heap:
@@ -155,15 +163,25 @@ class RadixCache(PrefixCache):
 
     def _evictable(self, node: RadixNode, access: int) -> bool:
         """Whether a heap entry stamped `access` still names an unlocked leaf in the tree."""
-        return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == access
+        return (
+            node.parent is not None
+            and not node.children
+            and node.lock_ref == 0
+            and node.last_access == access
+        )
 
     def _offer(self, node: RadixNode) -> None:
-        """Push `node` if it is an unlocked leaf now; rebuild the heap when stale entries dominate it."""
+        """Push `node` if it is an unlocked leaf now; rebuild the heap when stale entries dominate
+        it."""
         if node is self.root or node.children or node.lock_ref:
             return
         heapq.heappush(self._heap, (node.last_access, node.id, node))
         if len(self._heap) > 2 * self._num_nodes + 64:
-            self._heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+            self._heap = [
+                (n.last_access, n.id, n)
+                for n in self._nodes()
+                if not n.children and n.lock_ref == 0
+            ]
             heapq.heapify(self._heap)
 
     @property
@@ -222,14 +240,23 @@ class RadixCache(PrefixCache):
                 node = node.parent
         evictable = protected = 0
         for node in self._nodes():
-            assert node.key and len(node.key) % ps == 0, f"radix node {node.id} key not page-aligned"
-            assert len(node.pages) * ps == len(node.key), f"radix node {node.id} pages do not cover its key"
-            assert isinstance(node.key, tuple) and isinstance(node.pages, tuple), "node must own its copies"
+            assert node.key and len(node.key) % ps == 0, (
+                f"radix node {node.id} key not page-aligned"
+            )
+            assert len(node.pages) * ps == len(node.key), (
+                f"radix node {node.id} pages do not cover its key"
+            )
+            assert isinstance(node.key, tuple) and isinstance(node.pages, tuple), (
+                "node must own its copies"
+            )
             for first, child in node.children.items():
-                assert child.key[:ps] == first, f"radix node {child.id} filed under a wrong first page"
+                assert child.key[:ps] == first, (
+                    f"radix node {child.id} filed under a wrong first page"
+                )
                 assert child.parent is node, f"radix node {child.id} has a wrong parent"
             assert node.lock_ref == expected.get(node.id, 0), (
-                f"radix node {node.id} lock_ref {node.lock_ref} != {expected.get(node.id, 0)} live locks"
+                f"radix node {node.id} lock_ref {node.lock_ref} != {expected.get(node.id, 0)} live "
+                "locks"
             )
             if node.lock_ref:
                 protected += len(node.key)
@@ -242,8 +269,12 @@ class RadixCache(PrefixCache):
         pages = self.cached_pages()
         assert len(set(pages)) == len(pages), "a page is cached twice in the radix tree"
         nodes = self._nodes()
-        assert len(nodes) == self._num_nodes, f"radix node count {self._num_nodes}, the tree has {len(nodes)}"
+        assert len(nodes) == self._num_nodes, (
+            f"radix node count {self._num_nodes}, the tree has {len(nodes)}"
+        )
         queued = {id(n) for access, _, n in self._heap if self._evictable(n, access)}
         for node in nodes:
             if not node.children and node.lock_ref == 0:
-                assert id(node) in queued, f"radix leaf {node.id} is unlocked but not in the eviction heap"
+                assert id(node) in queued, (
+                    f"radix leaf {node.id} is unlocked but not in the eviction heap"
+                )

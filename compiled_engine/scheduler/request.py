@@ -1,4 +1,5 @@
-"""A request's entry in the ledger: a few lengths, its table row, its prefix lock, its finish rules."""
+"""A request's entry in the ledger: a few lengths, its table row, its prefix lock, its finish
+rules."""
 
 from __future__ import annotations
 
@@ -8,22 +9,31 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class LedgerParams:
-    """What the ledger schedules and finishes a request by (the rest of its sampling parameters stay with
-    the engine: `compiled_engine.sampling_params.SamplingParams.ledger_params`)."""
+    """What the ledger schedules and finishes a request by (the rest of its sampling parameters stay
+    with the engine: `compiled_engine.sampling_params.SamplingParams.ledger_params`)."""
 
     max_tokens: int = 16
     min_tokens: int = 0  # stop ids do not end the request before this many generated tokens
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    constrained: bool = False  # structured output: planned only once its previous token is committed
+    # structured output: planned only once its previous token is committed
+    constrained: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         for ok, message, value in (
             (self.max_tokens >= 0, "max_tokens must be >= 0", self.max_tokens),
             (self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens),
-            (self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", self.min_tokens),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0", self.stop_token_ids),
+            (
+                self.min_tokens <= self.max_tokens,
+                "min_tokens must be <= max_tokens",
+                self.min_tokens,
+            ),
+            (
+                all(t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be >= 0",
+                self.stop_token_ids,
+            ),
         ):
             if not ok:
                 raise ValueError(f"{message}, got {value!r}")
@@ -57,8 +67,9 @@ class Request:
     prefix_pages: int = 0  # pages[:prefix_pages] belong to the prefix cache; the rest are private
     last_step: int = -1  # last planned step that includes this request
     rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
-    # Everything the engine keeps about the request (its sampling parameters, generator, grammar): opaque
-    # to the ledger, and gone with this entry however the request ends (one record, one finish path).
+    # Everything the engine keeps about the request (its sampling parameters, generator, grammar):
+    # opaque to the ledger, and gone with this entry however the request ends (one record, one
+    # finish path).
     engine_state: object = None
 
     @property

@@ -1,12 +1,13 @@
-"""The scheduler: the coordinator of the ledger. It takes inputs (add_request, abort, finish), plans each
-step (`decode.py`, then `prefill.py` under the token budget), commits the sampled tokens (finish rules,
-prefix caching) and keeps the books of pages, rows and locks in a `KvBook`.
+"""The scheduler: the coordinator of the ledger. It takes inputs (add_request, abort, finish), plans
+each step (`decode.py`, then `prefill.py` under the token budget), commits the sampled tokens
+(finish rules, prefix caching) and keeps the books of pages, rows and locks in a `KvBook`.
 
-Every decision depends only on the sequence of calls (add_request / abort / finish / schedule / commit):
-lists and insertion-ordered dicts only, no set iteration, no clocks, no ids.
+Every decision depends only on the sequence of calls (add_request / abort / finish / schedule /
+commit): lists and insertion-ordered dicts only, no set iteration, no clocks, no ids.
 
-Overlap: `schedule()` for step k+1 may run before `commit()` of step k; the KvBook defers every release
-until no in-flight step can touch it, and a token sampled after its request ended is dropped.
+Overlap: `schedule()` for step k+1 may run before `commit()` of step k; the KvBook defers every
+release until no in-flight step can touch it, and a token sampled after its request ended is
+dropped.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order (retraction takes the last)
         self.inflight: deque[tuple[StepPlan, tuple[Request, ...]]] = deque()
         self.num_retractions = 0
-        self.num_prefix_waits = 0  # steps a waiting request deferred admission to share a running prefill
+        # steps a waiting request deferred admission to share a running prefill
+        self.num_prefix_waits = 0
         self._eos = frozenset(config.eos_token_ids)
         self._next_step = 0
 
@@ -67,7 +69,8 @@ class Scheduler:
     def add_request(self, rid: str, prompt_token_ids: list[int] | tuple[int, ...],
                     params: LedgerParams | None = None, engine_state: object = None) -> Request:
         """Queue a request; RequestRejected (a ValueError) with a clear message if it can never run.
-        `engine_state` hangs off the ledger entry (`Request.engine_state`) until the request ends."""
+        `engine_state` hangs off the ledger entry (`Request.engine_state`) until the request
+        ends."""
         params = params if params is not None else LedgerParams()
         prompt = tuple(prompt_token_ids)
         cfg = self.config
@@ -91,7 +94,8 @@ class Scheduler:
             self._end(req, Status.ABORTED, "abort")
 
     def finish(self, rid: str, reason: str = "stop") -> None:
-        """End a request from outside (the detokenizer matched a stop string). No event is emitted."""
+        """End a request from outside (the detokenizer matched a stop string). No event is
+        emitted."""
         req = self.live.get(rid)
         if req is not None:
             self._end(req, Status.FINISHED, reason)
@@ -138,9 +142,12 @@ class Scheduler:
     # -- commit ----------------------------------------------------------------------------------
 
     def commit(self, plan: StepPlan, sampled_tokens: list[int]) -> list[TokenEvent]:
-        """Apply the sampled tokens of the oldest in-flight step (one per sampling ReqStep, in order)."""
+        """Apply the sampled tokens of the oldest in-flight step (one per sampling ReqStep, in
+        order)."""
         if not self.inflight or self.inflight[0][0] is not plan:
-            raise ValueError(f"commit of step {plan.step} out of order: steps are committed as planned")
+            raise ValueError(
+                f"commit of step {plan.step} out of order: steps are committed as planned"
+            )
         _, members = self.inflight.popleft()
         self.book.committed = plan.step
         tokens = iter(sampled_tokens)

@@ -1,16 +1,18 @@
-"""One switch for every CPU code path that depends on the instruction set: `COMPILED_ENGINE_CPU_ISA`.
+"""One switch for every CPU code path that depends on the instruction set:
+`COMPILED_ENGINE_CPU_ISA`.
 
     native   (default) everything this CPU has: AMX tiles, AVX512-BF16, ...
     avx512   no AMX: what an AMD Zen4 runs
-    avx2     no AVX512 either: what older x86 runs (and, for our kernels, ARM: their portable C++ paths)
+    avx2     no AVX512 either: what older x86 runs (and, for our kernels, ARM: their portable C++
+             paths)
 
-A level caps, it never adds: `avx512` on an AVX2-only CPU runs AVX2. It reaches the three places that pick
-code by ISA: our native kernels (`-mno-...` on top of `-march=native`: the C++ takes its non-AMX /
-non-AVX512 branches), oneDNN (`ONEDNN_MAX_CPU_ISA`, read at its first use) and ATen's kernels plus
-inductor's generated C++ (`ATEN_CPU_CAPABILITY`, read by ATen once and by inductor at each compile). This
-module imports no torch: `apply()` must run before torch first dispatches (`kernels.apply_isa_caps()`, which
-each process entry point calls first, and `kernels.init`; `tests/conftest.py` before it imports torch); a
-variable the user set stays as set.
+A level caps, it never adds: `avx512` on an AVX2-only CPU runs AVX2. It reaches the three places
+that pick code by ISA: our native kernels (`-mno-...` on top of `-march=native`: the C++ takes its
+non-AMX / non-AVX512 branches), oneDNN (`ONEDNN_MAX_CPU_ISA`, read at its first use) and ATen's
+kernels plus inductor's generated C++ (`ATEN_CPU_CAPABILITY`, read by ATen once and by inductor at
+each compile). This module imports no torch: `apply()` must run before torch first dispatches
+(`kernels.apply_isa_caps()`, which each process entry point calls first, and `kernels.init`;
+`tests/conftest.py` before it imports torch); a variable the user set stays as set.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _x86() -> bool:
 
 
 def env_caps(name: str) -> dict[str, str]:
-    """The environment that caps a new process at level `name`: the switch itself, and off x86 nothing more."""
+    """The environment that caps a new process at level `name`: the switch itself, and off x86
+    nothing more."""
     return {ENV: name, **_ENV_CAPS[name]} if _x86() else {ENV: name}
 
 
@@ -55,8 +58,8 @@ def apply() -> None:
 
 
 def levels_below_native() -> list[str]:
-    """The levels that change something on this CPU (an AMX machine: avx512 and avx2; an AVX512 one without
-    AMX: avx2; an AVX2-only or non-x86 one: none, it runs the portable paths natively)."""
+    """The levels that change something on this CPU (an AMX machine: avx512 and avx2; an AVX512 one
+    without AMX: avx2; an AVX2-only or non-x86 one: none, it runs the portable paths natively)."""
     if not _x86():
         return []
     flags = cpu_flags()
@@ -81,6 +84,7 @@ def cpu_flags() -> set[str]:
 
 
 def compiler_flags() -> list[str]:
-    """Target flags of the native kernels at the requested level (x86 only: the -mno- flags are x86's)."""
+    """Target flags of the native kernels at the requested level (x86 only: the -mno- flags are
+    x86's)."""
     return ["-march=native", *(_GCC_FLAGS[level()] if _x86() else [])]
 

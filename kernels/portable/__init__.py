@@ -1,1 +1,2 @@
-"""The portable torch implementations of the ops: every device, every CPU; where the native kernels decline."""
+"""The portable torch implementations of the ops: every device, every CPU; where the native kernels
+decline."""

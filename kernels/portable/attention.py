@@ -1,9 +1,10 @@
-"""Portable torch implementations of paged attention and the KV store: the CPU where the native kernels
-do not load or decline an input (soft caps, sliding windows, other dtypes), and any device without kernels.
+"""Portable torch implementations of paged attention and the KV store: the CPU where the native
+kernels do not load or decline an input (soft caps, sliding windows, other dtypes), and any device
+without kernels.
 
-K/V are gathered through the page table into a reused workspace (fresh multi-MB allocations page-fault
-on every call, which costs more than the attention itself), then attended with SDPA (GQA through
-`enable_gqa`, so KV heads are never repeated).
+K/V are gathered through the page table into a reused workspace (fresh multi-MB allocations
+page-fault on every call, which costs more than the attention itself), then attended with SDPA (GQA
+through `enable_gqa`, so KV heads are never repeated).
 """
 
 from dataclasses import dataclass
@@ -26,11 +27,15 @@ def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V at `slots` [..., L] as [..., Hkv, L, D] views of the workspace."""
     flat = slots.reshape(-1)
     row_shape = k_cache.shape[1:]
-    buf = _workspace(2 * flat.numel() * row_shape.numel(), k_cache).view(2, flat.numel(), *row_shape)
+    buf = _workspace(2 * flat.numel() * row_shape.numel(), k_cache).view(
+        2, flat.numel(), *row_shape
+    )
     torch.index_select(k_cache, 0, flat, out=buf[0])
     torch.index_select(v_cache, 0, flat, out=buf[1])
     k, v = buf.view(2, *slots.shape, *row_shape).unbind(0)
@@ -38,7 +43,12 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, soft_cap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float,
 ) -> torch.Tensor:
     """GQA softmax attention of q [..., H, M, D] over k, v [..., Hkv, L, D]. `mask` (True = attend)
     broadcasts to [..., 1, M, L]; None means causal with M == L."""
@@ -50,13 +60,19 @@ def _attend(
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     grouped = q.float().unflatten(-3, (k.shape[-3], -1))
     scores = torch.matmul(grouped, k.float().unsqueeze(-3).transpose(-1, -2)) * scale
-    scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill(
+        ~mask.unsqueeze(-3), float("-inf")
+    )
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float().unsqueeze(-3))
     return out.flatten(-4, -3).to(q.dtype)
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     keep = slots >= 0
     if bool(keep.all()):
@@ -80,7 +96,9 @@ def decode_attention(
 ) -> torch.Tensor:
     if invariant:  # a decode step is an extend of one token per row
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return invariant_attention(q, k_cache, v_cache, page_table, cu, seq_lens, scale, sliding_window, soft_cap)
+        return invariant_attention(
+            q, k_cache, v_cache, page_table, cu, seq_lens, scale, sliding_window, soft_cap
+        )
     batch = q.shape[0]
     lens = seq_lens.long()
     start = (lens - sliding_window).clamp(min=0) if sliding_window > 0 else torch.zeros_like(lens)
@@ -107,17 +125,23 @@ def extend_attention(
     soft_cap: float = 0.0,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """Requests with a cached prefix and of similar shapes share one padded SDPA call (many short suffixes
-    over a shared system prompt: faster than one by one, docs/benchmarks.md); others attend one by one."""
+    """Requests with a cached prefix and of similar shapes share one padded SDPA call (many short
+    suffixes over a shared system prompt: faster than one by one, docs/benchmarks.md); others attend
+    one by one."""
     if invariant:
-        return invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window,
-                                   soft_cap)
+        return invariant_attention(
+            q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_window, soft_cap
+        )
     out = torch.zeros_like(q)
     cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
-    reqs = [_Req(b, cu[b], cu[b + 1] - cu[b], lens[b]) for b in range(len(lens)) if cu[b + 1] > cu[b]]
+    reqs = [
+        _Req(b, cu[b], cu[b + 1] - cu[b], lens[b]) for b in range(len(lens)) if cu[b + 1] > cu[b]
+    ]
     for group in _attention_groups(reqs, sliding_window):
         if len(group) == 1:
-            _extend_one(out, q, k_cache, v_cache, page_table, group[0], scale, sliding_window, soft_cap)
+            _extend_one(
+                out, q, k_cache, v_cache, page_table, group[0], scale, sliding_window, soft_cap
+            )
         else:
             _extend_padded(out, q, k_cache, v_cache, page_table, group, scale, soft_cap)
     return out
@@ -125,8 +149,9 @@ def extend_attention(
 
 def invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale: float,
                         sliding_window: int, soft_cap: float) -> torch.Tensor:
-    """Batch-invariant attention (deterministic mode) without the native kernel: each query token on its
-    own, the same call for it whatever its batch, chunk or step kind. Correct anywhere, and slow."""
+    """Batch-invariant attention (deterministic mode) without the native kernel: each query token on
+    its own, the same call for it whatever its batch, chunk or step kind. Correct anywhere, and
+    slow."""
     out = torch.zeros_like(q)
     cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -137,7 +162,9 @@ def invariant_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, sc
             start = max(0, end - sliding_window) if sliding_window > 0 else 0
             k, v = _gather_kv(k_cache, v_cache, page_table[b, start:end].long())
             every = torch.ones(1, end - start, dtype=torch.bool, device=q.device)
-            out[row] = _attend(q[row, :, None][None], k[None], v[None], every, scale, soft_cap)[0, :, 0]
+            out[row] = _attend(q[row, :, None][None], k[None], v[None], every, scale, soft_cap)[
+                0, :, 0
+            ]
     return out
 
 
@@ -154,16 +181,19 @@ _PADDING_SLACK = 1.25
 
 
 def _attention_groups(reqs: list[_Req], sliding_window: int) -> list[list[_Req]]:
-    """The SDPA calls: prompts without a prefix alone (SDPA's causal path skips the masked half, a padded
-    masked call would compute the whole square), and so everything under a sliding window; requests
-    with a prefix in `_similar_groups`."""
+    """The SDPA calls: prompts without a prefix alone (SDPA's causal path skips the masked half, a
+    padded masked call would compute the whole square), and so everything under a sliding window;
+    requests with a prefix in `_similar_groups`."""
     if sliding_window > 0:
         return [[r] for r in reqs]
-    return [[r] for r in reqs if r.seq_len == r.q_len] + _similar_groups([r for r in reqs if r.seq_len > r.q_len])
+    return [[r] for r in reqs if r.seq_len == r.q_len] + _similar_groups(
+        [r for r in reqs if r.seq_len > r.q_len]
+    )
 
 
 def _similar_groups(reqs: list[_Req]) -> list[list[_Req]]:
-    """Consecutive runs (by query length, then length) whose padded attention stays within the slack."""
+    """Consecutive runs (by query length, then length) whose padded attention stays within the
+    slack."""
     groups: list[list[_Req]] = []
     cost = 0
     for r in sorted(reqs, key=lambda r: (r.q_len, r.seq_len)):
@@ -193,11 +223,15 @@ def _extend_one(out, q, k_cache, v_cache, page_table, r: _Req, scale: float, sli
             mask &= kv_pos > q_pos - sliding_window
     # 4-D inputs: SDPA sends 3-D ones to its slow math fallback.
     q_end = r.q_start + r.q_len
-    attended = _attend(q[None, r.q_start : q_end].transpose(1, 2), k[None], v[None], mask, scale, soft_cap)
+    attended = _attend(
+        q[None, r.q_start : q_end].transpose(1, 2), k[None], v[None], mask, scale, soft_cap
+    )
     out[r.q_start : q_end] = attended[0].transpose(0, 1)
 
 
-def _extend_padded(out, q, k_cache, v_cache, page_table, group: list[_Req], scale: float, soft_cap: float) -> None:
+def _extend_padded(
+    out, q, k_cache, v_cache, page_table, group: list[_Req], scale: float, soft_cap: float
+) -> None:
     """Causal attention of a group (no sliding window), padded to its longest query and row. Padding
     queries repeat the request's last one and are dropped; padding positions are masked out."""
     q_max = max(r.q_len for r in group)
@@ -212,6 +246,7 @@ def _extend_padded(out, q, k_cache, v_cache, page_table, group: list[_Req], scal
     q_pos = (seq_lens - q_lens + j)[:, :, None]
     kv_pos = torch.arange(kv_max)[None, None, :]
     mask = (kv_pos <= q_pos) & (kv_pos < seq_lens[:, :, None])
-    attended = _attend(q[tokens].transpose(1, 2), k, v, mask[:, None], scale, soft_cap)  # [n, H, q_max, D]
+    # [n, H, q_max, D]
+    attended = _attend(q[tokens].transpose(1, 2), k, v, mask[:, None], scale, soft_cap)
     real = j < q_lens
     out.index_copy_(0, tokens[real], attended.transpose(1, 2)[real])

@@ -1,9 +1,10 @@
-"""The portable linear: torch's own. The native `kernels::linear` (native/torch_ops.cpp) prepares each CPU
-bf16 weight once for the fastest GEMM the CPU has; without the native library, bf16 linears run torch's bf16
-GEMM, which is slow on CPUs without AVX512-BF16 or AMX.
+"""The portable linear: torch's own. The native `kernels::linear` (native/torch_ops.cpp) prepares
+each CPU bf16 weight once for the fastest GEMM the CPU has; without the native library, bf16 linears
+run torch's bf16 GEMM, which is slow on CPUs without AVX512-BF16 or AMX.
 
-Batch-invariant (`invariant=True`, deterministic mode) without the native kernel: one row at a time, so that
-every row's product is the same call whatever else is in the batch. Correct anywhere, and slow."""
+Batch-invariant (`invariant=True`, deterministic mode) without the native kernel: one row at a time,
+so that every row's product is the same call whatever else is in the batch. Correct anywhere, and
+slow."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Launchers of the Triton kernels. They run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1.
+"""Launchers of the Triton kernels. They run on CUDA tensors, and on CPU tensors under
+TRITON_INTERPRET=1.
 
-No launcher reads a tensor on the host: grids and loop bounds come from shapes (the page-table width W
-bounds every context), so a CUDA-graph-captured step replays them as they are.
+No launcher reads a tensor on the host: grids and loop bounds come from shapes (the page-table width
+W bounds every context), so a CUDA-graph-captured step replays them as they are.
 """
 
 import functools
@@ -27,12 +28,17 @@ def _block_d(head_dim: int) -> int:
 
 
 def dot_fp32(q: torch.Tensor) -> bool:
-    """fp32 products for fp32 inputs, and always in the interpreter (its bf16 arithmetic is wrong)."""
+    """fp32 products for fp32 inputs, and always in the interpreter (its bf16 arithmetic is
+    wrong)."""
     return not q.is_cuda or q.dtype == torch.float32
 
 
 def store_kv_triton(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     tokens, num_kv, head_dim = k.shape
     if tokens == 0:
@@ -69,10 +75,11 @@ def decode_attention_triton(
     num_splits: int | None = None,
     query_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged decode attention, [B, H, D] -> [B, H, D]. Slots are loaded per token, so any page size works.
+    """Paged decode attention, [B, H, D] -> [B, H, D]. Slots are loaded per token, so any page size
+    works.
 
-    `num_splits` overrides the split-K heuristic (tests use it on the CPU; deterministic mode runs 1).
-    `query_rows` [B] int32: each query's page-table row (default: query b reads row b).
+    `num_splits` overrides the split-K heuristic (tests use it on the CPU; deterministic mode runs
+    1). `query_rows` [B] int32: each query's page-table row (default: query b reads row b).
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
@@ -89,13 +96,16 @@ def decode_attention_triton(
     part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     decode_split_kernel[(batch, num_kv, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, seq_lens if query_rows is None else query_rows, part_out, part_lse,
+        q, k_cache, v_cache, page_table, seq_lens, seq_lens if query_rows is None else query_rows,
+        part_out, part_lse,
         scale, soft_cap, sliding_window, split_len,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         GROUP=group, NUM_HEADS=num_heads, NUM_SPLITS=splits, HEAD_DIM=head_dim,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), QUERY_ROWS=query_rows is not None, num_warps=4, num_stages=2,
+        SOFT_CAP=soft_cap > 0, DOT_FP32=dot_fp32(q), QUERY_ROWS=query_rows is not None,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
@@ -106,8 +116,8 @@ def decode_attention_triton(
 
 
 def extend_block_b(batch: int) -> int:
-    """The extend kernel's request block: a power of two, at least 16, so that serving meets few variants (the
-    warm-up compiles each one a batch can reach: `extend_block_sizes`)."""
+    """The extend kernel's request block: a power of two, at least 16, so that serving meets few
+    variants (the warm-up compiles each one a batch can reach: `extend_block_sizes`)."""
     return max(16, triton.next_power_of_2(batch))
 
 
@@ -127,8 +137,8 @@ def extend_attention_triton(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Paged causal attention of a ragged batch of new tokens, [T, H, D] -> [T, H, D]; rows of q past
-    cu_q_lens[-1] (token padding) give zeros."""
+    """Paged causal attention of a ragged batch of new tokens, [T, H, D] -> [T, H, D]; rows of q
+    past cu_q_lens[-1] (token padding) give zeros."""
     tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     out = torch.zeros_like(q)
@@ -144,7 +154,8 @@ def extend_attention_triton(
     extend_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, out, batch,
         scale, soft_cap, sliding_window,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_B=extend_block_b(batch),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
@@ -164,13 +175,28 @@ def extend_attention_invariant_triton(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Deterministic mode's extend: every query token as a one-split decode of the keys up to its position
-    (bit-identical to a decode step of that query); token padding past cu_q_lens[-1] gives zeros."""
+    """Deterministic mode's extend: every query token as a one-split decode of the keys up to its
+    position (bit-identical to a decode step of that query); token padding past cu_q_lens[-1] gives
+    zeros."""
     tokens = q.shape[0]
     t = torch.arange(tokens, device=q.device, dtype=torch.int32)
-    req = torch.searchsorted(cu_q_lens[1:].to(torch.int32), t, right=True).clamp(max=seq_lens.shape[0] - 1)
+    req = torch.searchsorted(cu_q_lens[1:].to(torch.int32), t, right=True).clamp(
+        max=seq_lens.shape[0] - 1
+    )
     ends = cu_q_lens[1:].to(torch.int32)[req]
-    lens = torch.where(t < cu_q_lens[-1], seq_lens.to(torch.int32)[req] - (ends - t) + 1, 0).to(torch.int32)
-    return decode_attention_triton(q, k_cache, v_cache, page_table, lens, scale, sliding_window, soft_cap,
-                                   num_splits=1, query_rows=req.to(torch.int32))
+    lens = torch.where(t < cu_q_lens[-1], seq_lens.to(torch.int32)[req] - (ends - t) + 1, 0).to(
+        torch.int32
+    )
+    return decode_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        lens,
+        scale,
+        sliding_window,
+        soft_cap,
+        num_splits=1,
+        query_rows=req.to(torch.int32),
+    )
 

@@ -1,12 +1,13 @@
 """Triton kernels for paged decode attention, flash-decoding style.
 
 Stage 1: one program per (row, KV head, split) attends the group of query heads sharing that KV head
-(GQA packed into the M dimension of the dots) over its slice of the context, and writes a partial output
-with its base-2 log-sum-exp. Stage 2: one program per (row, head) merges the splits.
+(GQA packed into the M dimension of the dots) over its slice of the context, and writes a partial
+output with its base-2 log-sum-exp. Stage 2: one program per (row, head) merges the splits.
 
-Deterministic mode runs one split (no split-K, whose count follows the batch size) and, for an extend, one
-program per query token (`query_rows`: each token's page-table row, `seq_lens` then per token): a query's
-result is then the same blocks of keys in the same order whatever its batch or step kind.
+Deterministic mode runs one split (no split-K, whose count follows the batch size) and, for an
+extend, one program per query token (`query_rows`: each token's page-table row, `seq_lens` then per
+token): a query's result is then the same blocks of keys in the same order whatever its batch or
+step kind.
 """
 
 import triton
@@ -47,7 +48,8 @@ def decode_split_kernel(
     DOT_FP32: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)  # the query (a row of q), whose page-table row is b, or query_rows[b] with QUERY_ROWS
+    # the query (a row of q), whose page-table row is b, or query_rows[b] with QUERY_ROWS
+    b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -73,8 +75,21 @@ def decode_split_kernel(
     else:
         row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(start, end, BLOCK_N):
-        _, n_mask, k, v = load_kv_block(k_cache, v_cache, row, n0, end, kv_head, offs_d, d_mask, stride_k_s,
-                                        stride_k_h, stride_v_s, stride_v_h, BLOCK_N)
+        _, n_mask, k, v = load_kv_block(
+            k_cache,
+            v_cache,
+            row,
+            n0,
+            end,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_k_s,
+            stride_k_h,
+            stride_v_s,
+            stride_v_h,
+            BLOCK_N,
+        )
         s = scores_log2(qk_dot(qh, k, DOT_FP32), scale, soft_cap, SOFT_CAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
@@ -111,7 +126,9 @@ def decode_merge_kernel(
     m = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     total = tl.sum(weight, 0)
-    partial = tl.load(part_out + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    partial = tl.load(
+        part_out + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0
+    )
     merged = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out + b * stride_o_b + head * stride_o_h + offs_d,

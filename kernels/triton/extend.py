@@ -11,7 +11,8 @@ import triton.language as tl
 from kernels.triton.softmax import load_kv_block, online_softmax_step, qk_dot, scores_log2
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch (no recompiles while serving)
+# one compile for every batch (no recompiles while serving)
+@triton.jit(do_not_specialize=["num_rows"])
 def extend_kernel(
     q,
     k_cache,
@@ -74,8 +75,21 @@ def extend_kernel(
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     table_row = page_table + b.to(tl.int64) * stride_pt_b
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n, n_mask, k, v = load_kv_block(k_cache, v_cache, table_row, n0, hi, kv_head, offs_d, d_mask, stride_k_s,
-                                             stride_k_h, stride_v_s, stride_v_h, BLOCK_N)
+        offs_n, n_mask, k, v = load_kv_block(
+            k_cache,
+            v_cache,
+            table_row,
+            n0,
+            hi,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_k_s,
+            stride_k_h,
+            stride_v_s,
+            stride_v_h,
+            BLOCK_N,
+        )
         s = scores_log2(qk_dot(qb, k, DOT_FP32), scale, soft_cap, SOFT_CAP)
         keep = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         keep &= (sliding_window <= 0) | (offs_n[None, :] > q_pos[:, None] - sliding_window)

@@ -1,6 +1,7 @@
-"""A batch-invariant matmul for deterministic mode on CUDA: out = x @ w.T (+ bias) with one tile shape for
-every M and no split of K, so every output row is the same sequence of tile products over K in order,
-whatever the number of rows (cuBLAS picks its kernel, and its split of K, by the shape)."""
+"""A batch-invariant matmul for deterministic mode on CUDA: out = x @ w.T (+ bias) with one tile
+shape for every M and no split of K, so every output row is the same sequence of tile products over
+K in order, whatever the number of rows (cuBLAS picks its kernel, and its split of K, by the
+shape)."""
 
 import torch
 import triton
@@ -43,12 +44,18 @@ def invariant_matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        acc.to(out.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
-def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) with every row independent of the others (deterministic mode's linear)."""
+def invariant_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) with every row independent of the others (deterministic mode's
+    linear)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -60,7 +67,9 @@ def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         block_m, block_n, block_k = (64, 64, 64) if x.is_cuda else (MIN_DOT, MIN_DOT, MIN_DOT)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         invariant_matmul_kernel[grid](
-            rows, w, bias if bias is not None else w, out, m, n, k, rows.stride(0), w.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32(x),
+            rows, w, bias if bias is not None else w, out, m, n, k,
+            rows.stride(0), w.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_FP32=dot_fp32(x),
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

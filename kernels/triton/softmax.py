@@ -1,5 +1,5 @@
-"""Shared Triton helpers for the attention kernels: a block of paged K/V, the score transform and one
-online-softmax step."""
+"""Shared Triton helpers for the attention kernels: a block of paged K/V, the score transform and
+one online-softmax step."""
 
 import triton
 import triton.language as tl
@@ -16,16 +16,37 @@ def tanh(x):
 
 
 @triton.jit
-def load_kv_block(k_cache, v_cache, table_row, n0, end, kv_head, offs_d, d_mask, stride_k_s, stride_k_h, stride_v_s,
-                  stride_v_h, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, D] of positions n0 .. n0 + BLOCK_N of one KV head, through the row's raw slots;
-    positions >= end read zeros. Returns (positions, their mask, k, v)."""
+def load_kv_block(
+    k_cache,
+    v_cache,
+    table_row,
+    n0,
+    end,
+    kv_head,
+    offs_d,
+    d_mask,
+    stride_k_s,
+    stride_k_h,
+    stride_v_s,
+    stride_v_h,
+    BLOCK_N: tl.constexpr,
+):
+    """K and V [BLOCK_N, D] of positions n0 .. n0 + BLOCK_N of one KV head, through the row's raw
+    slots; positions >= end read zeros. Returns (positions, their mask, k, v)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     slot = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(
+        k_cache + slot[:, None] * stride_k_s + kv_head * stride_k_h + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_cache + slot[:, None] * stride_v_s + kv_head * stride_v_h + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     return offs_n, n_mask, k, v
 
 

@@ -1,5 +1,6 @@
-"""A tiny OpenAI-compatible SSE server on 127.0.0.1 for the `bench serve` tests: streams one chunk per
-token (`max_tokens` of them), then usage, then [DONE]; prompts starting with token 0 get a 400."""
+"""A tiny OpenAI-compatible SSE server on 127.0.0.1 for the `bench serve` tests: streams one chunk
+per token (`max_tokens` of them), then usage, then [DONE]; prompts starting with token 0 get a
+400."""
 
 from __future__ import annotations
 
@@ -31,16 +32,31 @@ def make_app(seen: list[dict]) -> Starlette:
         body = await request.json()
         seen.append({**body, "t_start": time.monotonic()})
         if body["prompt"][0] == REJECTED_FIRST_ID:
-            return JSONResponse({"error": {"message": "nope", "type": "invalid_request_error"}}, status_code=400)
+            return JSONResponse(
+                {"error": {"message": "nope", "type": "invalid_request_error"}}, status_code=400
+            )
         n = body["max_tokens"]
 
         async def stream():
             for i in range(n):
                 await asyncio.sleep(0.002)
-                chunk = {"object": "text_completion", "model": body["model"],
-                         "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == n - 1 else None}]}
+                chunk = {
+                    "object": "text_completion",
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": f"t{i} ",
+                            "finish_reason": "length" if i == n - 1 else None,
+                        }
+                    ],
+                }
                 yield f"data: {json.dumps(chunk)}\n\n"
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n}
+            usage = {
+                "prompt_tokens": len(body["prompt"]),
+                "completion_tokens": n,
+                "total_tokens": n,
+            }
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -54,7 +70,9 @@ def make_app(seen: list[dict]) -> Starlette:
 def fake_server() -> Iterator[tuple[str, list[dict]]]:
     """(base URL on a free loopback port, the request bodies received)."""
     seen: list[dict] = []
-    server = uvicorn.Server(uvicorn.Config(make_app(seen), host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(seen), host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -34,7 +34,12 @@ def test_random_dataset_is_deterministic_and_uniform_in_its_ranges() -> None:
     assert len(a) == 800 and all(len(s) == 1 for s in a)
     ins = [len(r.prompt_ids) for r in reqs]
     outs = [r.output_len for r in reqs]
-    assert 64 <= min(ins) < 74 and 502 < max(ins) <= 512 and 64 <= min(outs) < 68 and 252 < max(outs) <= 256
+    assert (
+        64 <= min(ins) < 74
+        and 502 < max(ins) <= 512
+        and 64 <= min(outs) < 68
+        and 252 < max(outs) <= 256
+    )
     assert abs(statistics.mean(ins) - 288) < 20 and abs(statistics.mean(outs) - 160) < 8
     # uniform: each quarter of the input range holds about a quarter of the requests
     quarters = [sum(64 + 112 * q <= n < 64 + 112 * (q + 1) for n in ins) for q in range(4)]
@@ -44,8 +49,16 @@ def test_random_dataset_is_deterministic_and_uniform_in_its_ranges() -> None:
 
 
 def test_prefix_dataset_shares_a_system_prompt_and_extends_each_chat() -> None:
-    shape = PrefixShape(system_len=100, num_shared=5, question_len=7, num_chats=3, turns=4, user_len=11,
-                        answer_len=13, output_len=LengthRange(8, 8))
+    shape = PrefixShape(
+        system_len=100,
+        num_shared=5,
+        question_len=7,
+        num_chats=3,
+        turns=4,
+        user_len=11,
+        answer_len=13,
+        output_len=LengthRange(8, 8),
+    )
     sessions = prefix_dataset(shape, 8000, seed=3)
     assert sessions == prefix_dataset(shape, 8000, seed=3)
     assert len(sessions) == 5 + 3 and len(all_requests(sessions)) == 5 + 3 * 4

@@ -23,7 +23,9 @@ def test_percentile_matches_numpy() -> None:
 def test_tpot_excludes_the_first_token() -> None:
     t = RequestTiming(prompt_len=10, output_len=11, ttft=0.5, latency=1.5, success=True)
     assert math.isclose(t.tpot, 0.1)
-    assert RequestTiming(prompt_len=10, output_len=1, ttft=0.5, latency=0.5, success=True).tpot is None
+    assert (
+        RequestTiming(prompt_len=10, output_len=1, ttft=0.5, latency=0.5, success=True).tpot is None
+    )
 
 
 def test_summary_counts_throughput_and_pooled_itl() -> None:

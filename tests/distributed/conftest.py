@@ -1,5 +1,5 @@
-"""Shared by the TP tests: ragged prompts with shared prefixes, transformers' greedy oracle, and a tiny
-Qwen3 checkpoint (with the demo tokenizer, so `LLM` can load it)."""
+"""Shared by the TP tests: ragged prompts with shared prefixes, transformers' greedy oracle, and a
+tiny Qwen3 checkpoint (with the demo tokenizer, so `LLM` can load it)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def ragged_prompts(n: int, vocab: int, max_len: int = 80) -> list[list[int]]:
-    """Lengths spread over 1..max_len; a third share a 24-token prefix, a third a 5-token one; the last two
-    repeat earlier prompts (radix hits inside one batch)."""
+    """Lengths spread over 1..max_len; a third share a 24-token prefix, a third a 5-token one; the
+    last two repeat earlier prompts (radix hits inside one batch)."""
     g = torch.Generator().manual_seed(0)
     rand = lambda k: torch.randint(3, vocab, (k,), generator=g).tolist()  # noqa: E731
     heads = (rand(24), rand(5), [])
@@ -50,7 +50,9 @@ def demo_dir() -> str:
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory, demo_dir: str) -> str:
-    path = make_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "Qwen3ForCausalLM", tie_word_embeddings=True)
+    path = make_checkpoint(
+        str(tmp_path_factory.mktemp("qwen3")), "Qwen3ForCausalLM", tie_word_embeddings=True
+    )
     for name in TOKENIZER_FILES:
         shutil.copy(Path(demo_dir) / name, Path(path) / name)
     return path

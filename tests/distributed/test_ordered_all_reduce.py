@@ -1,5 +1,5 @@
-"""Deterministic mode's all-reduce at 4 ranks (gloo): every element is the rank-order sum, bit for bit,
-whatever the size of the tensor it travels in."""
+"""Deterministic mode's all-reduce at 4 ranks (gloo): every element is the rank-order sum, bit for
+bit, whatever the size of the tensor it travels in."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ WORLD = 4
 
 
 def _rank(rank: int, port: int, out: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
     ps.init_tensor_parallel()
     try:
         gen = torch.Generator().manual_seed(100 + rank)
@@ -30,7 +32,9 @@ def _rank(rank: int, port: int, out: dict) -> None:
 def test_ordered_all_reduce_is_the_rank_order_sum_at_any_size() -> None:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_rank, args=(free_port(), out), nprocs=WORLD, start_method="spawn", join=True)
+        mp.start_processes(
+            _rank, args=(free_port(), out), nprocs=WORLD, start_method="spawn", join=True
+        )
         results = dict(out)
     parts = [results[r][0] for r in range(WORLD)]
     expected = ((parts[0] + parts[1]) + parts[2]) + parts[3]

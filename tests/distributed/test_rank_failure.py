@@ -1,5 +1,6 @@
-"""A TP rank that dies fails the server with a clear reason in bounded time: in-flight requests get the
-error, the server exits, and no rank process is left behind. (A hung rank: test_tp_parity.py.)"""
+"""A TP rank that dies fails the server with a clear reason in bounded time: in-flight requests get
+the error, the server exits, and no rank process is left behind. (A hung rank:
+test_tp_parity.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "t
 
 
 def test_killing_rank_1_fails_requests_and_ends_the_server() -> None:
-    running = start_server(engine=dict(tp_size=2, num_pages=4096, max_running=8), engine_dead_exit_s=3.0)
+    running = start_server(
+        engine=dict(tp_size=2, num_pages=4096, max_running=8), engine_dead_exit_s=3.0
+    )
     procs = list(running.state.client.handle.procs)
     blocking: dict = {}
 
@@ -30,7 +33,10 @@ def test_killing_rank_1_fails_requests_and_ends_the_server() -> None:
 
     other = threading.Thread(target=non_streaming)
     other.start()
-    with running.http() as client, client.stream("POST", "/v1/completions", json=LONG | {"stream": True}) as r:
+    with (
+        running.http() as client,
+        client.stream("POST", "/v1/completions", json=LONG | {"stream": True}) as r,
+    ):
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # a first token: the engine is generating
         os.kill(procs[1].pid, signal.SIGKILL)

@@ -1,7 +1,8 @@
-"""TP=2 with the defaults (compiled graphs): `warmup --tp 2` fills each rank's cache entry, then the offline
-`LLM` and `serve` start warm (every rank reports a hit) and answer a concurrent ragged load exactly as TP=1
-and transformers do, with log-probs that do not depend on the batch. Before the vocab all-gather left the
-graphs, compiling any TP graph raised `arg type Any is not yet supported by custom_op_wrapper`."""
+"""TP=2 with the defaults (compiled graphs): `warmup --tp 2` fills each rank's cache entry, then the
+offline `LLM` and `serve` start warm (every rank reports a hit) and answer a concurrent ragged load
+exactly as TP=1 and transformers do, with log-probs that do not depend on the batch. Before the
+vocab all-gather left the graphs, compiling any TP graph raised `arg type Any is not yet supported
+by custom_op_wrapper`."""
 
 from __future__ import annotations
 
@@ -29,9 +30,27 @@ SETTINGS = dict(num_pages=1024, max_running=8, chunk_budget=64, deterministic=Tr
 def warm_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("compile-cache")
     out = subprocess.run(
-        [sys.executable, "-m", "compiled_engine.apps.cli", "warmup", "--model", "demo", "--tp", "2", "--num-pages",
-         "1024", "--max-running", "8", "--deterministic", "--cache-dir", str(root)], capture_output=True, text=True,
-        timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "compiled_engine.apps.cli",
+            "warmup",
+            "--model",
+            "demo",
+            "--tp",
+            "2",
+            "--num-pages",
+            "1024",
+            "--max-running",
+            "8",
+            "--deterministic",
+            "--cache-dir",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("rank ")]
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], out.stdout
@@ -47,17 +66,22 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tp1_tokens(demo_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    tokens = [o.token_ids for o in LLM(demo_dir, enforce_eager=True, **SETTINGS).generate(prompts, GREEDY)]
+    tokens = [
+        o.token_ids for o in LLM(demo_dir, enforce_eager=True, **SETTINGS).generate(prompts, GREEDY)
+    ]
     assert tokens == hf_greedy(demo_dir, prompts, NEW_TOKENS)
     return tokens
 
 
-def test_offline_tp2_compiled_starts_warm_and_equals_tp1(demo_dir: str, warm_root: str, prompts: list[list[int]],
-                                                        tp1_tokens: list[list[int]]) -> None:
+def test_offline_tp2_compiled_starts_warm_and_equals_tp1(
+    demo_dir: str, warm_root: str, prompts: list[list[int]], tp1_tokens: list[list[int]]
+) -> None:
     tp2 = LLM(demo_dir, tp_size=2, tp_debug=True, compile_cache_dir=warm_root, **SETTINGS)
     try:
         summaries = tp2.engine.handle.ready.compile_summaries
-        assert len(summaries) == 2 and all(s.startswith("compile cache hit") for s in summaries), summaries
+        assert len(summaries) == 2 and all(s.startswith("compile cache hit") for s in summaries), (
+            summaries
+        )
         got = tp2.generate(prompts, GREEDY)  # one concurrent ragged batch
         repeat = tp2.generate(prompts[2:6], GREEDY)  # radix hits, in a batch of 4
         alone = tp2.generate(prompts[7:8], GREEDY)
@@ -65,21 +89,27 @@ def test_offline_tp2_compiled_starts_warm_and_equals_tp1(demo_dir: str, warm_roo
         tp2.engine.shutdown()
     assert [o.token_ids for o in got] == tp1_tokens
     assert [o.token_ids for o in repeat] == tp1_tokens[2:6]
-    # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit whatever
-    # the batch (TP=1 sums each product in one chain, TP=2 in two halves: equal tokens, not equal bits).
+    # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit
+    # whatever the batch (TP=1 sums each product in one chain, TP=2 in two halves: equal tokens, not
+    # equal bits).
     assert [o.outputs[0].logprobs for o in repeat] == [o.outputs[0].logprobs for o in got[2:6]]
     assert alone[0].outputs[0].logprobs == got[7].outputs[0].logprobs
 
 
-def test_serve_tp2_compiled_answers_concurrent_requests_as_tp1(warm_root: str, prompts: list[list[int]],
-                                                               tp1_tokens: list[list[int]]) -> None:
-    running = start_server(engine={"tp_size": 2, "enforce_eager": False, "compile_cache_dir": warm_root, **SETTINGS})
+def test_serve_tp2_compiled_answers_concurrent_requests_as_tp1(
+    warm_root: str, prompts: list[list[int]], tp1_tokens: list[list[int]]
+) -> None:
+    running = start_server(
+        engine={"tp_size": 2, "enforce_eager": False, "compile_cache_dir": warm_root, **SETTINGS}
+    )
     try:
         summaries = running.state.client.handle.ready.compile_summaries
         assert all(s.startswith("compile cache hit") for s in summaries), summaries
         body = {"sampling_params": {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
         with running.http() as client, ThreadPoolExecutor(len(prompts)) as pool:
-            replies = list(pool.map(lambda p: client.post("/generate", json=body | {"input_ids": p}), prompts))
+            replies = list(
+                pool.map(lambda p: client.post("/generate", json=body | {"input_ids": p}), prompts)
+            )
     finally:
         running.stop()
     assert [r.status_code for r in replies] == [200] * len(prompts)

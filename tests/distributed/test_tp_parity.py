@@ -1,6 +1,6 @@
-"""TP=2 (two gloo rank processes behind `LLM(tp_size=2)`) gives the tokens of TP=1 and of transformers,
-on ragged concurrent batches through every scheduler path, with the cross-rank ledger digest checked at
-every step (a rank that planned or sampled differently would fail the run)."""
+"""TP=2 (two gloo rank processes behind `LLM(tp_size=2)`) gives the tokens of TP=1 and of
+transformers, on ragged concurrent batches through every scheduler path, with the cross-rank ledger
+digest checked at every step (a rank that planned or sampled differently would fail the run)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def scenario(llm: LLM, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
-    """One concurrent greedy batch, a repeat of some prompts (radix hits), then seeded and unseeded sampling."""
+    """One concurrent greedy batch, a repeat of some prompts (radix hits), then seeded and unseeded
+    sampling."""
     first = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     repeat = [o.token_ids for o in llm.generate(prompts[2:5], GREEDY)]
     seeded = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
@@ -39,7 +40,8 @@ def test_demo_llama_overlap_chunked_radix_retraction_then_a_hang(demo_dir: str) 
     try:
         got = scenario(tp2, prompts)
         stats = tp2.engine.scheduler.stats()
-        assert_a_hung_rank_fails_the_engine(tp2)  # reuses this launch (each one costs a model load + spawn)
+        # reuses this launch (each one costs a model load + spawn)
+        assert_a_hung_rank_fails_the_engine(tp2)
     finally:
         tp2.engine.shutdown()
     assert stats.num_retractions > 0, "the tiny KV pool should have forced a retraction"
@@ -50,11 +52,14 @@ def test_demo_llama_overlap_chunked_radix_retraction_then_a_hang(demo_dir: str) 
 
 
 def assert_a_hung_rank_fails_the_engine(llm: LLM) -> None:
-    """A stopped rank 1 (SIGSTOP) stalls every rank: the launcher's monitor kills them after rank_timeout_s."""
+    """A stopped rank 1 (SIGSTOP) stalls every rank: the launcher's monitor kills them after
+    rank_timeout_s."""
     procs = llm.engine.handle.procs
     threading.Timer(1.0, os.kill, (procs[1].pid, signal.SIGSTOP)).start()
     t0 = time.monotonic()
-    with pytest.raises(EngineFailure, match=r"engine rank . \(pid \d+\) made no progress .* it is hung"):
+    with pytest.raises(
+        EngineFailure, match=r"engine rank . \(pid \d+\) made no progress .* it is hung"
+    ):
         llm.generate([list(range(3, 33))], SamplingParams(max_tokens=1000, ignore_eos=True))
     assert time.monotonic() - t0 < 60
     assert not any(p.is_alive() for p in procs), "every rank is stopped"

@@ -43,8 +43,13 @@ def hf_greedy(demo_dir):
         key = tuple(prompt)
         if key not in cache:
             with torch.inference_mode():
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     do_sample=False, pad_token_id=0)
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
             cache[key] = out[0, len(prompt):].tolist()
         return cache[key]
 

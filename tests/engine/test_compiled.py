@@ -17,17 +17,31 @@ def compiled_llm(demo_dir: str) -> LLM:
     return LLM(demo_dir, buckets=[1, 2, 4, 8], num_pages=2000, max_running=16)
 
 
-def test_compiled_greedy_matches_transformers_without_recompiling(compiled_llm: LLM, hf_greedy) -> None:
-    # Four decode buckets, the dynamic extend graph and the dynamic-batch decode graph (batches of 9 to 16),
-    # compiled (or loaded precompiled) by the warm-up.
-    assert sorted(compiled_llm.engine.runner.forward.graphs, key=str) == [1, 2, 4, 8, "decode", "extend"]
+def test_compiled_greedy_matches_transformers_without_recompiling(
+    compiled_llm: LLM, hf_greedy
+) -> None:
+    # Four decode buckets, the dynamic extend graph and the dynamic-batch decode graph (batches of 9
+    # to 16), compiled (or loaded precompiled) by the warm-up.
+    assert sorted(compiled_llm.engine.runner.forward.graphs, key=str) == [
+        1,
+        2,
+        4,
+        8,
+        "decode",
+        "extend",
+    ]
     graphs_after_warmup = counters["stats"]["unique_graphs"]
     prompts = ragged_prompts(37, seed=1)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    # 37 requests (mixed steps, every decode bucket, batches beyond the largest bucket), then batch 1 and 3.
+    # 37 requests (mixed steps, every decode bucket, batches beyond the largest bucket), then batch
+    # 1 and 3.
     outputs = compiled_llm.generate(prompts, params)
-    outputs += compiled_llm.generate(prompts[:1], params) + compiled_llm.generate(prompts[1:4], params)
+    outputs += compiled_llm.generate(prompts[:1], params) + compiled_llm.generate(
+        prompts[1:4], params
+    )
     for out, prompt in zip(outputs, prompts + prompts[:4]):
         assert out.token_ids == hf_greedy(prompt)
-    assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "a graph was compiled while serving"
+    assert counters["stats"]["unique_graphs"] == graphs_after_warmup, (
+        "a graph was compiled while serving"
+    )
     assert precompiled.counts["guard_failed"] == 0

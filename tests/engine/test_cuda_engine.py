@@ -1,7 +1,8 @@
-"""The engine on a GPU (CUDA machines only; `scripts/gpu_check.sh` runs this module): greedy parity with
-transformers on the same GPU with graphs on and off and overlap on and off (fp32 exact, bf16 within
-transformers' own bf16 error and diverging only at near ties), no compile and no host sync while serving,
-a `cuda:N` engine that keeps everything on that GPU, and the JAX bridge's zero copy on CUDA."""
+"""The engine on a GPU (CUDA machines only; `scripts/gpu_check.sh` runs this module): greedy parity
+with transformers on the same GPU with graphs on and off and overlap on and off (fp32 exact, bf16
+within transformers' own bf16 error and diverging only at near ties), no compile and no host sync
+while serving, a `cuda:N` engine that keeps everything on that GPU, and the JAX bridge's zero copy
+on CUDA."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 would interpret the CUDA kernels"
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="TRITON_INTERPRET=1 would interpret the CUDA kernels",
     ),
 ]
 
@@ -33,7 +35,10 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def references(demo_dir: str) -> dict[str, tuple[list, Bounds]]:
     refs = hf_fp32_greedy(demo_dir, PROMPTS, NEW_TOKENS, device="cuda")
-    return {"float32": (refs, FP32), "bfloat16": (refs, bf16_bounds(demo_dir, PROMPTS, refs, "cuda"))}
+    return {
+        "float32": (refs, FP32),
+        "bfloat16": (refs, bf16_bounds(demo_dir, PROMPTS, refs, "cuda")),
+    }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -51,7 +56,8 @@ def test_greedy_parity_with_transformers_on_the_gpu(demo_dir, references, dtype:
 
 
 class CompileCounter:
-    """Graphs dynamo compiles and Triton kernels JIT-compiled (new specializations) inside the block."""
+    """Graphs dynamo compiles and Triton kernels JIT-compiled (new specializations) inside the
+    block."""
 
     def __enter__(self) -> CompileCounter:
         import triton
@@ -69,20 +75,32 @@ class CompileCounter:
 
 
 def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Ragged prompts (1-300 tokens) with ragged outputs and every kind of sampling, so that the steps meet
-    every batch size, prefill chunking, mixed steps and the sampler's paths."""
+    """Ragged prompts (1-300 tokens) with ragged outputs and every kind of sampling, so that the
+    steps meet every batch size, prefill chunking, mixed steps and the sampler's paths."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))] for _ in range(n)]
-    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, top_k=20),
-             dict(temperature=0.0, logprobs=3), dict(temperature=0.7, repetition_penalty=1.2, min_tokens=4),
-             dict(temperature=0.0, logit_bias={5: 3.0}, presence_penalty=0.5)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **rng.choice(kinds)) for _ in range(n)]
+    prompts = [
+        [rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))]
+        for _ in range(n)
+    ]
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9, seed=1),
+        dict(temperature=1.0, top_k=20),
+        dict(temperature=0.0, logprobs=3),
+        dict(temperature=0.7, repetition_penalty=1.2, min_tokens=4),
+        dict(temperature=0.0, logit_bias={5: 3.0}, presence_penalty=0.5),
+    ]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **rng.choice(kinds))
+        for _ in range(n)
+    ]
     return prompts, params
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_serving_compiles_nothing(demo_dir: str, deterministic: bool) -> None:
-    llm = LLM(demo_dir, dtype="bfloat16", deterministic=deterministic, **ENGINE)  # the warm-up compiles here
+    # the warm-up compiles here
+    llm = LLM(demo_dir, dtype="bfloat16", deterministic=deterministic, **ENGINE)
     prompts, params = _mixed_workload(48, seed=1)
     with CompileCounter() as counted:
         for start in (0, 3, 20):  # batches of several sizes, from 1 request up
@@ -93,8 +111,8 @@ def test_serving_compiles_nothing(demo_dir: str, deterministic: bool) -> None:
 
 
 def test_no_host_sync_between_launches(demo_dir: str) -> None:
-    """Everything a step does on the host raises if it synchronizes with the GPU, except reading the tokens
-    of the step before (`PendingStep.result`)."""
+    """Everything a step does on the host raises if it synchronizes with the GPU, except reading the
+    tokens of the step before (`PendingStep.result`)."""
     llm = LLM(demo_dir, dtype="bfloat16", **ENGINE)
     engine = llm.engine
     prompts, params = _mixed_workload(24, seed=2)
@@ -149,8 +167,8 @@ def test_an_engine_on_the_second_gpu_keeps_everything_there(demo_dir: str) -> No
 
 
 def test_jax_sees_the_engines_cuda_tensors_without_a_copy() -> None:
-    """The JAX bridge on the GPU: a logits row and its result share memory with the torch tensors (needs JAX's
-    CUDA backend)."""
+    """The JAX bridge on the GPU: a logits row and its result share memory with the torch tensors
+    (needs JAX's CUDA backend)."""
     pytest.importorskip("jax")
     from compiled_engine.jax import bridge
 

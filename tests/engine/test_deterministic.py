@@ -1,7 +1,8 @@
-"""Deterministic inference (the default): a probe request's tokens and log-probabilities are bit-identical to
-the probe alone, whatever else runs: ragged neighbours arriving at random steps, shared prefixes (radix
-hits), tiny chunk budgets, a pool small enough to force retraction and eviction, overlap. Compiled (and
-eager), in bf16, on a random-weight checkpoint and on the real model."""
+"""Deterministic inference (the default): a probe request's tokens and log-probabilities are
+bit-identical to the probe alone, whatever else runs: ragged neighbours arriving at random steps,
+shared prefixes (radix hits), tiny chunk budgets, a pool small enough to force retraction and
+eviction, overlap. Compiled (and eager), in bf16, on a random-weight checkpoint and on the real
+model."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.slow
 
 PROBE = [1, 17, 230, 45, 999, 3001, 12, 77, 640, 5, 88, 1234, 4321, 9, 66, 2500, 31, 700]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(
+    max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True, logprobs=2
+)
 MAX_STEPS = 3000
 REACHED: collections.Counter = collections.Counter()  # what the property's examples went through
 # transformers fp32: " a" -1.4836, " there" -1.4873 for the first token (the issue's report)
@@ -30,8 +33,16 @@ NEAR_TIE = "Once upon a time in a quiet village by the sea,"
 
 
 def _engine(demo_dir: str, **kw):
-    return build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4], max_running=16,
-                                     deterministic=True, **kw))
+    return build_engine(
+        EngineConfig(
+            model=demo_dir,
+            dtype="bfloat16",
+            buckets=[1, 4],
+            max_running=16,
+            deterministic=True,
+            **kw,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +62,8 @@ def tight(demo_dir):
 
 
 def _run(engine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> dict[str, tuple]:
-    """Add each request at its step, step until done; each request's (tokens, logprobs, top logprobs)."""
+    """Add each request at its step, step until done; each request's (tokens, logprobs, top
+    logprobs)."""
     pending = sorted(arrivals, key=lambda a: a[0])
     results: dict[str, tuple[list, list, list]] = {a[1]: ([], [], []) for a in arrivals}
     step = 0
@@ -72,8 +84,11 @@ def _run(engine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> 
 
 @pytest.fixture(scope="module")
 def eager(demo_dir):
-    """The tight engine's settings without graphs (`--enforce-eager`: its own bits, as deterministic)."""
-    engine = _engine(demo_dir, num_pages=28, page_size=4, chunk_budget=8, overlap=True, enforce_eager=True)
+    """The tight engine's settings without graphs (`--enforce-eager`: its own bits, as
+    deterministic)."""
+    engine = _engine(
+        demo_dir, num_pages=28, page_size=4, chunk_budget=8, overlap=True, enforce_eager=True
+    )
     yield engine
     engine.shutdown()
 
@@ -93,7 +108,8 @@ def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
     out = []
     for kind, length in draw_prompts:
         body = [rng.randrange(3, 7990) for _ in range(length)]
-        # shares the probe's first tokens (a radix hit on its prefix), is the probe plus more, or is unrelated
+        # shares the probe's first tokens (a radix hit on its prefix), is the probe plus more, or is
+        # unrelated
         head = {0: PROBE[: 1 + length % len(PROBE)], 1: PROBE, 2: []}[kind]
         out.append((head + body) or [1])
     return out
@@ -108,12 +124,24 @@ def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
     params=st.sampled_from(["greedy", "seeded"]),
     seed=st.integers(0, 2**16),
 )
-def test_probe_is_bit_identical_to_the_probe_alone(roomy, tight, eager, alone, prompts, arrivals, probe_step, which,
-                                                     params, seed):
+def test_probe_is_bit_identical_to_the_probe_alone(
+    roomy, tight, eager, alone, prompts, arrivals, probe_step, which, params, seed
+):
     rng = random.Random(seed)
-    others = [(arrivals[i], f"o{i}", p, SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0, 1]),
-                                                        ignore_eos=True, logprobs=rng.choice([None, 0, 3])))
-              for i, p in enumerate(_others(prompts, rng))]
+    others = [
+        (
+            arrivals[i],
+            f"o{i}",
+            p,
+            SamplingParams(
+                max_tokens=rng.randrange(1, 25),
+                temperature=rng.choice([0, 1]),
+                ignore_eos=True,
+                logprobs=rng.choice([None, 0, 3]),
+            ),
+        )
+        for i, p in enumerate(_others(prompts, rng))
+    ]
     probe_params = GREEDY if params == "greedy" else SEEDED
     engine = {"roomy": roomy, "tight": tight, "eager": eager}[which]
     scheduler = engine.scheduler
@@ -126,15 +154,16 @@ def test_probe_is_bit_identical_to_the_probe_alone(roomy, tight, eager, alone, p
 
 
 def test_the_property_went_through_retraction_and_eviction():
-    """The property's examples (run just before, in this module) retracted and evicted at least once."""
+    """The property's examples (run just before, in this module) retracted and evicted at least
+    once."""
     if not REACHED["examples"]:
         pytest.skip("the property test did not run in this session")
     assert REACHED["retraction"] > 0 and REACHED["eviction"] > 0, REACHED
 
 
 def test_the_tight_engine_retracts_and_evicts(tight):
-    """The pool pressure the property relies on is real: a batch of long requests makes the tight engine
-    retract and evict."""
+    """The pool pressure the property relies on is real: a batch of long requests makes the tight
+    engine retract and evict."""
     scheduler = tight.scheduler
     retractions, evictions = scheduler.num_retractions, scheduler.book.cache.num_evicted_pages
     rng = random.Random(0)
@@ -159,7 +188,8 @@ def smollm2_engine():
 
 
 def test_real_model_same_request_twice(smollm2_engine):
-    """SmolLM2 (bf16, compiled), the issue's near-tie prompt: the second time its prefix is cached."""
+    """SmolLM2 (bf16, compiled), the issue's near-tie prompt: the second time its prefix is
+    cached."""
     engine, prompt, params, first = smollm2_engine
     assert _run(engine, [(0, "again", prompt, params)])["again"] == first
 

@@ -1,5 +1,5 @@
-"""A built engine takes what exists out of the cyclic GC (full collections of ~470k objects paused serving
-for ~0.46 s on the bench model), and gives it back on shutdown."""
+"""A built engine takes what exists out of the cyclic GC (full collections of ~470k objects paused
+serving for ~0.46 s on the bench model), and gives it back on shutdown."""
 
 import gc
 

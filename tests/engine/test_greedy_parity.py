@@ -1,6 +1,6 @@
-"""Every engine path gives transformers' greedy tokens: eager and compiled, overlap on and off, chunked
-prefill, radix and naive prefix caches, forced retraction, page sizes 1 and 16, batches of 1 and 37, and the
-same with `--no-deterministic`."""
+"""Every engine path gives transformers' greedy tokens: eager and compiled, overlap on and off,
+chunked prefill, radix and naive prefix caches, forced retraction, page sizes 1 and 16, batches of 1
+and 37, and the same with `--no-deterministic`."""
 
 from __future__ import annotations
 
@@ -20,19 +20,27 @@ PATHS = {
     "naive-cache": dict(prefix_cache="naive"),
     "page-size-16": dict(page_size=16, num_pages=300),
     "retraction-tiny-pool": dict(num_pages=140, max_running=37),
-    "retraction-tiny-pool-pages-16": dict(page_size=16, num_pages=12, max_running=37, overlap=False),
-    "no-deterministic-chunked-naive-cache": dict(deterministic=False, chunk_budget=7, prefix_cache="naive"),
+    "retraction-tiny-pool-pages-16": dict(
+        page_size=16, num_pages=12, max_running=37, overlap=False
+    ),
+    "no-deterministic-chunked-naive-cache": dict(
+        deterministic=False, chunk_budget=7, prefix_cache="naive"
+    ),
 }
 
 
 def assert_matches_oracle(outputs, prompts, hf_greedy) -> None:
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
-        assert out.token_ids == hf_greedy(prompt), f"prompt {i} (len {len(prompt)}) diverged from transformers"
+        assert out.token_ids == hf_greedy(prompt), (
+            f"prompt {i} (len {len(prompt)}) diverged from transformers"
+        )
         assert out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_batch_of_37_ragged_requests_matches_transformers(path: str, demo_dir: str, hf_greedy) -> None:
+def test_batch_of_37_ragged_requests_matches_transformers(
+    path: str, demo_dir: str, hf_greedy
+) -> None:
     settings = dict(enforce_eager=True, num_pages=2000, max_running=16) | PATHS[path]
     llm = LLM(demo_dir, **settings)
     outputs = llm.generate(PROMPTS, GREEDY)
@@ -58,10 +66,11 @@ def test_radix_cache_reuses_shared_prefixes(demo_dir: str, hf_greedy) -> None:
     assert llm.engine.scheduler.stats().cache_hit_rate > 0.4
 
 
-def test_no_deterministic_compiled_with_overlap_and_retraction_matches_transformers(demo_dir: str,
-                                                                                   hf_greedy) -> None:
-    """`--no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as `serve` runs it, overlapped, with
-    a pool small enough to retract."""
+def test_no_deterministic_compiled_with_overlap_and_retraction_matches_transformers(
+    demo_dir: str, hf_greedy
+) -> None:
+    """`--no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as `serve` runs it,
+    overlapped, with a pool small enough to retract."""
     llm = LLM(demo_dir, deterministic=False, overlap=True, num_pages=140, max_running=37)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert_matches_oracle(outputs, PROMPTS, hf_greedy)

@@ -1,7 +1,7 @@
-"""Logits processors in JAX through the offline API: the engine's tensors reach JAX without a copy, a JAX
-rule gives exactly the tokens of the same rule built in (log-probs within 1e-5), greedy and seeded, on the
-compiled and the eager engine, composes with structured output, and a processor that fails fails its own
-request only."""
+"""Logits processors in JAX through the offline API: the engine's tensors reach JAX without a copy,
+a JAX rule gives exactly the tokens of the same rule built in (log-probs within 1e-5), greedy and
+seeded, on the compiled and the eager engine, composes with structured output, and a processor that
+fails fails its own request only."""
 
 from __future__ import annotations
 
@@ -42,13 +42,20 @@ def wrong_shape(token_ids, logits):
 
 
 def flat(token_ids, logits):
-    """Every token equally likely: the model's preferences are gone, and so would be a mask applied before."""
+    """Every token equally likely: the model's preferences are gone, and so would be a mask applied
+    before."""
     return jnp.zeros_like(logits)
 
 
 @pytest.fixture(scope="module", params=["compiled", "eager"])
 def llm(request) -> LLM:
-    return LLM("demo", deterministic=True, enforce_eager=request.param == "eager", num_pages=2048, max_running=8)
+    return LLM(
+        "demo",
+        deterministic=True,
+        enforce_eager=request.param == "eager",
+        num_pages=2048,
+        max_running=8,
+    )
 
 
 def test_the_bridge_shares_memory_both_ways() -> None:
@@ -62,26 +69,39 @@ def test_the_bridge_shares_memory_both_ways() -> None:
     assert bridge.to_jax(ids).unsafe_buffer_pointer() == ids.data_ptr()
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)],
+    ids=["greedy", "seeded"],
+)
 def test_a_jax_rule_gives_the_tokens_of_the_same_rule_built_in(llm: LLM, sampling: dict) -> None:
-    common = dict(max_tokens=16, ignore_eos=True, logprobs=2, **sampling)  # built in: the bias, then the penalty
-    built_in = llm.generate(PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common))
-    in_jax = llm.generate(PROMPTS, SamplingParams(logits_processors=(boost_token_5, repetition_penalty), **common))
+    # built in: the bias, then the penalty
+    common = dict(max_tokens=16, ignore_eos=True, logprobs=2, **sampling)
+    built_in = llm.generate(
+        PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common)
+    )
+    in_jax = llm.generate(
+        PROMPTS, SamplingParams(logits_processors=(boost_token_5, repetition_penalty), **common)
+    )
     plain = llm.generate(PROMPTS, SamplingParams(**common))
     for ours, theirs in zip(in_jax, built_in, strict=True):
         assert ours.token_ids == theirs.token_ids
         # XLA may divide by multiplying with the reciprocal: the last bit of a logit can differ
         assert ours.outputs[0].logprobs == pytest.approx(theirs.outputs[0].logprobs, abs=1e-5)
         assert ours.finish_reason == "length" and ours.outputs[0].error is None
-    assert [o.token_ids for o in in_jax] != [o.token_ids for o in plain]  # the processors did something
+    # the processors did something
+    assert [o.token_ids for o in in_jax] != [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize(("processor", "message"), [(raises, "raised RuntimeError: scorer unavailable"),
-                                                    (wrong_shape, "expected float[8000]")])
+@pytest.mark.parametrize(
+    ("processor", "message"),
+    [(raises, "raised RuntimeError: scorer unavailable"), (wrong_shape, "expected float[8000]")],
+)
 def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message: str) -> None:
     good = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    bad = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logits_processors=(processor,))
+    bad = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, logits_processors=(processor,)
+    )
     alone = llm.generate(PROMPTS, good)
     mixed = llm.generate(PROMPTS, [bad if i == 2 else good for i in range(len(PROMPTS))])
     failed = mixed[2].outputs[0]
@@ -95,7 +115,8 @@ def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message
 
 
 def test_processors_compose_with_structured_output(llm: LLM) -> None:
-    """The grammar's mask comes last: a processor can reorder the allowed tokens, never allow another."""
+    """The grammar's mask comes last: a processor can reorder the allowed tokens, never allow
+    another."""
     from tests.engine.test_structured_offline import JSON, SCHEMA
 
     params = SamplingParams(max_tokens=128, temperature=0.8, seed=3, structured=JSON,
@@ -105,12 +126,19 @@ def test_processors_compose_with_structured_output(llm: LLM) -> None:
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=4)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=4)], ids=["greedy", "seeded"]
+)
 def test_a_processor_cannot_lift_the_mask(llm: LLM, sampling: dict) -> None:
-    """A processor that sets every logit alike, under a choice constraint: the answer is still one of them."""
+    """A processor that sets every logit alike, under a choice constraint: the answer is still one
+    of them."""
     choices = ("apple", "banana", "cherry")
-    params = SamplingParams(max_tokens=8, structured=StructuredOutput("choice", choices), logits_processors=(flat,),
-                            **sampling)
+    params = SamplingParams(
+        max_tokens=8,
+        structured=StructuredOutput("choice", choices),
+        logits_processors=(flat,),
+        **sampling,
+    )
     for out in llm.generate(PROMPTS[:3], params):
         assert out.text in choices and out.finish_reason == "stop", out.outputs[0]
 
@@ -122,17 +150,24 @@ def test_processors_must_be_functions() -> None:
 
 
 def test_at_tp2_processors_are_named_and_every_rank_applies_them() -> None:
-    """A TP engine's ranks import a processor by name ('module:function'); a function object is refused."""
+    """A TP engine's ranks import a processor by name ('module:function'); a function object is
+    refused."""
     common = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     names = (f"{__name__}:boost_token_5", f"{__name__}:repetition_penalty")
-    tp = LLM("demo", deterministic=True, tp_size=2, enforce_eager=True, num_pages=512, max_running=8)
+    tp = LLM(
+        "demo", deterministic=True, tp_size=2, enforce_eager=True, num_pages=512, max_running=8
+    )
     try:
         with pytest.raises(ValueError, match="given by name"):
             tp.generate(PROMPTS[:1], SamplingParams(logits_processors=(boost_token_5,), **common))
         with pytest.raises(ValueError, match="cannot import"):
-            tp.generate(PROMPTS[:1], SamplingParams(logits_processors=(f"{__name__}:missing",), **common))
+            tp.generate(
+                PROMPTS[:1], SamplingParams(logits_processors=(f"{__name__}:missing",), **common)
+            )
         named = tp.generate(PROMPTS, SamplingParams(logits_processors=names, **common))
-        built_in = tp.generate(PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common))
+        built_in = tp.generate(
+            PROMPTS, SamplingParams(repetition_penalty=PENALTY, logit_bias={5: 3.0}, **common)
+        )
     finally:
         tp.engine.shutdown()
     assert [o.token_ids for o in named] == [o.token_ids for o in built_in]
@@ -140,5 +175,7 @@ def test_at_tp2_processors_are_named_and_every_rank_applies_them() -> None:
 
 def test_a_name_that_leads_nowhere_is_refused_at_once(llm: LLM) -> None:
     with pytest.raises(ValueError, match="cannot import"):
-        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logits_processors=("no_such_module:f",)))
+        llm.generate(
+            PROMPTS[:1], SamplingParams(max_tokens=2, logits_processors=("no_such_module:f",))
+        )
     assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids) == 2

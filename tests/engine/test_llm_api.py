@@ -15,7 +15,11 @@ def llm(demo_dir: str) -> LLM:
 def test_text_token_and_chat_prompts(llm: LLM) -> None:
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     text_out, ids_out, chat_out = llm.generate(
-        ["Hello there", llm.tokenizer("Hello there").input_ids, [{"role": "user", "content": "Hello there"}]],
+        [
+            "Hello there",
+            llm.tokenizer("Hello there").input_ids,
+            [{"role": "user", "content": "Hello there"}],
+        ],
         params,
     )
     assert text_out.token_ids == ids_out.token_ids and len(text_out.token_ids) == 5
@@ -32,14 +36,20 @@ def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(llm: LLM)
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
     alone = llm.generate("A seeded prompt", seeded)[0].token_ids
     noisy = SamplingParams(max_tokens=8, temperature=1.5, ignore_eos=True)
-    crowded = llm.generate(["Other prompt", "A seeded prompt", "Third"], [noisy, seeded, noisy])[1].token_ids
+    crowded = llm.generate(["Other prompt", "A seeded prompt", "Third"], [noisy, seeded, noisy])[
+        1
+    ].token_ids
     assert alone == crowded
-    other_seed = llm.generate("A seeded prompt", SamplingParams(max_tokens=8, seed=43, ignore_eos=True))[0]
+    other_seed = llm.generate(
+        "A seeded prompt", SamplingParams(max_tokens=8, seed=43, ignore_eos=True)
+    )[0]
     assert other_seed.token_ids != alone
 
 
 def test_n_parallel_samples_differ_and_share_the_prompt(llm: LLM) -> None:
-    out = llm.generate("Tell me", SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))[0]
+    out = llm.generate(
+        "Tell me", SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
+    )[0]
     assert len(out.outputs) == 3
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert all(len(o.token_ids) == 6 for o in out.outputs)
@@ -59,15 +69,20 @@ def test_stop_string_ends_the_text_before_it(llm: LLM) -> None:
 def test_eos_ends_a_request_unless_ignored(llm: LLM) -> None:
     greedy = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0))[0]
     eos = greedy.token_ids[2]  # pretend the third greedy token is a stop token
-    out = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(eos,)))[0]
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(eos,))
+    )[0]
     assert out.token_ids == greedy.token_ids[:3] and out.finish_reason == "stop"
-    held = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(eos,),
-                                                min_tokens=4))[0]
+    held = llm.generate(
+        "Hello", SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(eos,), min_tokens=4)
+    )[0]
     assert len(held.token_ids) >= 4 and eos not in held.token_ids[:4]
 
 
 def test_logprobs_are_returned_per_token(llm: LLM) -> None:
-    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    )[0]
     first = out.outputs[0]
     assert len(first.logprobs) == 4 and all(lp <= 0 for lp in first.logprobs)
     for token, lp, top in zip(first.token_ids, first.logprobs, first.top_logprobs):
@@ -99,7 +114,9 @@ def test_a_rejected_prompt_leaves_nothing_queued(llm: LLM) -> None:
         ([1, 2], SamplingParams(seed=2**64), "seed"),
     ],
 )
-def test_ids_and_seeds_the_model_cannot_take_are_rejected(llm: LLM, prompt, params, message) -> None:
+def test_ids_and_seeds_the_model_cannot_take_are_rejected(
+    llm: LLM, prompt, params, message
+) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], params)
     assert not llm.engine.has_work()

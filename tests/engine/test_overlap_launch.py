@@ -1,7 +1,8 @@
 """Overlap as it runs on CUDA, simulated on the CPU: the runner is told its launches only queue work
-(`asynchronous`), and each step's readback event is a fake that logs when it is waited on. The engine must
-launch step k+1 before it waits for step k's tokens, wait once per step, use no thread, and still give
-transformers' greedy tokens (step k+1 reads step k's token from the device token table)."""
+(`asynchronous`), and each step's readback event is a fake that logs when it is waited on. The
+engine must launch step k+1 before it waits for step k's tokens, wait once per step, use no thread,
+and still give transformers' greedy tokens (step k+1 reads step k's token from the device token
+table)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def test_step_k_plus_1_is_launched_before_step_k_is_waited_for(demo_dir: str, hf
 
 def test_queued_launches_through_retraction_and_chunked_prefill(demo_dir: str, hf_greedy) -> None:
     prompts = ragged_prompts(37)
-    llm = LLM(demo_dir, enforce_eager=True, overlap=True, num_pages=140, max_running=37, chunk_budget=24)
+    llm = LLM(
+        demo_dir, enforce_eager=True, overlap=True, num_pages=140, max_running=37, chunk_budget=24
+    )
     llm.engine.runner.asynchronous = True
     outputs = llm.generate(prompts, GREEDY)
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):

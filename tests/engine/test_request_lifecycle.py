@@ -1,9 +1,10 @@
-"""Each way a request ends leaves nothing behind: finished, stopped from outside (a stop string), aborted with
-a step in flight, failed (its logits processor raised), rejected at admission, retracted then finished.
-The check is one over every registry that remains on a rank: the ledger's queues and in-flight steps, the
-engine's in-flight steps, the page books (integrity), and the engine's per-request state, which must be
-unreachable (a weak reference to it dies) once the request has ended. Compiled, overlap on, a pool small
-enough to retract (the configuration of test_deterministic's `tight` engine, sharing its graphs)."""
+"""Each way a request ends leaves nothing behind: finished, stopped from outside (a stop string),
+aborted with a step in flight, failed (its logits processor raised), rejected at admission,
+retracted then finished. The check is one over every registry that remains on a rank: the ledger's
+queues and in-flight steps, the engine's in-flight steps, the page books (integrity), and the
+engine's per-request state, which must be unreachable (a weak reference to it dies) once the request
+has ended. Compiled, overlap on, a pool small enough to retract (the configuration of
+test_deterministic's `tight` engine, sharing its graphs)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,19 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(demo_dir):
-    engine = build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4], max_running=16,
-                                       deterministic=True, num_pages=28, page_size=4, chunk_budget=8,
-                                       overlap=True))
+    engine = build_engine(
+        EngineConfig(
+            model=demo_dir,
+            dtype="bfloat16",
+            buckets=[1, 4],
+            max_running=16,
+            deterministic=True,
+            num_pages=28,
+            page_size=4,
+            chunk_budget=8,
+            overlap=True,
+        )
+    )
     yield engine
     engine.shutdown()
 
@@ -50,11 +61,21 @@ def _assert_nothing_left(engine, states: list[weakref.ref]) -> None:
     _step_until(engine, lambda _: False)  # drain what is in flight
     scheduler = engine.scheduler
     assert not engine.has_work()
-    assert not scheduler.live and not scheduler.waiting and not scheduler.running and not scheduler.inflight
+    assert (
+        not scheduler.live
+        and not scheduler.waiting
+        and not scheduler.running
+        and not scheduler.inflight
+    )
     scheduler.check_integrity()  # pages: free + cached == total, no locks held, rows free
-    assert scheduler.book.allocator.num_free + scheduler.book.cache.num_cached_pages == scheduler.allocator.total
+    assert (
+        scheduler.book.allocator.num_free + scheduler.book.cache.num_cached_pages
+        == scheduler.allocator.total
+    )
     gc.collect()
-    assert [ref() for ref in states] == [None] * len(states), "a registry still holds an ended request's state"
+    assert [ref() for ref in states] == [None] * len(states), (
+        "a registry still holds an ended request's state"
+    )
 
 
 def _ends(events: list) -> dict[str, str]:
@@ -93,7 +114,9 @@ def _raises(token_ids, logits):
 
 
 def test_a_failed_request_leaves_nothing(engine) -> None:
-    failing = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logits_processors=(_raises,))
+    failing = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logits_processors=(_raises,)
+    )
     states = [_add(engine, "failed", [1, 2, 3], failing), _add(engine, "fine", [1, 8, 9])]
     events = _step_until(engine, lambda _: False)
     assert _ends(events) == {"failed": "error", "fine": "length"}

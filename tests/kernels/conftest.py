@@ -1,5 +1,5 @@
-"""The kernel tests call the ops directly, as an engine would after `kernels.init`: without it the CPU ops
-would silently be the portable ones."""
+"""The kernel tests call the ops directly, as an engine would after `kernels.init`: without it the
+CPU ops would silently be the portable ones."""
 
 import torch
 

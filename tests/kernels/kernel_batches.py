@@ -1,4 +1,5 @@
-"""Random paged batches for the attention tests: pages scattered through the cache in random order."""
+"""Random paged batches for the attention tests: pages scattered through the cache in random
+order."""
 
 from dataclasses import dataclass
 
@@ -60,5 +61,9 @@ def make_batch(
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
-    cu = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-    return PagedBatch(k_cache, v_cache, page_table, torch.tensor(seq_lens, dtype=torch.int32), cu, q, page_size)
+    cu = torch.tensor(
+        [0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
+    )
+    return PagedBatch(
+        k_cache, v_cache, page_table, torch.tensor(seq_lens, dtype=torch.int32), cu, q, page_size
+    )

@@ -1,6 +1,6 @@
-"""`COMPILED_ENGINE_CPU_ISA` caps every ISA choice on the CPU: our native kernels' build, oneDNN, ATen and
-inductor's vector ISA. Each level runs in a fresh process (the caps are read once per process) that does what
-the engine builder does first: `kernels.init`."""
+"""`COMPILED_ENGINE_CPU_ISA` caps every ISA choice on the CPU: our native kernels' build, oneDNN,
+ATen and inductor's vector ISA. Each level runs in a fresh process (the caps are read once per
+process) that does what the engine builder does first: `kernels.init`."""
 
 from __future__ import annotations
 
@@ -20,15 +20,26 @@ import compiled_engine.llm, kernels, torch
 from torch._inductor import cpu_vec_isa
 from kernels import ops
 kernels.init("cpu")
-print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "inductor": str(cpu_vec_isa.pick_vec_isa()),
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(),
+                  "inductor": str(cpu_vec_isa.pick_vec_isa()),
                   "native": sorted(ops.native_isa() or []), "amx": ops.amx_available()}))
 """
 
 
 def probe(level: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env | {cpu_isa.ENV: level}, capture_output=True,
-                         text=True, timeout=300, check=True)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env | {cpu_isa.ENV: level},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -56,8 +67,13 @@ def test_native_level_is_at_least_as_capable() -> None:
 def test_an_unknown_level_is_a_clear_error() -> None:
     env = os.environ | {cpu_isa.ENV: "sse9"}
     message = "COMPILED_ENGINE_CPU_ISA='sse9': use one of native, avx512, avx2"
-    out = subprocess.run([sys.executable, "-c", "import kernels; kernels.init('cpu')"], env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", "import kernels; kernels.init('cpu')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and message in out.stderr
     cli = [sys.executable, "-m", "compiled_engine", "generate", "--prompt", "hi"]
     out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)

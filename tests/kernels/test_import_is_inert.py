@@ -1,5 +1,5 @@
-"""Importing the kernels does nothing but define the ops: no environment variable set, no native library
-built or loaded; `kernels.init` does both."""
+"""Importing the kernels does nothing but define the ops: no environment variable set, no native
+library built or loaded; `kernels.init` does both."""
 
 import json
 import os
@@ -28,8 +28,15 @@ print(json.dumps(dict(before=before, loaded=loaded, native=native, ready=ready, 
 def _probe(mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in CAPS}
     env["COMPILED_ENGINE_CPU_ISA"] = "avx2"  # a level with caps to set
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, cwd=ROOT, env=env,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=300,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -46,4 +53,5 @@ def test_init_applies_the_isa_caps_and_loads_the_native_kernels() -> None:
     assert seen["after"] == {v: cpu_isa.env_caps("avx2").get(v) for v in CAPS}  # none off x86
     from kernels import ops
 
-    assert seen["ready"] == ops.load_cpu_kernels()  # the native library serves the CPU wherever it builds here
+    # the native library serves the CPU wherever it builds here
+    assert seen["ready"] == ops.load_cpu_kernels()

@@ -10,9 +10,13 @@ from kernels import ops, reference
 from kernels.portable import attention as cpu_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-# The op (the native kernels where they load: on an AVX512 CPU without AMX an extend runs as decode rows) and
-# its portable implementation (CPUs without the native library, inputs the kernels decline).
-EXTENDS = {"op": ops.extend_attention, "portable": torch.ops.kernels.extend_attention_portable.default}
+# The op (the native kernels where they load: on an AVX512 CPU without AMX an extend runs as decode
+# rows) and its portable implementation (CPUs without the native library, inputs the kernels
+# decline).
+EXTENDS = {
+    "op": ops.extend_attention,
+    "portable": torch.ops.kernels.extend_attention_portable.default,
+}
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -50,12 +54,18 @@ def test_extend_realistic(impl: str, dtype: torch.dtype, page_size: int) -> None
 @pytest.mark.parametrize("impl", EXTENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("soft_cap", [0.0, 3.0])
-def test_extend_of_many_similar_suffixes_runs_padded(impl: str, dtype: torch.dtype, soft_cap: float) -> None:
-    """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same result."""
+def test_extend_of_many_similar_suffixes_runs_padded(
+    impl: str, dtype: torch.dtype, soft_cap: float
+) -> None:
+    """Short suffixes over cached prefixes (a shared system prompt) attend in padded groups: same
+    result."""
     q_lens = [8, 8, 7, 8, 16, 15, 16, 1, 64, 64]
     prefixes = [100, 100, 101, 90, 100, 99, 100, 120, 0, 0]
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
-    reqs = [cpu_attention._Req(b, 0, q, n) for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))]
+    reqs = [
+        cpu_attention._Req(b, 0, q, n)
+        for b, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))
+    ]
     # The 1-token query and the two prompts without a prefix (SDPA's causal path) attend alone.
     assert sorted(len(g) for g in cpu_attention._attention_groups(reqs, 0)) == [1, 1, 1, 3, 4]
     assert all(len(g) == 1 for g in cpu_attention._attention_groups(reqs, 8))
@@ -67,7 +77,9 @@ def test_extend_of_many_similar_suffixes_runs_padded(impl: str, dtype: torch.dty
 @pytest.mark.parametrize("impl", EXTENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(8, 0.0), (0, 5.0), (20, 2.0), (1, 0.0)])
-def test_window_and_soft_cap(impl: str, dtype: torch.dtype, sliding_window: int, soft_cap: float) -> None:
+def test_window_and_soft_cap(
+    impl: str, dtype: torch.dtype, sliding_window: int, soft_cap: float
+) -> None:
     seq_lens = [1, 7, 8, 9, 33, 70, 0]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 4, 2, 32, 16, dtype, seed=sliding_window)
     args = (*batch.decode_args(0.3), sliding_window, soft_cap)
@@ -103,26 +115,37 @@ def test_store_kv_skips_negative_slots(dtype: torch.dtype) -> None:
     group=st.sampled_from([1, 2, 4]),
     seed=st.integers(0, 2**16),
 )
-def test_random_ragged_batches(rows: list[tuple[int, int]], page_size: int, group: int, seed: int) -> None:
-    """Random lengths, random page placement; a row with q_len 0 is an idle row in the extend batch."""
+def test_random_ragged_batches(
+    rows: list[tuple[int, int]], page_size: int, group: int, seed: int
+) -> None:
+    """Random lengths, random page placement; a row with q_len 0 is an idle row in the extend
+    batch."""
     q_lens = [q for q, _ in rows]
     seq_lens = [q + p for q, p in rows]
     batch = make_batch(seq_lens, q_lens, 2 * group, 2, 16, page_size, seed=seed, extra_width=3)
     args = batch.extend_args(0.25)
     _close(ops.extend_attention(*args), reference.extend_attention_reference(*args))
-    decode = make_batch(seq_lens, [1] * len(rows), 2 * group, 2, 16, page_size, seed=seed, extra_width=3)
+    decode = make_batch(
+        seq_lens, [1] * len(rows), 2 * group, 2, 16, page_size, seed=seed, extra_width=3
+    )
     args = decode.decode_args(0.25)
     _close(ops.decode_attention(*args), reference.decode_attention_reference(*args))
 
 
 def test_opcheck() -> None:
     batch = make_batch([5, 17, 0], [1, 1, 1], 4, 2, 16, 4)
-    torch.library.opcheck(torch.ops.kernels.decode_attention.default, (*batch.decode_args(0.25), 0, 0.0))
+    torch.library.opcheck(
+        torch.ops.kernels.decode_attention.default, (*batch.decode_args(0.25), 0, 0.0)
+    )
     batch = make_batch([5, 17, 3], [2, 17, 1], 4, 2, 16, 4)
-    torch.library.opcheck(torch.ops.kernels.extend_attention.default, (*batch.extend_args(0.25), 4, 0.0))
+    torch.library.opcheck(
+        torch.ops.kernels.extend_attention.default, (*batch.extend_args(0.25), 4, 0.0)
+    )
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([2, -1, 9])
-    torch.library.opcheck(torch.ops.kernels.store_kv.default, (batch.k_cache, batch.v_cache, k, v, slots))
+    torch.library.opcheck(
+        torch.ops.kernels.store_kv.default, (batch.k_cache, batch.v_cache, k, v, slots)
+    )
 
 
 def test_ops_inside_torch_compile() -> None:
@@ -140,7 +163,10 @@ def test_ops_inside_torch_compile() -> None:
         tokens = sum(q_lens)
         k, v = torch.randn(tokens, 2, 16), torch.randn(tokens, 2, 16)
         slots = torch.cat(
-            [batch.page_table[b, n - q : n] for b, (n, q) in enumerate(zip([10, 9], q_lens, strict=True))]
+            [
+                batch.page_table[b, n - q : n]
+                for b, (n, q) in enumerate(zip([10, 9], q_lens, strict=True))
+            ]
         )
         decode_q = torch.randn(2, 4, 16)
         args = (

@@ -1,5 +1,6 @@
-"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines only):
-fp32 and the tensor cores' fp16 / bf16, head dims 64-256, GQA groups 1-16, split-K and deterministic mode."""
+"""The Triton kernels compiled for CUDA, at realistic shapes, against the reference (GPU machines
+only): fp32 and the tensor cores' fp16 / bf16, head dims 64-256, GQA groups 1-16, split-K and
+deterministic mode."""
 
 import os
 
@@ -13,7 +14,8 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 would interpret the CUDA kernels"
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="TRITON_INTERPRET=1 would interpret the CUDA kernels",
     ),
 ]
 
@@ -21,7 +23,9 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _cuda(batch: PagedBatch) -> PagedBatch:
-    moved = {name: value.cuda() for name, value in vars(batch).items() if isinstance(value, torch.Tensor)}
+    moved = {
+        name: value.cuda() for name, value in vars(batch).items() if isinstance(value, torch.Tensor)
+    }
     return PagedBatch(**moved, page_size=batch.page_size)
 
 
@@ -36,16 +40,22 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_decode(dtype: torch.dtype, head_dim: int, page_size: int) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     seq_lens = [*torch.randint(1, 2049, (12,), generator=gen).tolist(), 1, 16, 17, 4096, 0, 0]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, page_size, dtype, extra_width=64)
+    batch = make_batch(
+        seq_lens, [1] * len(seq_lens), 8, 2, head_dim, page_size, dtype, extra_width=64
+    )
     args = batch.decode_args(head_dim**-0.5)
-    _close(ops.decode_attention(*_cuda(batch).decode_args(head_dim**-0.5)), reference.decode_attention_reference(*args))
+    _close(
+        ops.decode_attention(*_cuda(batch).decode_args(head_dim**-0.5)),
+        reference.decode_attention_reference(*args),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 8, 16])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_decode_gqa(dtype: torch.dtype, group: int, invariant: bool) -> None:
-    """Grouped-query decode on the tensor cores, split-K (default) and one split (deterministic mode)."""
+    """Grouped-query decode on the tensor cores, split-K (default) and one split (deterministic
+    mode)."""
     seq_lens = [1, 100, 2048, 513, 0]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, 128, 16, dtype, seed=group)
     args = batch.decode_args(128**-0.5)
@@ -69,31 +79,48 @@ def test_extend(dtype: torch.dtype, prefix: int, group: int) -> None:
 @pytest.mark.parametrize("invariant", [False, True])
 def test_extend_head_dims(head_dim: int, invariant: bool) -> None:
     q_lens = [200, 1, 33]
-    batch = make_batch([q + 40 for q in q_lens], q_lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim)
+    batch = make_batch(
+        [q + 40 for q in q_lens], q_lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim
+    )
     expected = reference.extend_attention_reference(*batch.extend_args(head_dim**-0.5))
-    _close(ops.extend_attention(*_cuda(batch).extend_args(head_dim**-0.5), 0, 0.0, invariant), expected)
+    _close(
+        ops.extend_attention(*_cuda(batch).extend_args(head_dim**-0.5), 0, 0.0, invariant), expected
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deterministic_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
-    """Deterministic mode on the GPU: a row's linear and decode output is bitwise the same alone as in a
-    batch of 37 (cuBLAS and split-K would pick by the shape)."""
+    """Deterministic mode on the GPU: a row's linear and decode output is bitwise the same alone as
+    in a batch of 37 (cuBLAS and split-K would pick by the shape)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 1024, generator=gen).to(dtype).cuda()
     w = torch.randn(3072, 1024, generator=gen).to(dtype).cuda()
     full = ops.linear(x, w, invariant=True)
     for i in (0, 5, 36):
         assert torch.equal(ops.linear(x[i : i + 1], w, invariant=True), full[i : i + 1])
-    torch.testing.assert_close(full.float(), (x.float() @ w.float().T), atol=0.05 if dtype == torch.bfloat16 else 1e-3,
-                               rtol=2e-2)
+    torch.testing.assert_close(
+        full.float(),
+        (x.float() @ w.float().T),
+        atol=0.05 if dtype == torch.bfloat16 else 1e-3,
+        rtol=2e-2,
+    )
     seq_lens = [7, 1000, 64, 2048, 300]
     batch = _cuda(make_batch(seq_lens, [1] * 5, 16, 8, 128, 16, dtype))
     args = batch.decode_args(0.1)
     full = ops.decode_attention(*args, 0, 0.0, True)
     q, k_cache, v_cache, page_table, lens, scale = args
     for i in range(5):
-        alone = ops.decode_attention(q[i : i + 1], k_cache, v_cache, page_table[i : i + 1], lens[i : i + 1], scale,
-                                     0, 0.0, True)
+        alone = ops.decode_attention(
+            q[i : i + 1],
+            k_cache,
+            v_cache,
+            page_table[i : i + 1],
+            lens[i : i + 1],
+            scale,
+            0,
+            0.0,
+            True,
+        )
         assert torch.equal(alone, full[i : i + 1])
 
 
@@ -136,5 +163,7 @@ def test_decode_replays_in_a_cuda_graph() -> None:
     batch.seq_lens.copy_(torch.tensor([41, 1, 999, 0], device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    expected = reference.decode_attention_reference(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    expected = reference.decode_attention_reference(
+        *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    )
     _close(out, expected)

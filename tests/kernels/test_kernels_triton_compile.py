@@ -1,5 +1,6 @@
-"""The Triton kernels compile for Hopper (sm_90) on a machine without a GPU: catches what the interpreter
-lets through (non-constexpr globals, type mismatches across branches, unsupported returns)."""
+"""The Triton kernels compile for Hopper (sm_90) on a machine without a GPU: catches what the
+interpreter lets through (non-constexpr globals, type mismatches across branches, unsupported
+returns)."""
 
 import importlib.util
 import os
@@ -18,6 +19,10 @@ def test_kernels_compile_for_sm90() -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, str(HERE / "aot_compile_kernels.py")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(HERE / "aot_compile_kernels.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -1,4 +1,5 @@
-"""The Triton kernels on CPU tensors under TRITON_INTERPRET=1, at small shapes, against the reference."""
+"""The Triton kernels on CPU tensors under TRITON_INTERPRET=1, at small shapes, against the
+reference."""
 
 import importlib.util
 import os
@@ -10,10 +11,15 @@ from kernel_batches import make_batch
 from kernels import reference
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed"
+    ),
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1",
-        reason="TRITON_INTERPRET is not 1: the kernels are compiled for CUDA and tested by the cuda tests",
+        reason=(
+            "TRITON_INTERPRET is not 1: the kernels are compiled for CUDA "
+            "and tested by the cuda tests"
+        ),
     ),
 ]
 
@@ -36,9 +42,13 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_decode(triton_attention, page_size: int, group: int) -> None:
     seq_lens = [1, 16, 17, 40, 0, 5]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 2 * group, 2, 16, page_size, seed=group, extra_width=5)
+    batch = make_batch(
+        seq_lens, [1] * len(seq_lens), 2 * group, 2, 16, page_size, seed=group, extra_width=5
+    )
     args = batch.decode_args(0.3)
-    _close(triton_attention.decode_attention_triton(*args), reference.decode_attention_reference(*args))
+    _close(
+        triton_attention.decode_attention_triton(*args), reference.decode_attention_reference(*args)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -64,11 +74,14 @@ def test_decode_window_and_soft_cap(triton_attention, sliding_window: int, soft_
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_extend(triton_attention, page_size: int, group: int) -> None:
-    """Prefix 0 and > 0, q_len 1, page boundaries, an idle row, and token padding past cu_q_lens[-1]."""
+    """Prefix 0 and > 0, q_len 1, page boundaries, an idle row, and token padding past
+    cu_q_lens[-1]."""
     q_lens = [17, 1, 3, 0, 16]
     prefixes = [0, 16, 30, 4, 1]
     seq_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
-    batch = make_batch(seq_lens, [*q_lens[:-1], q_lens[-1] + 2], 2 * group, 2, 16, page_size, seed=group)
+    batch = make_batch(
+        seq_lens, [*q_lens[:-1], q_lens[-1] + 2], 2 * group, 2, 16, page_size, seed=group
+    )
     batch.cu_q_lens[-1] -= 2
     args = batch.extend_args(0.3)
     actual = triton_attention.extend_attention_triton(*args)
@@ -76,7 +89,9 @@ def test_extend(triton_attention, page_size: int, group: int) -> None:
     assert torch.equal(actual[-2:], torch.zeros_like(actual[-2:]))
 
 
-@pytest.mark.parametrize(("dtype", "sliding_window", "soft_cap"), [(torch.bfloat16, 0, 0.0), (torch.float32, 6, 3.0)])
+@pytest.mark.parametrize(
+    ("dtype", "sliding_window", "soft_cap"), [(torch.bfloat16, 0, 0.0), (torch.float32, 6, 3.0)]
+)
 def test_extend_dtype_window_soft_cap(
     triton_attention, dtype: torch.dtype, sliding_window: int, soft_cap: float
 ) -> None:
@@ -84,7 +99,9 @@ def test_extend_dtype_window_soft_cap(
     seq_lens = [25, 33]
     batch = make_batch(seq_lens, q_lens, 4, 2, 32, 16, dtype, seed=7)
     args = (*batch.extend_args(0.2), sliding_window, soft_cap)
-    _close(triton_attention.extend_attention_triton(*args), reference.extend_attention_reference(*args))
+    _close(
+        triton_attention.extend_attention_triton(*args), reference.extend_attention_reference(*args)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

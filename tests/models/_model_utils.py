@@ -1,4 +1,5 @@
-"""Shared by the model tests: tiny random HF checkpoints and a minimal paged-KV driver of our models."""
+"""Shared by the model tests: tiny random HF checkpoints and a minimal paged-KV driver of our
+models."""
 
 import os
 from dataclasses import dataclass
@@ -77,14 +78,21 @@ class PagedKV:
         )
         pages = torch.arange(num_pages - 1, 0, -1).view(self.rows, pages_per_row)  # page 0 unused
         pos = torch.arange(self.max_len)
-        self.page_table = (pages[:, pos // self.page_size] * self.page_size + pos % self.page_size).to(torch.int32)
+        self.page_table = (
+            pages[:, pos // self.page_size] * self.page_size + pos % self.page_size
+        ).to(torch.int32)
 
 
 @torch.inference_mode()
-def step(model: torch.nn.Module, kv: PagedKV, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
-    """Run rows 0..B-1: row b adds tokens `chunks[b]` at positions starts[b]...; returns logits [T, V]."""
+def step(
+    model: torch.nn.Module, kv: PagedKV, chunks: list[list[int]], starts: list[int]
+) -> torch.Tensor:
+    """Run rows 0..B-1: row b adds tokens `chunks[b]` at positions starts[b]...; returns logits [T,
+    V]."""
     ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
-    positions = torch.cat([torch.arange(s, s + len(c)) for c, s in zip(chunks, starts, strict=True)])
+    positions = torch.cat(
+        [torch.arange(s, s + len(c)) for c, s in zip(chunks, starts, strict=True)]
+    )
     rows = torch.cat([torch.full((len(c),), b) for b, c in enumerate(chunks)])
     q_lens = torch.tensor([len(c) for c in chunks])
     meta = AttentionMetadata(
@@ -97,8 +105,11 @@ def step(model: torch.nn.Module, kv: PagedKV, chunks: list[list[int]], starts: l
     return model.compute_logits(model(ids, positions, meta)).float()
 
 
-def greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, page_size: int) -> list[list[int]]:
-    """Batched greedy decoding through our model: one prefill step, then one decode step per token."""
+def greedy(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, page_size: int
+) -> list[list[int]]:
+    """Batched greedy decoding through our model: one prefill step, then one decode step per
+    token."""
     kv = PagedKV(model, page_size, max(map(len, prompts)) + new_tokens, len(prompts))
     logits = step(model, kv, prompts, [0] * len(prompts))
     last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
@@ -113,7 +124,9 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, pa
 @torch.inference_mode()
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+    )
     return out[0, len(prompt) :].tolist()
 
 

@@ -1,7 +1,7 @@
-"""GGUF checkpoints: files written from random Hugging Face checkpoints as llama.cpp writes them (F32, F16,
-Q8_0, Q4_0) load into the engine with transformers' greedy tokens and log-probabilities on the same file
-(transformers dequantizes through the same `gguf` routines, so fp32 agrees to rounding); bad files give
-a `CheckpointError` naming the problem."""
+"""GGUF checkpoints: files written from random Hugging Face checkpoints as llama.cpp writes them
+(F32, F16, Q8_0, Q4_0) load into the engine with transformers' greedy tokens and log-probabilities
+on the same file (transformers dequantizes through the same `gguf` routines, so fp32 agrees to
+rounding); bad files give a `CheckpointError` naming the problem."""
 
 from __future__ import annotations
 
@@ -20,9 +20,16 @@ from compiled_engine.models.names import resolve_model
 from compiled_engine.tokenization import load_tokenizer
 
 Q = gguf.GGMLQuantizationType
-# Rows of 32-value blocks (Q8_0 / Q4_0), the tokenizer's vocabulary. Qwen3's head_dim is its default, 128:
-# transformers' GGUF reader ignores `qwen3.attention.key_length` and takes the config default.
-SHAPE = dict(hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=TOKENIZER_VOCAB, num_hidden_layers=2)
+# Rows of 32-value blocks (Q8_0 / Q4_0), the tokenizer's vocabulary. Qwen3's head_dim is its
+# default, 128: transformers' GGUF reader ignores `qwen3.attention.key_length` and takes the config
+# default.
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    vocab_size=TOKENIZER_VOCAB,
+    num_hidden_layers=2,
+)
 HEAD_DIM = {"Qwen3ForCausalLM": 128}
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Hello"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -35,11 +42,15 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
             for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(
+    path: Path, prompts: list[list[int]], steps: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """transformers on the GGUF file (fp32): greedy tokens and the log-probability of each."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tokens, logprobs = [], []
     with torch.inference_mode():
         for prompt in prompts:
@@ -68,7 +79,8 @@ def test_gguf_greedy_matches_transformers(hf_dirs, tmp_path: Path, arch: str, qt
 
 
 def test_gguf_auto_dtype_and_folder(hf_dirs, tmp_path: Path) -> None:
-    """`dtype="auto"`: an all-F32 file loads in fp32, a quantized one in bf16; a folder holding one file names it."""
+    """`dtype="auto"`: an all-F32 file loads in fp32, a quantized one in bf16; a folder holding one
+    file names it."""
     (tmp_path / "f32").mkdir()
     f32 = write_gguf(hf_dirs["LlamaForCausalLM"], tmp_path / "f32" / "m.gguf", Q.F32)
     q8 = write_gguf(hf_dirs["LlamaForCausalLM"], tmp_path / "q8.gguf", Q.Q8_0)
@@ -76,9 +88,14 @@ def test_gguf_auto_dtype_and_folder(hf_dirs, tmp_path: Path) -> None:
     assert load_model(str(q8))[0].dtype == torch.bfloat16
     assert resolve_model(str(f32.parent)) == str(f32)
     tokenizer = load_tokenizer(str(q8))
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == "<s><|user|>\nHi</s>\n"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+        == "<s><|user|>\nHi</s>\n"
+    )
     ids = tokenizer("Hello world, 42 times").input_ids
-    assert ids[0] == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "Hello world, 42 times"
+    assert (
+        ids[0] == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "Hello world, 42 times"
+    )
 
 
 def test_truncated_file(hf_dirs, tmp_path: Path) -> None:

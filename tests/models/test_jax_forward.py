@@ -1,6 +1,7 @@
-"""The JAX reference forward (`compiled_engine.jax.llama`), an oracle written independently of the engine's
-model code: its greedy tokens equal transformers' for Llama, Qwen2, Qwen3 and Mistral checkpoints in fp32,
-with tied embeddings and a sliding window too, and log-probabilities within 1e-4."""
+"""The JAX reference forward (`compiled_engine.jax.llama`), an oracle written independently of the
+engine's model code: its greedy tokens equal transformers' for Llama, Qwen2, Qwen3 and Mistral
+checkpoints in fp32, with tied embeddings and a sliding window too, and log-probabilities within
+1e-4."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def test_tied_embeddings(tmp_path: Path) -> None:
 
 
 def test_sliding_window(tmp_path: Path) -> None:
-    """Mistral attends to its last 8 keys only: prompts longer than the window decide differently."""
-    _agree(make_checkpoint(str(tmp_path), "MistralForCausalLM", sliding_window=8), [list(range(3, 40))])
+    """Mistral attends to its last 8 keys only: prompts longer than the window decide
+    differently."""
+    _agree(
+        make_checkpoint(str(tmp_path), "MistralForCausalLM", sliding_window=8), [list(range(3, 40))]
+    )
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:

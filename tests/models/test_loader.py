@@ -29,14 +29,22 @@ def _copy_with(src: str, dst: str, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def test_supported_architectures() -> None:
-    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"} <= set(
-        supported_architectures()
-    )
+    assert {
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MistralForCausalLM",
+    } <= set(supported_architectures())
 
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16), (torch.float32, torch.float32)],
+    [
+        ("auto", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        (torch.float32, torch.float32),
+    ],
 )
 def test_dtype(checkpoint: str, dtype: object, expected: torch.dtype) -> None:
     model, _ = load_model(checkpoint, dtype=dtype)
@@ -59,7 +67,9 @@ def test_dummy_weights_are_deterministic(checkpoint: str) -> None:
     a, _ = load_model(checkpoint, load_format="dummy")
     b, _ = load_model(checkpoint, load_format="dummy")
     real, _ = load_model(checkpoint)
-    for (name, pa), pb, pr in zip(a.named_parameters(), b.parameters(), real.parameters(), strict=True):
+    for (name, pa), pb, pr in zip(
+        a.named_parameters(), b.parameters(), real.parameters(), strict=True
+    ):
         assert torch.equal(pa, pb), name
         assert not torch.equal(pa, pr) or "norm" in name
 
@@ -83,27 +93,36 @@ def test_truncated_file(checkpoint: str, tmp_path) -> None:
 def test_missing_tensor(checkpoint: str, tmp_path) -> None:
     tensors = load_file(os.path.join(checkpoint, WEIGHTS))
     del tensors["model.layers.1.self_attn.k_proj.weight"]
-    with pytest.raises(CheckpointError, match=r"missing tensors model\.layers\.1\.self_attn\.k_proj\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensors model\.layers\.1\.self_attn\.k_proj\.weight"
+    ):
         load_model(_copy_with(checkpoint, str(tmp_path / "bad"), tensors))
 
 
 def test_unexpected_tensor(checkpoint: str, tmp_path) -> None:
     tensors = load_file(os.path.join(checkpoint, WEIGHTS))
     tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra_proj\.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra_proj\.weight'"
+    ):
         load_model(_copy_with(checkpoint, str(tmp_path / "bad"), tensors))
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"])
+@pytest.mark.parametrize(
+    "name", ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"]
+)
 def test_wrong_shape(checkpoint: str, tmp_path, name: str) -> None:
     tensors = load_file(os.path.join(checkpoint, WEIGHTS))
-    tensors[name] = torch.cat([tensors[name], tensors[name]])  # twice the rows: narrowing must not hide it
+    # twice the rows: narrowing must not hide it
+    tensors[name] = torch.cat([tensors[name], tensors[name]])
     with pytest.raises(CheckpointError, match=rf"'{name}'.*shape mismatch"):
         load_model(_copy_with(checkpoint, str(tmp_path / "bad"), tensors))
 
 
 def test_unknown_architecture(checkpoint: str, tmp_path) -> None:
-    bad = _copy_with(checkpoint, str(tmp_path / "bad"), load_file(os.path.join(checkpoint, WEIGHTS)))
+    bad = _copy_with(
+        checkpoint, str(tmp_path / "bad"), load_file(os.path.join(checkpoint, WEIGHTS))
+    )
     config_path = Path(bad, "config.json")
     config = json.loads(config_path.read_text())
     config["architectures"] = ["FancyNetForCausalLM"]

@@ -1,5 +1,5 @@
-"""Our models against transformers on tiny random checkpoints: logits through a paged KV cache (ragged
-prefill, chunked extend, batched decode) and greedy tokens."""
+"""Our models against transformers on tiny random checkpoints: logits through a paged KV cache
+(ragged prefill, chunked extend, batched decode) and greedy tokens."""
 
 import pytest
 import torch
@@ -15,7 +15,12 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 CASES = {
     "llama-gqa": ("LlamaForCausalLM", {}),
@@ -24,7 +29,10 @@ CASES = {
         "LlamaForCausalLM",
         {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE, "max_shard_size": "60KB"},
     ),
-    "llama-mha-yarn": ("LlamaForCausalLM", {"num_key_value_heads": 4, "rope_parameters": YARN_ROPE}),
+    "llama-mha-yarn": (
+        "LlamaForCausalLM",
+        {"num_key_value_heads": 4, "rope_parameters": YARN_ROPE},
+    ),
     "qwen2-bias": ("Qwen2ForCausalLM", {}),
     "qwen2-sliding-layers": (
         "Qwen2ForCausalLM",
@@ -33,7 +41,10 @@ CASES = {
     "qwen3-qknorm": ("Qwen3ForCausalLM", {}),
     "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 8}),
 }
-PROMPTS = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83]]
+PROMPTS = [
+    list(range(3, 40)),
+    [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83],
+]
 # max |logit error| / max |logit|; bf16 observed ~1.5e-2, the same as transformers bf16 vs fp32
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
@@ -61,8 +72,11 @@ def test_logits_match_transformers(tmp_path, case: str, dtype: torch.dtype) -> N
         got = step(model, kv, PROMPTS, [0, 0]).split([len(p) for p in PROMPTS])  # ragged prefill
         pairs = [(g, r[: len(p)]) for g, r, p in zip(got, refs, PROMPTS, strict=True)]
         starts = [len(p) for p in PROMPTS]
-        got = step(model, kv, extra, starts).split([len(e) for e in extra])  # extend after a cached prefix
-        pairs += [(g, r[s : s + len(e)]) for g, r, s, e in zip(got, refs, starts, extra, strict=True)]
+        # extend after a cached prefix
+        got = step(model, kv, extra, starts).split([len(e) for e in extra])
+        pairs += [
+            (g, r[s : s + len(e)]) for g, r, s, e in zip(got, refs, starts, extra, strict=True)
+        ]
         starts = [s + len(e) for s, e in zip(starts, extra, strict=True)]
         for i in range(len(decode[0])):  # batched decode
             got = step(model, kv, [[d[i]] for d in decode], [s + i for s in starts])

@@ -32,7 +32,9 @@ def _worker(rank: int, port: int, paths: list[str], out: str) -> None:
 def test_tp2_matches_tp1(tmp_path) -> None:
     paths = [
         # odd vocab (padded on rank 1), 1 KV head replicated on both ranks, q/k/v biases
-        make_checkpoint(str(tmp_path / "qwen2"), "Qwen2ForCausalLM", vocab_size=501, num_key_value_heads=1),
+        make_checkpoint(
+            str(tmp_path / "qwen2"), "Qwen2ForCausalLM", vocab_size=501, num_key_value_heads=1
+        ),
         # tied embeddings, 2 KV heads split over the ranks, q/k norms
         make_checkpoint(str(tmp_path / "qwen3"), "Qwen3ForCausalLM", tie_word_embeddings=True),
     ]

@@ -1,7 +1,7 @@
-"""The correctness oracle of the parity tests: transformers in fp32 on the same checkpoint (bf16 weights
-upcast exactly), greedy, with the log-probabilities of every step; how far transformers' own bf16 run is from
-it (the bf16 spread, measured at the portable ISA level so that the bound is the same on every CPU); and how
-an engine's greedy outputs agree with it.
+"""The correctness oracle of the parity tests: transformers in fp32 on the same checkpoint (bf16
+weights upcast exactly), greedy, with the log-probabilities of every step; how far transformers' own
+bf16 run is from it (the bf16 spread, measured at the portable ISA level so that the bound is the
+same on every CPU); and how an engine's greedy outputs agree with it.
 
 Run as `python -m tests.parity.oracle IN OUT` it measures a spread in this process (what
 `hf_bf16_spread` starts at the portable level)."""
@@ -36,22 +36,27 @@ class Reference:
 
 @functools.lru_cache(maxsize=2)
 def hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
-    """transformers' model of a checkpoint directory or a GGUF file (which it dequantizes to fp32 first); the
-    last two are kept, so that the modules comparing against the same checkpoint load it once."""
+    """transformers' model of a checkpoint directory or a GGUF file (which it dequantizes to fp32
+    first); the last two are kept, so that the modules comparing against the same checkpoint load it
+    once."""
     from transformers import AutoModelForCausalLM
 
     where = Path(path)
     if where.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(where.parent), gguf_file=where.name, dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 
 
-def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device: str = "cpu") -> list[Reference]:
-    """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens would
-    mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs come back on
-    the CPU."""
+def hf_fp32_greedy(
+    path: str, prompts: list[list[int]], new_tokens: int, device: str = "cpu"
+) -> list[Reference]:
+    """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens
+    would mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs
+    come back on the CPU."""
     hf = hf_model(path, torch.float32, device)
     refs = []
     with torch.inference_mode():
@@ -62,25 +67,30 @@ def hf_fp32_greedy(path: str, prompts: list[list[int]], new_tokens: int, device:
                 lp = torch.log_softmax(out.logits[0, -1].float(), -1).cpu()
                 tokens.append(int(lp.argmax()))
                 logprobs.append(lp)
-                out = hf(torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
-                         use_cache=True)
+                out = hf(
+                    torch.tensor([[tokens[-1]]], device=device),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
             refs.append(Reference(tokens, torch.stack(logprobs)))
     return refs
 
 
 @dataclass
 class Spread:
-    """How far a bf16 run's log-probabilities are from fp32's over fp32's `top` most likely tokens of each step:
-    the largest error on the chosen (greedy) token, the largest on any of them (a low-ranked token's log-prob
-    is the most sensitive: noisy, a few steps decide it), and the median over steps of each step's largest
-    (the typical error)."""
+    """How far a bf16 run's log-probabilities are from fp32's over fp32's `top` most likely tokens
+    of each step: the largest error on the chosen (greedy) token, the largest on any of them (a
+    low-ranked token's log-prob is the most sensitive: noisy, a few steps decide it), and the median
+    over steps of each step's largest (the typical error)."""
 
     chosen: float
     top: float
     typical: float
 
 
-def _spread_here(path: str, prompts: list[list[int]], refs: list[Reference], top: int, device: str) -> Spread:
+def _spread_here(
+    path: str, prompts: list[list[int]], refs: list[Reference], top: int, device: str
+) -> Spread:
     """transformers bf16 teacher-forced on fp32's tokens, in this process."""
     hf = hf_model(path, torch.bfloat16, device)
     chosen, step_worst = 0.0, []
@@ -92,34 +102,51 @@ def _spread_here(path: str, prompts: list[list[int]], refs: list[Reference], top
             errors = (lp.gather(1, ids_top) - ref.logprobs.gather(1, ids_top)).abs()
             step_worst += errors.max(1).values.tolist()
             mine = torch.tensor(ref.tokens)[:, None]
-            chosen = max(chosen, (lp.gather(1, mine) - ref.logprobs.gather(1, mine)).abs().max().item())
+            chosen = max(
+                chosen, (lp.gather(1, mine) - ref.logprobs.gather(1, mine)).abs().max().item()
+            )
     return Spread(chosen, max(step_worst), statistics.median(step_worst))
 
 
 def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], top: int,
                    device: str = "cpu") -> Spread:
-    """transformers' own bf16 error on this checkpoint. On the CPU it is measured in a new process capped at the
-    portable ISA level (`kernels.cpu.isa.PORTABLE`): transformers' bf16 GEMMs are more accurate with
-    AVX512-BF16 than without, and a bound that followed them would be tighter exactly where the oracle is
-    best. On a GPU, on that GPU."""
+    """transformers' own bf16 error on this checkpoint. On the CPU it is measured in a new process
+    capped at the portable ISA level (`kernels.cpu.isa.PORTABLE`): transformers' bf16 GEMMs are more
+    accurate with AVX512-BF16 than without, and a bound that followed them would be tighter exactly
+    where the oracle is best. On a GPU, on that GPU."""
     if device != "cpu":
         return _spread_here(path, prompts, refs, top, device)
     with tempfile.TemporaryDirectory() as tmp:
         given, got = Path(tmp) / "in.pt", Path(tmp) / "out.json"
-        torch.save({"path": path, "prompts": prompts, "refs": [(r.tokens, r.logprobs) for r in refs], "top": top},
-                   given)
+        torch.save(
+            {
+                "path": path,
+                "prompts": prompts,
+                "refs": [(r.tokens, r.logprobs) for r in refs],
+                "top": top,
+            },
+            given,
+        )
         env = os.environ | isa.env_caps(isa.PORTABLE)
-        run = subprocess.run([sys.executable, "-m", "tests.parity.oracle", str(given), str(got)], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, f"measuring transformers' bf16 spread failed:\n{run.stderr[-3000:]}"
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.parity.oracle", str(given), str(got)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert run.returncode == 0, (
+            f"measuring transformers' bf16 spread failed:\n{run.stderr[-3000:]}"
+        )
         return Spread(**json.loads(got.read_text()))
 
 
 @dataclass
 class Bounds:
-    """What an engine's agreement with fp32 may reach: `chosen`, `typical` and `top` bound the matching
-    `Agreement` errors; `gap`, fp32's margin at a divergence (a near tie); `rank_slack`, how far below fp32's
-    k-th log-prob a token in the engine's top k may sit."""
+    """What an engine's agreement with fp32 may reach: `chosen`, `typical` and `top` bound the
+    matching `Agreement` errors; `gap`, fp32's margin at a divergence (a near tie); `rank_slack`,
+    how far below fp32's k-th log-prob a token in the engine's top k may sit."""
 
     chosen: float
     typical: float
@@ -134,11 +161,12 @@ class Bounds:
 
     @classmethod
     def bf16(cls, spread: Spread) -> Bounds:
-        """As close as transformers' bf16 run is, with room (eager bf16 on SmolLM2 measured up to 1.3x its
-        chosen-token and typical error at the portable level: docs/benchmarks.md); the largest low-ranked error
-        twice as wide, a sanity bound that a wrong forward (errors of whole nats) still fails, and as much room
-        for a token of our top k below fp32's k-th (a token outside fp32's top that we rank high); a divergence only
-        where fp32's top two are within NEAR_TIE_GAP."""
+        """As close as transformers' bf16 run is, with room (eager bf16 on SmolLM2 measured up to
+        1.3x its chosen-token and typical error at the portable level: docs/benchmarks.md); the
+        largest low-ranked error twice as wide, a sanity bound that a wrong forward (errors of whole
+        nats) still fails, and as much room for a token of our top k below fp32's k-th (a token
+        outside fp32's top that we rank high); a divergence only where fp32's top two are within
+        NEAR_TIE_GAP."""
         top = 2 * spread.top + 0.05
         return cls(chosen=1.5 * spread.chosen + 0.02, typical=1.5 * spread.typical + 0.02, top=top,
                    gap=NEAR_TIE_GAP, rank_slack=top)
@@ -150,13 +178,14 @@ FORCED_TOP = 20  # log-probs the engine returns per step: fp32's top tokens are 
 
 @dataclass
 class Agreement:
-    """How an engine agrees with fp32, over fp32's top tokens at each step compared: every step teacher-forced on
-    fp32's tokens (as the spread is measured; prefill steps), and the greedy run's own steps up to each prompt's
-    first divergence (decode steps, graphs and overlap). `step_errors`, each compared step's largest |engine -
-    fp32| log-probability; `max_chosen_error`, the same on fp32's chosen tokens; `misranked`, (prompt, step,
-    token, how far fp32's log-prob of it is below fp32's k-th) for each token of the engine's top k that fp32
-    ranks far lower; `divergences`, (prompt, step, fp32 log-prob of its token minus of ours) at each prompt's
-    first greedy token that differs from fp32's."""
+    """How an engine agrees with fp32, over fp32's top tokens at each step compared: every step
+    teacher-forced on fp32's tokens (as the spread is measured; prefill steps), and the greedy run's
+    own steps up to each prompt's first divergence (decode steps, graphs and overlap).
+    `step_errors`, each compared step's largest |engine - fp32| log-probability; `max_chosen_error`,
+    the same on fp32's chosen tokens; `misranked`, (prompt, step, token, how far fp32's log-prob of
+    it is below fp32's k-th) for each token of the engine's top k that fp32 ranks far lower;
+    `divergences`, (prompt, step, fp32 log-prob of its token minus of ours) at each prompt's first
+    greedy token that differs from fp32's."""
 
     step_errors: list[float] = field(default_factory=list)
     max_chosen_error: float = 0.0
@@ -176,14 +205,24 @@ class Agreement:
     def typical_error(self) -> float:
         return statistics.median(self.step_errors) if self.step_errors else 0.0
 
-    def score(self, where: tuple[int, int], lp: torch.Tensor, chosen: int, ranked: list[tuple[int, float]],
-              top: int, rank_slack: float) -> None:
-        """One step: fp32's log-probs `lp` and its `chosen` token against the engine's `ranked` top tokens."""
+    def score(
+        self,
+        where: tuple[int, int],
+        lp: torch.Tensor,
+        chosen: int,
+        ranked: list[tuple[int, float]],
+        top: int,
+        rank_slack: float,
+    ) -> None:
+        """One step: fp32's log-probs `lp` and its `chosen` token against the engine's `ranked` top
+        tokens."""
         ours = dict(ranked)
         wanted = lp.topk(top).indices.tolist()
         missing = [t for t in wanted if t not in ours]
-        assert not missing, f"prompt {where[0]} step {where[1]}: fp32's top tokens {missing} not in our top " \
-                            f"{len(ranked)}"
+        assert not missing, (
+            f"prompt {where[0]} step {where[1]}: fp32's top tokens {missing} not in our top "
+            f"{len(ranked)}"
+        )
         self.step_errors.append(max(abs(ours[t] - lp[t].item()) for t in wanted))
         self.max_chosen_error = max(self.max_chosen_error, abs(ours[chosen] - lp[chosen].item()))
         kth = lp[wanted[top - 2]].item()
@@ -191,45 +230,67 @@ class Agreement:
                            if lp[t].item() < kth - rank_slack]
 
     def report(self, what: str) -> str:
-        gaps = ", ".join(f"prompt {p} step {s}: fp32 gap {g:.4f}" for p, s, g in self.divergences) or "none"
-        return (f"{what}: |logprob error| chosen tokens max {self.max_chosen_error:.2e}, top tokens median step "
-                f"{self.typical_error:.2e} max {self.max_error:.2e}, over {self.steps - self.greedy_steps} "
-                f"teacher-forced and {self.greedy_steps} greedy steps; greedy divergences: {gaps}")
+        gaps = (
+            ", ".join(f"prompt {p} step {s}: fp32 gap {g:.4f}" for p, s, g in self.divergences)
+            or "none"
+        )
+        return (
+            f"{what}: |logprob error| chosen tokens max {self.max_chosen_error:.2e}, top tokens "
+            f"median step {self.typical_error:.2e} max {self.max_error:.2e}, over "
+            f"{self.steps - self.greedy_steps} teacher-forced and {self.greedy_steps} greedy "
+            f"steps; greedy divergences: {gaps}"
+        )
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
             agreement: Agreement) -> None:
-    """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a divergence,
-    fp32's gap between its token and ours."""
-    params = SamplingParams(max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
+    """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a
+    divergence, fp32's gap between its token and ours."""
+    params = SamplingParams(
+        max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP
+    )
     outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for p, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         assert len(out.token_ids) == len(ref.tokens)
         for step, (ours, theirs) in enumerate(zip(out.token_ids, ref.tokens, strict=True)):
             if ours != theirs:
-                agreement.divergences.append((p, step, (ref.logprobs[step, theirs] - ref.logprobs[step, ours]).item()))
+                agreement.divergences.append(
+                    (p, step, (ref.logprobs[step, theirs] - ref.logprobs[step, ours]).item())
+                )
                 break
-            agreement.score((p, step), ref.logprobs[step], theirs, out.top_logprobs[step], top, rank_slack)
+            agreement.score(
+                (p, step), ref.logprobs[step], theirs, out.top_logprobs[step], top, rank_slack
+            )
             agreement.greedy_steps += 1
 
 
-def _teacher_forced(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
-                    agreement: Agreement) -> None:
-    """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one request each)."""
+def _teacher_forced(
+    llm: LLM,
+    prompts: list[list[int]],
+    refs: list[Reference],
+    top: int,
+    rank_slack: float,
+    agreement: Agreement,
+) -> None:
+    """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one
+    request each)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
     forced = [prompt + ref.tokens[:step] for prompt, ref in zip(prompts, refs, strict=True)
               for step in range(len(ref.tokens))]
     outputs = iter(o.outputs[0] for o in llm.generate(forced, params))
     for p, ref in enumerate(refs):
         for step, lp in enumerate(ref.logprobs):
-            agreement.score((p, step), lp, ref.tokens[step], next(outputs).top_logprobs[0], top, rank_slack)
+            agreement.score(
+                (p, step), lp, ref.tokens[step], next(outputs).top_logprobs[0], top, rank_slack
+            )
 
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bounds, what: str,
           top: int = TOP) -> Agreement:
-    """Assert what a user of the engine would see as 'the same model' as fp32: greedy tokens equal fp32's up to
-    near ties, and log-probabilities within `bounds` at every step teacher-forced on fp32's tokens and at each
-    greedy step before a divergence; the engine's top k (k = `top` - 1) ranked where fp32 ranks it."""
+    """Assert what a user of the engine would see as 'the same model' as fp32: greedy tokens equal
+    fp32's up to near ties, and log-probabilities within `bounds` at every step teacher-forced on
+    fp32's tokens and at each greedy step before a divergence; the engine's top k (k = `top` - 1)
+    ranked where fp32 ranks it."""
     agreement = Agreement()
     _greedy(llm, prompts, refs, top, bounds.rank_slack, agreement)
     _teacher_forced(llm, prompts, refs, top, bounds.rank_slack, agreement)
@@ -241,8 +302,10 @@ def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bou
     assert not agreement.misranked, f"tokens in our top k that fp32 ranks far below its k-th: " \
                                     f"{agreement.misranked[:5]}: {report}"
     for prompt, step, gap in agreement.divergences:
-        assert gap <= bounds.gap, f"prompt {prompt} diverged at step {step} where fp32 was not near a tie " \
-                                  f"(gap {gap:.4f}): {report}"
+        assert gap <= bounds.gap, (
+            f"prompt {prompt} diverged at step {step} where fp32 was not near a tie "
+            f"(gap {gap:.4f}): {report}"
+        )
     return agreement
 
 

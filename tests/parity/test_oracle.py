@@ -1,7 +1,7 @@
-"""The parity check itself: it passes an engine that is fp32 up to bf16-sized noise and fails each way an engine
-can be wrong (the chosen token's log-prob, the typical step, one far-off token, a token fp32 ranks low, a
-greedy divergence that is no near tie). The engine here is a stand-in whose next-token log-probs are fp32's
-plus a chosen perturbation."""
+"""The parity check itself: it passes an engine that is fp32 up to bf16-sized noise and fails each
+way an engine can be wrong (the chosen token's log-prob, the typical step, one far-off token, a
+token fp32 ranks low, a greedy divergence that is no near tie). The engine here is a stand-in whose
+next-token log-probs are fp32's plus a chosen perturbation."""
 
 from __future__ import annotations
 
@@ -36,10 +36,12 @@ class _Request:
 
 class FakeEngine:
     """`generate` as `LLM`'s, greedy: each step's log-probs are fp32's at that prefix, perturbed by
-    `noise(prompt_index, step, logprobs)` (only in multi-token runs with `greedy_only`: the check's greedy
-    run, not its teacher-forced one)."""
+    `noise(prompt_index, step, logprobs)` (only in multi-token runs with `greedy_only`: the check's
+    greedy run, not its teacher-forced one)."""
 
-    def __init__(self, noise: Callable[[int, int, torch.Tensor], torch.Tensor], greedy_only: bool = False) -> None:
+    def __init__(
+        self, noise: Callable[[int, int, torch.Tensor], torch.Tensor], greedy_only: bool = False
+    ) -> None:
         self.noise, self.greedy_only = noise, greedy_only
 
     def _logprobs(self, ids: list[int], perturb: bool) -> torch.Tensor:
@@ -61,7 +63,11 @@ class FakeEngine:
                 chosen.append(lp[token].item())
                 top.append(list(zip(ranked.indices.tolist(), ranked.values.tolist(), strict=True)))
                 ids.append(token)
-            out.append(_Request([CompletionOutput(0, "", tokens, "length", logprobs=chosen, top_logprobs=top)]))
+            out.append(
+                _Request(
+                    [CompletionOutput(0, "", tokens, "length", logprobs=chosen, top_logprobs=top)]
+                )
+            )
         return out
 
 
@@ -93,22 +99,37 @@ def _raise_non_chosen(by: float):
 
 
 def _promote_low_ranked(p: int, step: int, lp: torch.Tensor) -> torch.Tensor:
-    """fp32's 30th token placed second: outside fp32's top tokens, so only the ranking check sees it."""
+    """fp32's 30th token placed second: outside fp32's top tokens, so only the ranking check sees
+    it."""
     if step == 4:
         ranked = lp.topk(30).indices
         lp[ranked[29]] = lp[ranked[1]] + 0.01
     return lp
 
 
-@pytest.mark.parametrize(("engine", "message"), [
-    (FakeEngine(_shift(lambda p, s: p == 1 and s == 3, lambda lp: int(lp.argmax()), -0.3)), "chosen-token log-probs"),
-    (FakeEngine(_raise_non_chosen(0.1)), "typical log-prob error"),
-    (FakeEngine(_shift(lambda p, s: s == 2, lambda lp: int(lp.topk(5).indices[4]), 0.4)),
-     "a top token's log-prob far off"),
-    (FakeEngine(_promote_low_ranked), "tokens in our top k that fp32 ranks far below"),
-    (FakeEngine(_shift(lambda p, s: p == 0 and s == 1, lambda lp: int(lp.topk(2).indices[1]), 30.0),
-                greedy_only=True), "not near a tie"),
-], ids=["chosen", "typical", "top", "ranking", "divergence"])
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (
+            FakeEngine(_shift(lambda p, s: p == 1 and s == 3, lambda lp: int(lp.argmax()), -0.3)),
+            "chosen-token log-probs",
+        ),
+        (FakeEngine(_raise_non_chosen(0.1)), "typical log-prob error"),
+        (
+            FakeEngine(_shift(lambda p, s: s == 2, lambda lp: int(lp.topk(5).indices[4]), 0.4)),
+            "a top token's log-prob far off",
+        ),
+        (FakeEngine(_promote_low_ranked), "tokens in our top k that fp32 ranks far below"),
+        (
+            FakeEngine(
+                _shift(lambda p, s: p == 0 and s == 1, lambda lp: int(lp.topk(2).indices[1]), 30.0),
+                greedy_only=True,
+            ),
+            "not near a tie",
+        ),
+    ],
+    ids=["chosen", "typical", "top", "ranking", "divergence"],
+)
 def test_each_way_of_being_wrong_fails(engine: FakeEngine, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         check(engine, PROMPTS, REFS, BOUNDS, "fake")

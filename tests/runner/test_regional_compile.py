@@ -1,7 +1,7 @@
-"""Regional compilation: the decoder layers share their compiled code, so inductor compiles for a 6-layer model
-exactly what it compiles for a 2-layer model of the same shape (the same graphs and generated kernels; dynamo
-still walks every layer's call, and the ops it records grow with depth), and the model gives transformers'
-tokens."""
+"""Regional compilation: the decoder layers share their compiled code, so inductor compiles for a
+6-layer model exactly what it compiles for a 2-layer model of the same shape (the same graphs and
+generated kernels; dynamo still walks every layer's call, and the ops it records grow with depth),
+and the model gives transformers' tokens."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ PROMPTS = [[5, 17, 42, 9, 3], [100, 7]]
 
 
 def compiled_work(path: str, cache: Path) -> dict[str, int]:
-    """What compiling `path`'s graphs (a cold cache) made: graphs inductor compiled (ahead of time or lazily),
-    ops dynamo recorded, kernels inductor generated."""
+    """What compiling `path`'s graphs (a cold cache) made: graphs inductor compiled (ahead of time
+    or lazily), ops dynamo recorded, kernels inductor generated."""
     torch._dynamo.reset()
     graphs = lambda: precompiled.counts["compiled"] + counters["inductor"]["fxgraph_cache_miss"]  # noqa: E731
     before = (graphs(), counters["stats"]["calls_captured"], metrics.generated_kernel_count)
@@ -47,7 +47,11 @@ def checkpoint(path: Path, layers: int) -> str:
 
 def test_layers_share_compiled_code(tmp_path: Path) -> None:
     shallow, deep = checkpoint(tmp_path / "2", 2), checkpoint(tmp_path / "6", 6)
-    two, six = compiled_work(shallow, tmp_path / "cache-2"), compiled_work(deep, tmp_path / "cache-6")
+    two, six = (
+        compiled_work(shallow, tmp_path / "cache-2"),
+        compiled_work(deep, tmp_path / "cache-6"),
+    )
     print(f"compiled for 2 layers: {two}; for 6 layers: {six}")
-    assert two["graphs"] == 3 and two["kernels"] > 0  # prefill, decode at batch 1, decode at any batch
+    # prefill, decode at batch 1, decode at any batch
+    assert two["graphs"] == 3 and two["kernels"] > 0
     assert (six["graphs"], six["kernels"]) == (two["graphs"], two["kernels"])

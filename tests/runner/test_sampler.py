@@ -87,7 +87,8 @@ def test_logit_bias_and_penalties_change_the_right_logits() -> None:
     # A bias makes token 7 the argmax.
     out = sampler(logits, [SamplingRow(SamplingParams(temperature=0.0, logit_bias={7: 5.0}))])
     assert out.tokens.tolist() == [7]
-    # Frequency penalty on the generated token 3 (seen twice) pushes it below 0 -> another token wins.
+    # Frequency penalty on the generated token 3 (seen twice) pushes it below 0 -> another token
+    # wins.
     row = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0),
                       output_ids=torch.tensor([3, 3]), prompt_ids=torch.tensor([5]))
     out = sampler(logits, [row])
@@ -102,8 +103,9 @@ def test_logit_bias_and_penalties_change_the_right_logits() -> None:
 
 def test_banned_ids_are_never_drawn_and_logprobs_match_the_choice() -> None:
     logits = torch.tensor([[5.0, 0.0, 0.0]])
-    out = Sampler(torch.device("cpu"))(logits, [SamplingRow(SamplingParams(temperature=0.0, logprobs=2),
-                                                            banned_ids=(0,))])
+    out = Sampler(torch.device("cpu"))(
+        logits, [SamplingRow(SamplingParams(temperature=0.0, logprobs=2), banned_ids=(0,))]
+    )
     assert out.tokens.item() in (1, 2)
     assert out.logprobs.item() == pytest.approx(math.log(0.5), abs=1e-6)
     assert out.top_ids.shape == (1, 2)
@@ -122,23 +124,33 @@ def test_a_token_mask_restricts_every_rule_and_renormalizes_logprobs() -> None:
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     allowed = [3, 31, 32, 63, 99]
     mask = _packed(allowed, vocab)
-    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=8), token_mask=mask),
-            SamplingRow(SamplingParams(temperature=1.0, logprobs=8), torch.Generator().manual_seed(1),
-                        token_mask=mask),
-            SamplingRow(SamplingParams(temperature=0, logprobs=8))]  # an unconstrained neighbour
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logprobs=8), token_mask=mask),
+        SamplingRow(
+            SamplingParams(temperature=1.0, logprobs=8),
+            torch.Generator().manual_seed(1),
+            token_mask=mask,
+        ),
+        SamplingRow(SamplingParams(temperature=0, logprobs=8)),
+    ]  # an unconstrained neighbour
     out = Sampler(torch.device("cpu"))(logits, rows)
     assert int(out.tokens[0]) == max(allowed, key=lambda t: float(logits[0, t]))
     assert int(out.tokens[1]) in allowed
     assert int(out.tokens[2]) == int(logits[2].argmax())
     for row in (0, 1):
-        finite = [(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row]) if lp > -math.inf]
+        finite = [
+            (int(t), float(lp))
+            for t, lp in zip(out.top_ids[row], out.top_logprobs[row])
+            if lp > -math.inf
+        ]
         assert sorted(t for t, _ in finite) == allowed
         assert math.isclose(sum(math.exp(lp) for _, lp in finite), 1.0, rel_tol=1e-5)
 
 
 def test_a_mask_that_allows_nothing_fails_its_row_only() -> None:
-    """Not lifted (the row would run unconstrained): the row is reported as an error, its neighbours drawn as
-    usual. Bits past the vocabulary (here token 100 of a 100-token vocabulary) allow nothing."""
+    """Not lifted (the row would run unconstrained): the row is reported as an error, its neighbours
+    drawn as usual. Bits past the vocabulary (here token 100 of a 100-token vocabulary) allow
+    nothing."""
     vocab = 100
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     rows = [SamplingRow(SamplingParams(temperature=0), token_mask=_packed([7, 40], vocab)),

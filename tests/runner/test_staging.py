@@ -1,6 +1,6 @@
-"""The staging buffers: a step's host lists reach the device intact, each field a tensor of its own, into a
-graph's static buffers when asked, and a host buffer is rewritten only after its copy has run: the ring grows
-instead of waiting."""
+"""The staging buffers: a step's host lists reach the device intact, each field a tensor of its own,
+into a graph's static buffers when asked, and a host buffer is rewritten only after its copy has
+run: the ring grows instead of waiting."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""A deterministic pseudo-model that executes plans without torch, through simulated tables (test-only).
+"""A deterministic pseudo-model that executes plans without torch, through simulated tables
+(test-only).
 
 The next token is a hash chain over the sequence; the chain value of every position is read back
 through the simulated page table and KV pool, so a wrong slot, a missing table write or a stale page
-changes the output (and, with ``verify``, fails an assertion naming the problem: each slot must hold this
-row's position, token and chain value, so a stale page with the same token at the same position is caught).
+changes the output (and, with ``verify``, fails an assertion naming the problem: each slot must hold
+this row's position, token and chain value, so a stale page with the same token at the same position
+is caught).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def reference_output(
 
 
 class FakeExecutor:
-    """Runs a ``StepPlan`` like the runner would: table writes, gather, KV store, sample (greedy)."""
+    """Runs a ``StepPlan`` like the runner would: table writes, gather, KV store, sample
+    (greedy)."""
 
     def __init__(self, config: SchedulerConfig, vocab_size: int = 64, verify: bool = True) -> None:
         self.vocab_size = vocab_size
@@ -54,7 +57,8 @@ class FakeExecutor:
         self.page_table = [[-1] * width for _ in range(config.max_rows)]
         self.kv: list[tuple[int, int, int] | None] = [None] * (config.num_pages * config.page_size)
         self.dummy_slots = range(config.page_size)  # page 0: padding rows only ever read it
-        self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()  # step, slot/row -> rid
+        # step, slot/row -> rid
+        self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()
 
     def execute(self, batch: StepPlan) -> list[int]:
         slots_used: dict[int, str] = {}
@@ -64,10 +68,14 @@ class FakeExecutor:
         for sw in batch.slot_writes:
             self.page_table[sw.row][sw.start : sw.start + len(sw.slots)] = sw.slots
         sampled = []
-        assert len({rs.row for rs in batch.reqs}) == len(batch.reqs), f"step {batch.step}: a row twice"
+        assert len({rs.row for rs in batch.reqs}) == len(batch.reqs), (
+            f"step {batch.step}: a row twice"
+        )
         for rs in batch.reqs:
             row = rs.row
-            assert rs.length >= 1 and len(rs.out_slots) == rs.length, f"{rs.rid}: bad step length {rs.length}"
+            assert rs.length >= 1 and len(rs.out_slots) == rs.length, (
+                f"{rs.rid}: bad step length {rs.length}"
+            )
             tokens, table = self.token_table[row], self.page_table[row]
             h = self._read(table, tokens, rs.start - 1, rs.rid)[2] if rs.start else 0
             if self.verify:
@@ -77,15 +85,20 @@ class FakeExecutor:
                     entry = self._read(table, tokens, q, rs.rid)
                     chain = mix(chain, tokens[q], q)
                     assert entry[2] == chain, (
-                        f"{rs.rid}: position {q} reads slot {table[q]}: the right token, another sequence's KV"
+                        f"{rs.rid}: position {q} reads slot {table[q]}: the right token, another "
+                        "sequence's KV"
                     )
                 slots_used.update((s, rs.rid) for s in table[: rs.start + rs.length])
                 rows_used[row] = rs.rid
             for i in range(rs.length):
                 p = rs.start + i
                 slot = rs.out_slots[i]
-                assert table[p] == slot, f"{rs.rid}: page table[{row}, {p}] = {table[p]}, plan writes {slot}"
-                assert slot not in self.dummy_slots, f"{rs.rid}: writes KV into the dummy page (slot {slot})"
+                assert table[p] == slot, (
+                    f"{rs.rid}: page table[{row}, {p}] = {table[p]}, plan writes {slot}"
+                )
+                assert slot not in self.dummy_slots, (
+                    f"{rs.rid}: writes KV into the dummy page (slot {slot})"
+                )
                 tok = tokens[p]
                 assert tok >= 0, f"{rs.rid}: no token on the device at row {row} position {p}"
                 h = mix(h, tok, p)
@@ -115,13 +128,19 @@ class FakeExecutor:
     def _check_not_in_flight(self, rid: str, out_slots: tuple[int, ...], row: int) -> None:
         for step, slots, rows in self._pending:
             owner = rows.get(row)
-            assert owner in (None, rid), f"{rid}: row {row} reused while step {step} of {owner} is in flight"
+            assert owner in (None, rid), (
+                f"{rid}: row {row} reused while step {step} of {owner} is in flight"
+            )
             for s in out_slots:
                 owner = slots.get(s)
-                assert owner in (None, rid), f"{rid}: slot {s} reused while step {step} of {owner} is in flight"
+                assert owner in (None, rid), (
+                    f"{rid}: slot {s} reused while step {step} of {owner} is in flight"
+                )
 
 
-def run_to_completion(scheduler: Scheduler, executor: FakeExecutor, lag: int = 0) -> list[TokenEvent]:
+def run_to_completion(
+    scheduler: Scheduler, executor: FakeExecutor, lag: int = 0
+) -> list[TokenEvent]:
     """Drive until idle; ``lag=1`` plans step k+1 before committing step k (overlap)."""
     events: list[TokenEvent] = []
     pending: deque[tuple[StepPlan, list[int]]] = deque()
@@ -134,5 +153,7 @@ def run_to_completion(scheduler: Scheduler, executor: FakeExecutor, lag: int = 0
             events.extend(scheduler.commit(done, tokens))
             executor.retire(done.step)
         elif batch is None:
-            raise AssertionError("scheduler stalled: work left but nothing planned and nothing in flight")
+            raise AssertionError(
+                "scheduler stalled: work left but nothing planned and nothing in flight"
+            )
     return events

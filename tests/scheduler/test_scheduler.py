@@ -1,5 +1,5 @@
-"""Example tests of the scheduler core, one per known ledger pitfall of the field (docs/architecture.md, "The
-ledger") and per feature."""
+"""Example tests of the scheduler core, one per known ledger pitfall of the field
+(docs/architecture.md, "The ledger") and per feature."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.scheduler import LedgerParams, RequestRejected, Scheduler, SchedulerConfig, Status, StepPlan
+from compiled_engine.scheduler import (
+    LedgerParams,
+    RequestRejected,
+    Scheduler,
+    SchedulerConfig,
+    Status,
+    StepPlan,
+)
 from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
 
 VOCAB = 16
@@ -22,7 +29,9 @@ def make(**kw) -> tuple[Scheduler, FakeExecutor]:
     return Scheduler(cfg), FakeExecutor(cfg, vocab_size=VOCAB)
 
 
-def ref(prompt: list[int], max_tokens: int, eos: tuple[int, ...] = (), min_tokens: int = 0) -> list[int]:
+def ref(
+    prompt: list[int], max_tokens: int, eos: tuple[int, ...] = (), min_tokens: int = 0
+) -> list[int]:
     return reference_output(prompt, len(prompt) + max_tokens, frozenset(eos), min_tokens, VOCAB)
 
 
@@ -70,8 +79,9 @@ def test_duplicate_prefix_insert_frees_duplicates_and_rewrites_row():
 
 
 def test_duplicate_prefix_under_overlap_frees_duplicates_only_after_the_step_reading_them():
-    """Lag 1: b's next step is in flight, reading its own copies of the prefix, when the commit of the first
-    step finds them duplicated: they stay b's until that step commits, then the row is rewritten."""
+    """Lag 1: b's next step is in flight, reading its own copies of the prefix, when the commit of
+    the first step finds them duplicated: they stay b's until that step commits, then the row is
+    rewritten."""
     sched, exe = make(page_size=2)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
     sched.add_request("a", prompt, LedgerParams(max_tokens=4))
@@ -84,7 +94,9 @@ def test_duplicate_prefix_under_overlap_frees_duplicates_only_after_the_step_rea
     a = sched.get_request("a")
     dups = [p for p in b_pages_before[:4] if p not in a.pages]
     assert len(dups) == 4 and b.pages[:4] == a.pages[:4]
-    assert not any(sched.allocator.is_free(p) for p in dups), "freed while the in-flight step reads them"
+    assert not any(sched.allocator.is_free(p) for p in dups), (
+        "freed while the in-flight step reads them"
+    )
     sched.check_integrity()
     third = step(sched, exe)  # the row rewrite goes out with the next plan
     rewrite = [w for w in third[0].slot_writes if w.row == b.row and w.start == 0]
@@ -157,7 +169,9 @@ def test_max_tokens_zero_emits_no_token():
     sched, exe = make()
     sched.add_request("a", [1, 2, 3], LedgerParams(max_tokens=0))
     events = run_to_completion(sched, exe)
-    assert [(e.rid, e.token, e.finished, e.finish_reason) for e in events] == [("a", None, True, "length")]
+    assert [(e.rid, e.token, e.finished, e.finish_reason) for e in events] == [
+        ("a", None, True, "length")
+    ]
     sched.check_integrity()
 
 
@@ -239,7 +253,11 @@ def test_chunked_prefill_continues_first():
     commit(sched, exe, k1)
     k2 = step(sched, exe)
     lens = [[(r.rid, r.start, r.length, r.sample) for r in k[0].reqs] for k in (k0, k1, k2)]
-    assert lens == [[("a", 0, 4, False)], [("a", 4, 4, False)], [("a", 8, 2, True), ("b", 0, 2, False)]]
+    assert lens == [
+        [("a", 0, 4, False)],
+        [("a", 4, 4, False)],
+        [("a", 8, 2, True), ("b", 0, 2, False)],
+    ]
     events = commit(sched, exe, k2) + run_to_completion(sched, exe)
     assert outputs(events) == {"a": ref(prompt, 3), "b": ref([1, 1, 1], 3)}
 
@@ -259,7 +277,9 @@ def test_mixed_step_decodes_first():
 @pytest.mark.parametrize("page_size", [1, 2])
 @pytest.mark.parametrize("mixed", [True, False])
 def test_retraction_under_tiny_pool_keeps_outputs(lag, page_size, mixed):
-    sched, exe = make(num_pages=1 + 14 // page_size, page_size=page_size, max_running=4, mixed=mixed)
+    sched, exe = make(
+        num_pages=1 + 14 // page_size, page_size=page_size, max_running=4, mixed=mixed
+    )
     prompts = {f"r{i}": [2 + i, 3, 4, 5, 6] for i in range(5)}
     for rid, p in prompts.items():
         sched.add_request(rid, p, LedgerParams(max_tokens=7, ignore_eos=True))
@@ -307,13 +327,12 @@ def test_naive_cache_reuses_nothing():
 
 def _plans_script() -> str:
     return (
-        "from compiled_engine.scheduler import *\n"
-        "from tests.scheduler.fake_executor import FakeExecutor\n"
-        "cfg = SchedulerConfig(num_pages=10, page_size=2, max_running=3, max_context=32, chunk_budget=5)\n"
-        "s = Scheduler(cfg); x = FakeExecutor(cfg)\n"
-        "for i in range(8): s.add_request(f'req-{i}', [i % 3 + 2] * 4 + [i], LedgerParams(max_tokens=6))\n"
-        "while s.has_work():\n"
-        "    b = s.schedule(); print(b); s.commit(b, x.execute(b)); x.retire(b.step)\n"
+        "from compiled_engine.scheduler import *\nfrom tests.scheduler.fake_executor import "
+        "FakeExecutor\ncfg = SchedulerConfig(num_pages=10, page_size=2, max_running=3, "
+        "max_context=32, chunk_budget=5)\ns = Scheduler(cfg); x = FakeExecutor(cfg)\nfor i in "
+        "range(8): s.add_request(f'req-{i}', [i % 3 + 2] * 4 + [i], LedgerParams(max_tokens=6))\n"
+        "while s.has_work():\n    b = s.schedule(); print(b); s.commit(b, x.execute(b)); "
+        "x.retire(b.step)\n"
     )
 
 
@@ -323,7 +342,12 @@ def test_plans_identical_across_hash_seeds():
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         res = subprocess.run(
-            [sys.executable, "-c", _plans_script()], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", _plans_script()],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         runs.append(res.stdout)
     assert runs[0] == runs[1] and runs[0].count("StepPlan(") > 5
@@ -375,7 +399,9 @@ def test_request_sharing_a_new_prefix_with_a_running_prefill_waits_and_then_hits
     sched.add_request("a", system + [1, 2], LedgerParams(max_tokens=3))
     sched.add_request("b", system + [3, 4, 5], LedgerParams(max_tokens=3))
     first = step(sched, exe)
-    assert [r.rid for r in first[0].reqs] == ["a"], "b should wait for a's prefix instead of recomputing it"
+    assert [r.rid for r in first[0].reqs] == ["a"], (
+        "b should wait for a's prefix instead of recomputing it"
+    )
     events = commit(sched, exe, first)
     second = step(sched, exe)
     b_step = next(r for r in second[0].reqs if r.rid == "b")

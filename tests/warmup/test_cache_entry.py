@@ -1,5 +1,6 @@
-"""Cache entries without compiling: torch's cache folder goes to the entry, a complete warm-up seals it
-with a manifest, and a damaged entry is detected and rebuilt. A fake compile stands in for torch's."""
+"""Cache entries without compiling: torch's cache folder goes to the entry, a complete warm-up seals
+it with a manifest, and a damaged entry is detected and rebuilt. A fake compile stands in for
+torch's."""
 
 from __future__ import annotations
 
@@ -11,16 +12,37 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
-from compiled_engine.runner.compile_cache import CacheEntry, CacheKey, clear_entries, compile_with_cache, list_entries
+from compiled_engine.runner.compile_cache import (
+    CacheEntry,
+    CacheKey,
+    clear_entries,
+    compile_with_cache,
+    list_entries,
+)
 
-KEY = CacheKey(model_config="m", dtype="float32", device="cpu", tp_size=1, tp_rank=0, buckets=(1, 2), max_running=4,
-               max_context=256, page_size=1, num_pages=64, compile_mode="default", deterministic=True, torch="t",
-               triton="tr", python="p", engine_source="s")
+KEY = CacheKey(
+    model_config="m",
+    dtype="float32",
+    device="cpu",
+    tp_size=1,
+    tp_rank=0,
+    buckets=(1, 2),
+    max_running=4,
+    max_context=256,
+    page_size=1,
+    num_pages=64,
+    compile_mode="default",
+    deterministic=True,
+    torch="t",
+    triton="tr",
+    python="p",
+    engine_source="s",
+)
 
 
 def fake_compile() -> None:
-    """What inductor does on a cold compile: write into TORCHINDUCTOR_CACHE_DIR, count a miss; or a hit
-    when its file is already there."""
+    """What inductor does on a cold compile: write into TORCHINDUCTOR_CACHE_DIR, count a miss; or a
+    hit when its file is already there."""
     graph = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph" / "graph.bin"
     if graph.exists():
         counters["inductor"]["fxgraph_cache_hit"] += 1

@@ -52,9 +52,16 @@ def test_model_config_and_dtype_change_the_key(model_dir: Path, tmp_path: Path) 
     assert digest(config, model_dir, torch.bfloat16) != base
 
 
-@pytest.mark.parametrize("change", [
-    {"buckets": [1, 2, 4]}, {"max_rows": 8}, {"max_context": 512}, {"page_size": 16}, {"num_pages": 65},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"buckets": [1, 2, 4]},
+        {"max_rows": 8},
+        {"max_context": 512},
+        {"page_size": 16},
+        {"num_pages": 65},
+    ],
+)
 def test_graph_shaping_settings_change_the_key(model_dir: Path, change: dict) -> None:
     base = digest(EngineConfig(), model_dir)
     assert digest(EngineConfig(), model_dir, runner=dataclasses.replace(RUNNER, **change)) != base
@@ -68,17 +75,27 @@ def test_tp_size_and_compile_mode_change_the_key(model_dir: Path) -> None:
 
 def test_serving_settings_do_not_change_the_key(model_dir: Path) -> None:
     base = digest(EngineConfig(), model_dir)
-    serving = EngineConfig(extra={"port": 9999, "host": "0.0.0.0", "api_key": "k", "log_level": "debug"}, seed=7,
-                           overlap=False, chunk_budget=512, mixed=False, prefix_cache="naive", mem_fraction=0.5,
-                           compile_cache_dir="/elsewhere")
+    serving = EngineConfig(
+        extra={"port": 9999, "host": "0.0.0.0", "api_key": "k", "log_level": "debug"},
+        seed=7,
+        overlap=False,
+        chunk_budget=512,
+        mixed=False,
+        prefix_cache="naive",
+        mem_fraction=0.5,
+        compile_cache_dir="/elsewhere",
+    )
     assert digest(serving, model_dir) == base
     assert digest(EngineConfig(), model_dir, runner=dataclasses.replace(RUNNER, seed=3)) == base
 
 
-def test_an_engine_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_an_engine_source_edit_changes_the_key(
+    model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     names = {root.name for root in key_mod.TRACED_SOURCES}
     assert {"models", "layers", "runner", "kernels", "parallel_state.py"} <= names
-    assert all(root.exists() for root in key_mod.TRACED_SOURCES)  # a moved file would silently leave the key
+    # a moved file would silently leave the key
+    assert all(root.exists() for root in key_mod.TRACED_SOURCES)
     copy = tmp_path / "src" / "runner"
     shutil.copytree(next(r for r in key_mod.TRACED_SOURCES if r.name == "runner"), copy)
     monkeypatch.setattr(key_mod, "TRACED_SOURCES", (copy,))
@@ -91,7 +108,9 @@ def test_an_engine_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, 
     assert digest(EngineConfig(), model_dir) != base
 
 
-def test_a_native_kernel_source_edit_changes_the_key(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_a_native_kernel_source_edit_changes_the_key(
+    model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     kernels = tmp_path / "src" / "kernels"
     kernels.mkdir(parents=True)
     (kernels / "ops.py").write_text("OPS = 1\n")
@@ -105,7 +124,9 @@ def test_a_native_kernel_source_edit_changes_the_key(model_dir: Path, tmp_path: 
 
 
 def test_the_same_config_in_another_folder_keys_alike(model_dir: Path, tmp_path: Path) -> None:
-    assert digest(EngineConfig(), write_config(tmp_path / "elsewhere")) == digest(EngineConfig(), model_dir)
+    assert digest(EngineConfig(), write_config(tmp_path / "elsewhere")) == digest(
+        EngineConfig(), model_dir
+    )
 
 
 def test_a_miss_names_what_differs_from_the_nearest_entry(model_dir: Path, tmp_path: Path) -> None:
@@ -124,16 +145,20 @@ def test_a_miss_names_what_differs_from_the_nearest_entry(model_dir: Path, tmp_p
 
 
 def test_the_cpu_kv_pool_does_not_follow_free_memory(monkeypatch) -> None:
-    """The pool's size is in the key: sized from available memory, a 24 GiB machine's SmolLM2 pool flipped
-    between 2^17 and 2^18 pages as other processes took or released a few hundred MB, and every flip recompiled."""
+    """The pool's size is in the key: sized from available memory, a 24 GiB machine's SmolLM2 pool
+    flipped between 2^17 and 2^18 pages as other processes took or released a few hundred MB, and
+    every flip recompiled."""
     from compiled_engine import startup
 
-    model = type("Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16})()
+    model = type(
+        "Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16}
+    )()
     config = EngineConfig(max_running=256)
     pages = set()
     for available in (24.6e9, 24.0e9, 22.0e9):
         monkeypatch.setattr(startup, "_host_memory", lambda a=available: (25.28e9, a))
         pages.add(startup.size_kv_pool(config, model, 8192, CPU))
     assert pages == {1 << 18}
-    monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 2.0e9))  # a busy machine: what is there
+    # a busy machine: what is there
+    monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 2.0e9))
     assert startup.size_kv_pool(config, model, 8192, CPU) == 1 << 16

@@ -1,5 +1,5 @@
-"""A warm start skips inductor's CPU vector-ISA probes only when /proc/cpuinfo gives the ISAs its warm-up
-recorded. No probe runs here: with `vec_isa_ok` set, inductor reads /proc/cpuinfo only."""
+"""A warm start skips inductor's CPU vector-ISA probes only when /proc/cpuinfo gives the ISAs its
+warm-up recorded. No probe runs here: with `vec_isa_ok` set, inductor reads /proc/cpuinfo only."""
 
 from __future__ import annotations
 

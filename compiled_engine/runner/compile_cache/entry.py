@@ -1,6 +1,6 @@
 """One cache entry on disk: a folder per key holding inductor's caches, the precompiled graphs and a
-manifest that a complete warm-up writes last. The manifest lists every file with its size and hash, so a
-truncated or garbled file (or a broken manifest) is caught before torch reads it."""
+manifest that a complete warm-up writes last. The manifest lists every file with its size and hash,
+so a truncated or garbled file (or a broken manifest) is caught before torch reads it."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class CacheEntry:
 
     @property
     def precompiled_dir(self) -> Path:
-        """Graphs saved by `torch.compile(...).aot_compile` (see `compiled_engine.runner.precompiled`)."""
+        """Graphs saved by `torch.compile(...).aot_compile` (see
+        `compiled_engine.runner.precompiled`)."""
         return self.path / "precompiled"
 
     @property
@@ -88,7 +89,9 @@ class CacheEntry:
             "key": key.fields(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "compile_s": round(compile_s, 2),
-            "files": {str(p.relative_to(self.path)): [p.stat().st_size, _sha256(p)] for p in self._files()},
+            "files": {
+                str(p.relative_to(self.path)): [p.stat().st_size, _sha256(p)] for p in self._files()
+            },
         }
         tmp = self.path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -108,11 +111,16 @@ class CacheEntry:
 def list_entries(root: Path) -> list[CacheEntry]:
     if not root.is_dir():
         return []
-    return [CacheEntry(root, p.name) for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")]
+    return [
+        CacheEntry(root, p.name)
+        for p in sorted(root.iterdir())
+        if p.is_dir() and not p.name.startswith(".")
+    ]
 
 
 def clear_entries(root: Path, prefix: str = "") -> list[CacheEntry]:
-    """Remove every entry whose key digest starts with `prefix` (all when empty), each under its lock."""
+    """Remove every entry whose key digest starts with `prefix` (all when empty), each under its
+    lock."""
     removed = [e for e in list_entries(root) if e.digest.startswith(prefix)]
     for entry in removed:
         with entry.locked():

@@ -1,4 +1,5 @@
-"""The compile-cache key: every input that changes the code torch.compile generates, and nothing else."""
+"""The compile-cache key: every input that changes the code torch.compile generates, and nothing
+else."""
 
 from __future__ import annotations
 
@@ -17,16 +18,26 @@ from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.model_runner import RunnerConfig
 from kernels import ops
 
-# Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the files
-# it never reaches, so that editing a benchmark or the sampler keeps the cache.
+# Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the
+# files it never reaches, so that editing a benchmark or the sampler keeps the cache.
 _PACKAGE_ROOT = Path(compiled_engine.__file__).resolve().parent
 TRACED_SOURCES: tuple[Path, ...] = (
     *(_PACKAGE_ROOT / name for name in ("models", "layers", "runner")),
     Path(ps.__file__).resolve(),  # the ordered all-reduce that TP graphs trace
     _PACKAGE_ROOT.parent / "kernels",
 )
-UNTRACED = frozenset({"bench.py", "reference.py", "loader.py", "gguf_checkpoint.py", "errors.py", "weight_utils.py",
-                      "sampler.py", "buckets.py"})
+UNTRACED = frozenset(
+    {
+        "bench.py",
+        "reference.py",
+        "loader.py",
+        "gguf_checkpoint.py",
+        "errors.py",
+        "weight_utils.py",
+        "sampler.py",
+        "buckets.py",
+    }
+)
 # Source files by suffix: Python, and native code built into the kernels (e.g. kernels/*.cpp).
 SOURCE_SUFFIXES = frozenset({".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"})
 
@@ -35,15 +46,18 @@ SOURCE_SUFFIXES = frozenset({".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".
 class CacheKey:
     model_config: str  # sha256 of the model's config
     dtype: str
-    device: str  # cpu | cuda:<capability>, with the CPU ISA (and the COMPILED_ENGINE_CPU_ISA level) or GPU name
+    # cpu | cuda:<capability>, with the CPU ISA (and the COMPILED_ENGINE_CPU_ISA level) or GPU name
+    device: str
     tp_size: int
     tp_rank: int
     buckets: tuple[int, ...]
     max_running: int
     max_context: int
     page_size: int
-    num_pages: int  # the KV tensors are graph inputs of static shape: dynamo specializes on their size
-    compile_mode: str  # inductor options (freezing bypasses the FX graph cache: such starts always compile)
+    # the KV tensors are graph inputs of static shape: dynamo specializes on their size
+    num_pages: int
+    # inductor options (freezing bypasses the FX graph cache: such starts always compile)
+    compile_mode: str
     deterministic: bool  # the kernel ops' `invariant` argument, a constant of the graphs
     torch: str
     triton: str
@@ -59,10 +73,15 @@ class CacheKey:
         return asdict(self)
 
 
-def cache_key(config: EngineConfig, model_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-              runner: RunnerConfig) -> CacheKey:
-    """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype); the
-    rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
+def cache_key(
+    config: EngineConfig,
+    model_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    runner: RunnerConfig,
+) -> CacheKey:
+    """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype);
+    the rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
     return CacheKey(
         model_config=model_config_hash(model_config),
         dtype=str(dtype).removeprefix("torch."),
@@ -85,7 +104,11 @@ def cache_key(config: EngineConfig, model_config: PretrainedConfig, dtype: torch
 
 def model_config_hash(config: PretrainedConfig) -> str:
     """The model's config, less where it was read from and which transformers version wrote it."""
-    fields = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    fields = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("_name_or_path", "transformers_version")
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -95,16 +118,24 @@ def source_hash(roots: tuple[Path, ...]) -> str:
         for path in [root] if root.is_file() else sorted(root.rglob("*")):
             if path.name in UNTRACED or path.suffix not in SOURCE_SUFFIXES or not path.is_file():
                 continue
-            h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+            h.update(
+                str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0"
+            )
     return h.hexdigest()[:16]
 
 
 def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"
-    # the COMPILED_ENGINE_CPU_ISA level too: ATen reports no AMX level, so `native` and `avx512` read alike
-    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}:isa-{ops.isa_level()}"
+        return (
+            f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"
+        )
+    # the COMPILED_ENGINE_CPU_ISA level too: ATen reports no AMX level, so `native` and `avx512`
+    # read alike
+    return (
+        f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
+        f":isa-{ops.isa_level()}"
+    )
 
 
 def _triton_version() -> str:

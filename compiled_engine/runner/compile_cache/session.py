@@ -1,5 +1,6 @@
-"""Compiling an engine against its cache entry: verify the entry, point torch's caches at it, compile,
-classify the start (hit / partial / miss) from torch's cache counters, and seal a complete entry."""
+"""Compiling an engine against its cache entry: verify the entry, point torch's caches at it,
+compile, classify the start (hit / partial / miss) from torch's cache counters, and seal a complete
+entry."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def default_root(override: str | None = None) -> Path:
 
 @dataclass
 class CacheCounts:
-    """What decides hit/miss: graphs loaded precompiled or from the inductor FX graph cache (hits), graphs
-    compiled ahead of time or FX graph cache misses and bypasses (misses: code was generated and built).
-    AOT autograd cache lookups are informative only."""
+    """What decides hit/miss: graphs loaded precompiled or from the inductor FX graph cache (hits),
+    graphs compiled ahead of time or FX graph cache misses and bypasses (misses: code was generated
+    and built). AOT autograd cache lookups are informative only."""
 
     hits: int = 0
     misses: int = 0
@@ -43,10 +44,13 @@ class CacheCounts:
     @staticmethod
     def now() -> CacheCounts:
         fx, aot, pre = counters["inductor"], counters["aot_autograd"], precompiled.counts
-        return CacheCounts(fx["fxgraph_cache_hit"] + pre["loaded"],
-                           fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"] + pre["compiled"],
-                           aot["autograd_cache_hit"], aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
-                           pre["loaded"])
+        return CacheCounts(
+            fx["fxgraph_cache_hit"] + pre["loaded"],
+            fx["fxgraph_cache_miss"] + fx["fxgraph_cache_bypass"] + pre["compiled"],
+            aot["autograd_cache_hit"],
+            aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
+            pre["loaded"],
+        )
 
     def __sub__(self, other: CacheCounts) -> CacheCounts:
         return CacheCounts(*(a - b for a, b in zip(astuple(self), astuple(other))))
@@ -63,13 +67,16 @@ class CompileReport:
     def summary(self) -> str:
         why = f" (discarded: {self.rebuilt})" if self.rebuilt else ""
         c = self.counts
-        return (f"compile cache {self.status}{why}: {self.entry.path}; compiled in {self.compile_s:.1f}s "
-                f"({c.hits} graph hits ({c.precompiled} precompiled) / {c.misses} misses, AOT autograd cache "
-                f"{c.aot_hits} / {c.aot_misses})")
+        return (
+            f"compile cache {self.status}{why}: {self.entry.path}; compiled in "
+            f"{self.compile_s:.1f}s ({c.hits} graph hits ({c.precompiled} precompiled) / "
+            f"{c.misses} misses, AOT autograd cache {c.aot_hits} / {c.aot_misses})"
+        )
 
 
 def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]) -> CompileReport:
-    """Run `compile_fn` (the warm-up) with torch's caches in the key's entry, under the entry's lock."""
+    """Run `compile_fn` (the warm-up) with torch's caches in the key's entry, under the entry's
+    lock."""
     entry = CacheEntry(root, key.digest)
     with entry.locked():
         problem = entry.problem()
@@ -79,8 +86,12 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
             entry.wipe()
             rebuilt = problem
         if problem is not None:
-            log.warning("compiling the model's graphs for this machine and settings (%s). A one-time cost: later "
-                        "starts load them from %s", rebuilt or miss_reason(root, key), entry.path)
+            log.warning(
+                "compiling the model's graphs for this machine and settings (%s). A one-time cost: "
+                "later starts load them from %s",
+                rebuilt or miss_reason(root, key),
+                entry.path,
+            )
         use_entry(entry)
         if problem is None and key.device.startswith("cpu"):
             vec_isa.reuse(entry)
@@ -102,7 +113,8 @@ def compile_with_cache(key: CacheKey, root: Path, compile_fn: Callable[[], None]
 
 def miss_reason(root: Path, key: CacheKey) -> str:
     """Why no entry serves `key`: the key fields in which the nearest complete entry differs."""
-    fields = json.loads(json.dumps(key.fields()))  # as a manifest holds them (tuples are lists there)
+    # as a manifest holds them (tuples are lists there)
+    fields = json.loads(json.dumps(key.fields()))
     nearest: tuple[int, str, list[str]] | None = None
     for other in list_entries(root):
         theirs = (other.read_manifest() or {}).get("key")
@@ -129,4 +141,5 @@ def use_entry(entry: CacheEntry) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(entry.triton_dir)
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
-    clear_caches()  # in-memory caches of compiled modules would otherwise skip writing to the new folder
+    # in-memory caches of compiled modules would otherwise skip writing to the new folder
+    clear_caches()
