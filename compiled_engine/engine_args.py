@@ -1,5 +1,5 @@
-"""The engine's command-line flags and the `EngineConfig` they make (shared by the CLI, the server and
-the torchrun entry)."""
+"""The engine's command-line flags and the `EngineConfig` they make (shared by the CLI, the server
+and the torchrun entry)."""
 
 from __future__ import annotations
 

@@ -46,8 +46,9 @@ class RequestOutput:
 
 class LLM:
     """`LLM("demo").generate(["Hello"], SamplingParams(max_tokens=8))`; keyword arguments are
-    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, tp_size, ...).
-    With `tp_size > 1` the engine runs in that many rank processes (stopped by `engine.shutdown()` or at exit)."""
+    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, tp_size,
+    ...). With `tp_size > 1` the engine runs in that many rank processes (stopped by
+    `engine.shutdown()` or at exit)."""
 
     def __init__(self, model: str = "demo", **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)

@@ -1,4 +1,5 @@
-"""Building an engine from an `EngineConfig`: load the model, size the KV pool, compile the graphs."""
+"""Building an engine from an `EngineConfig`: load the model, size the KV pool, compile the
+graphs."""
 
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def size_kv_pool(config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device) -> int:
-    """Pages for the KV pool: `num_pages` if given, else a fraction of memory, capped at what `max_running`
-    full-length requests could use. The pool size shapes the compiled graphs (and so the compile-cache key),
-    so it must not move between starts: on the CPU it is a fraction of total memory (of available memory only
-    when that is less), rounded down to a power of two; sized from available memory, it flipped between two
-    powers of two from one start to the next where the fraction sat near one, and every flip recompiled."""
+    """Pages for the KV pool: `num_pages` if given, else a fraction of memory, capped at what
+    `max_running` full-length requests could use. The pool size shapes the compiled graphs (and so
+    the compile-cache key), so it must not move between starts: on the CPU it is a fraction of total
+    memory (of available memory only when that is less), rounded down to a power of two; sized from
+    available memory, it flipped between two powers of two from one start to the next where the
+    fraction sat near one, and every flip recompiled."""
     if config.num_pages is not None:
         return config.num_pages
     if device.type == "cuda":
@@ -93,13 +95,16 @@ def _host_memory() -> tuple[int, int]:
 
 def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
     device = resolve_device(config.device)
-    kernels.init(device)  # the ISA caps; on the CPU the native kernels (built once; a no-op where loaded)
+    # the ISA caps; on the CPU the native kernels (built once; a no-op where loaded)
+    kernels.init(device)
     if device.type == "cuda":
-        # Make it current, so that every allocation, stream, event and Triton launch without an explicit
-        # device lands there (a TP rank sets its own; at tp=1 `cuda:1` would otherwise run half on cuda:0).
+        # Make it current, so that every allocation, stream, event and Triton launch without an
+        # explicit device lands there (a TP rank sets its own; at tp=1 `cuda:1` would otherwise run
+        # half on cuda:0).
         torch.cuda.set_device(device)
     if device.type == "cpu":
-        keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
+        # a prefill step's large activations reuse pages instead of faulting fresh ones
+        keep_freed_memory()
     if config.deterministic is None:
         on, why = deterministic_default(device)
         if ps.get_tp_rank() == 0:
@@ -144,9 +149,9 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report)
-    # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
-    # otherwise re-scan every object of torch, transformers and the graphs: long pauses in the middle of
-    # serving (docs/benchmarks.md). `Engine.shutdown` gives them back.
+    # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
+    # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
+    # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.
     gc.collect()
     gc.freeze()
     return engine

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kernels.apply_isa_caps()  # before torch first dispatches; the ranks inherit them
         check_tp_size(engine.model, engine.tp_size)
-    except (ValueError, OSError) as e:  # an unknown ISA level, a --tp that does not fit, a model not readable
+    # an unknown ISA level, a --tp that does not fit, a model not readable
+    except (ValueError, OSError) as e:
         print(f"compiled-engine serve: error: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(engine=engine, api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,

@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI-compatible and native endpoints over one engine (launched in the lifespan)."""
+"""The Starlette app: OpenAI-compatible and native endpoints over one engine (launched in the
+lifespan)."""
 
 from __future__ import annotations
 

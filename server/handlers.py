@@ -1,4 +1,5 @@
-"""Shared request plumbing: body reading, error mapping, and running a generation plain or as SSE."""
+"""Shared request plumbing: body reading, error mapping, and running a generation plain or as
+SSE."""
 
 from __future__ import annotations
 
@@ -118,8 +119,9 @@ async def collect(request: Request, st: ServerState, gen: Generation) -> None:
 
 async def stream(st: ServerState, gen: Generation, head: list[str], chunk: Callable[[Delta], dict | None],
                   tail: Callable[[], list[str]] | None = None) -> EventStream:
-    """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the response
-    starts, so a request the engine refuses (or overload) still gets a proper status code."""
+    """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the
+    response starts, so a request the engine refuses (or overload) still gets a proper status
+    code."""
     deltas = run(st.client, gen, st.metrics)
     try:
         first = await anext(deltas)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one process)."""
+"""Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one
+process)."""
 
 from __future__ import annotations
 

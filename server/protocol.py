@@ -1,5 +1,5 @@
-"""Validation of the OpenAI-style request bodies into plain data. Every problem raises `ProtocolError`
-naming the field (the app turns it into a 400 in the OpenAI error shape)."""
+"""Validation of the OpenAI-style request bodies into plain data. Every problem raises
+`ProtocolError` naming the field (the app turns it into a 400 in the OpenAI error shape)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ MAX_PROMPTS = 64
 MAX_STOPS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-# The fields each body may carry. Any other field that is present (not null) is answered with a 400 naming
-# it: a field the server does not implement is never silently ignored. `user` is OpenAI's end-user id for
-# abuse monitoring, which asks for no behaviour.
+# The fields each body may carry. Any other field that is present (not null) is answered with a 400
+# naming it: a field the server does not implement is never silently ignored. `user` is OpenAI's
+# end-user id for abuse monitoring, which asks for no behaviour.
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n"})
@@ -72,9 +72,9 @@ class ChatRequest(GenerationRequest):
 
 # ---- field readers -------------------------------------------------------------------------------
 def check_text(value: object, where: str = "") -> None:
-    """400 naming the first string (or object key) in a parsed JSON body that is not valid Unicode text: a
-    lone UTF-16 surrogate (JSON "\\ud800") decodes to a str that has no UTF-8 form, so no tokenizer,
-    detokenizer or stop-string match could handle it."""
+    """400 naming the first string (or object key) in a parsed JSON body that is not valid Unicode
+    text: a lone UTF-16 surrogate (JSON "\\ud800") decodes to a str that has no UTF-8 form, so no
+    tokenizer, detokenizer or stop-string match could handle it."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -222,7 +222,8 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def resolve_max_tokens(req: GenerationRequest, prompt_len: int, limits: Limits, default: int | None) -> int:
-    """The request's max_tokens for a prompt of `prompt_len` tokens; 400 when it cannot fit the context."""
+    """The request's max_tokens for a prompt of `prompt_len` tokens; 400 when it cannot fit the
+    context."""
     room = limits.max_context - prompt_len
     if room < 1:
         raise ProtocolError(

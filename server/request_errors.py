@@ -1,5 +1,5 @@
-"""The 400s of request validation: `ProtocolError` (the app answers it in the OpenAI error shape) and the
-check that refuses fields the server does not implement."""
+"""The 400s of request validation: `ProtocolError` (the app answers it in the OpenAI error shape)
+and the check that refuses fields the server does not implement."""
 
 from __future__ import annotations
 

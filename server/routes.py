@@ -42,7 +42,8 @@ from server.protocol import (
 from server.tools import extract_calls
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens"})
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 async def health(request: Request) -> Response:
@@ -132,7 +133,8 @@ async def chat_completions(request: Request) -> Response:
     calling = req.tools is not None and req.tools.choice != "none"
 
     def message(c) -> tuple[dict, str | None]:
-        """The choice's assistant message and finish reason, tool calls parsed out when tools are on."""
+        """The choice's assistant message and finish reason, tool calls parsed out when tools are
+        on."""
         if not calling:
             return {"role": "assistant", "content": c.detok.text}, c.finish_reason
         content, calls = extract_calls(req.tools, st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
@@ -164,8 +166,9 @@ async def chat_completions(request: Request) -> Response:
                                     "finish_reason": d.finish_reason}]}
 
     def tool_chunk(d: Delta) -> dict:
-        """One chunk holding the whole choice: its content, or its calls as OpenAI streams them (by index:
-        id, type and name, then the arguments), its logprobs (every token's, when asked) and the finish reason."""
+        """One chunk holding the whole choice: its content, or its calls as OpenAI streams them (by
+        index: id, type and name, then the arguments), its logprobs (every token's, when asked) and
+        the finish reason."""
         msg, reason = message(gen.choices[d.index])
         delta: dict = {"content": msg["content"]} if msg["content"] else {}
         if "tool_calls" in msg:
@@ -178,7 +181,8 @@ async def chat_completions(request: Request) -> Response:
 
 @endpoint("generate")
 async def generate(request: Request) -> Response:
-    """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and text."""
+    """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and
+    text."""
     st = state_of(request)
     prompt, req = parse_native(await read_json(request), st.limits)
     gen = new_generation(st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS)
@@ -201,7 +205,8 @@ async def tokenize(request: Request) -> Response:
     check_fields(body, TOKENIZE_FIELDS)
     check_model(st, get_str(body, "model", None))
     if body.get("messages") is not None:
-        if body.get("add_special_tokens") is not None:  # the chat template places the special tokens
+        # the chat template places the special tokens
+        if body.get("add_special_tokens") is not None:
             raise ProtocolError("'add_special_tokens' applies to 'prompt' / 'text', not to 'messages'",
                                 "add_special_tokens")
         try:

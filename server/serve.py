@@ -1,4 +1,5 @@
-"""Running the app under uvicorn in this process: URL printed when ready, graceful SIGINT/SIGTERM."""
+"""Running the app under uvicorn in this process: URL printed when ready, graceful
+SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
-    """uvicorn with in-flight requests aborted on the first signal (so the graceful shutdown does not wait
-    for long generations) and a plain exit 0 afterwards (uvicorn would re-raise the signal)."""
+    """uvicorn with in-flight requests aborted on the first signal (so the graceful shutdown does
+    not wait for long generations) and a plain exit 0 afterwards (uvicorn would re-raise the
+    signal)."""
 
     def __init__(self, config: uvicorn.Config, announce: bool = True) -> None:
         super().__init__(config)
@@ -35,9 +37,9 @@ class Server(uvicorn.Server):
                   flush=True)
 
     async def on_tick(self, counter: int) -> bool:
-        """Also exit when the engine is gone (a rank died or hung): in-flight requests have failed with the
-        reason, /health answers 503 for `engine_dead_exit_s`, then the server exits so that a process
-        supervisor can restart it."""
+        """Also exit when the engine is gone (a rank died or hung): in-flight requests have failed
+        with the reason, /health answers 503 for `engine_dead_exit_s`, then the server exits so that
+        a process supervisor can restart it."""
         state = self._state()
         if state is not None and state.client.dead_reason is not None:
             now = time.monotonic()

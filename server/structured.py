@@ -1,18 +1,19 @@
 """The request fields that constrain the output, as OpenAI, vLLM and SGLang name them, into one
 `StructuredOutput` (docs: README, "Structured output"):
 
-    response_format      OpenAI: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
-                         {"name", "schema", "strict", "description"}}      (completions and chat)
-    structured_outputs   vLLM: exactly one of {"json": schema, "regex": str, "choice": [str], "grammar": EBNF}
-                                                                           (completions and chat)
+    response_format      OpenAI: {"type": "text" | "json_object"} or
+                         {"type": "json_schema", "json_schema": {"name", "schema", "strict",
+                         "description"}}                                   (completions and chat)
+    structured_outputs   vLLM: exactly one of {"json": schema, "regex": str, "choice": [str],
+                         "grammar": EBNF}                                  (completions and chat)
     json_schema / regex / ebnf    SGLang, in /generate's sampling_params (one of them)
 
-`response_format.json_schema.strict`: true or absent, only the properties and items the schema names (xgrammar's
-strict mode, what vLLM and SGLang compile every schema with, so a user coming from them sees the same output);
-false, any document the schema validates. `strict: true` said explicitly also refuses a schema with a keyword
-that decoding does not enforce (`server.json_schemas`), as a function's `strict` does. vLLM's and SGLang's own
-fields are strict, as they are there. At most one constraint per request; each problem is a ProtocolError
-naming the field."""
+`response_format.json_schema.strict`: true or absent, only the properties and items the schema names
+(xgrammar's strict mode, what vLLM and SGLang compile every schema with, so a user coming from them
+sees the same output); false, any document the schema validates. `strict: true` said explicitly also
+refuses a schema with a keyword that decoding does not enforce (`server.json_schemas`), as a
+function's `strict` does. vLLM's and SGLang's own fields are strict, as they are there. At most one
+constraint per request; each problem is a ProtocolError naming the field."""
 
 from __future__ import annotations
 

@@ -2,20 +2,22 @@
 
 The tools go to the chat template (`apply_chat_template(tools=...)`). What the model answers becomes
 `message.tool_calls`:
-    auto       the output is parsed in its model family's format (the parser: from the chat template, or
-               `--tool-call-parser`): hermes (Hermes, Qwen: `<tool_call>{"name", "arguments"}</tool_call>`),
-               llama3_json (Llama 3.x: a `{"name", "parameters"}` object, after `<|python_tag|>` or alone),
-               mistral (`[TOOL_CALLS][{"name", "arguments"}, ...]`); text outside the calls stays content
-    required   the output is constrained to a JSON array of calls `[{"name", "parameters"}]` (one call
-               unless parallel_tool_calls, then up to 8), each validated by its function's JSON schema
+    auto       the output is parsed in its model family's format (the parser: from the chat
+               template, or `--tool-call-parser`): hermes (Hermes, Qwen: `<tool_call>{"name",
+               "arguments"}</tool_call>`), llama3_json (Llama 3.x: a `{"name", "parameters"}`
+               object, after `<|python_tag|>` or alone), mistral (`[TOOL_CALLS][{"name",
+               "arguments"}, ...]`); text outside the calls stays content
+    required   the output is constrained to a JSON array of calls `[{"name", "parameters"}]` (one
+               call unless parallel_tool_calls, then up to 8), each validated by its function's JSON
+               schema
     named      (`{"type": "function", "function": {"name": ...}}`) the output is constrained to that
                function's parameters
     none       no calls: the output is content
-A call is returned only when it names a function of the request and its arguments validate against that
-function's `parameters` (jsonschema; with `strict: true`, objects that list `properties` are closed, as the
-required and named constraints close them); any other output stays content, with the engine's finish reason (`stop`, or
-`length` when max_tokens cut it). `parallel_tool_calls: false` keeps the first call. A response with calls has
-`finish_reason: "tool_calls"`."""
+A call is returned only when it names a function of the request and its arguments validate against
+that function's `parameters` (jsonschema; with `strict: true`, objects that list `properties` are
+closed, as the required and named constraints close them); any other output stays content, with the
+engine's finish reason (`stop`, or `length` when max_tokens cut it). `parallel_tool_calls: false`
+keeps the first call. A response with calls has `finish_reason: "tool_calls"`."""
 
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class Function:
     strict: bool = False
 
     def accepts(self, arguments: object) -> bool:
-        """Whether `arguments` validate against the parameters (strict: with their objects closed)."""
+        """Whether `arguments` validate against the parameters (strict: with their objects
+        closed)."""
         schema = closed_schema(self.parameters) if self.strict else self.parameters
         try:  # an empty registry: a $ref resolves inside the schema or not at all (never fetched)
             return jsonschema.validators.validator_for(schema)(schema, registry=Registry()).is_valid(arguments)
@@ -80,8 +83,8 @@ class ToolRequest:
         return next(f for f in self.functions if f.name == name)
 
     def call(self, obj: object, args_key: str) -> ToolCall | None:
-        """The call `obj` ({"name", args_key: arguments object or its JSON text}) makes; None unless it names a
-        function of the request and its arguments are an object that validates."""
+        """The call `obj` ({"name", args_key: arguments object or its JSON text}) makes; None unless
+        it names a function of the request and its arguments are an object that validates."""
         if not isinstance(obj, dict) or obj.get("name") not in {f.name for f in self.functions}:
             return None
         args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
@@ -103,7 +106,8 @@ class ToolCall:
 
 
 def parse_tool_request(body: dict) -> ToolRequest | None:
-    """The tools of a chat body (None without any); ProtocolError naming the field for anything wrong."""
+    """The tools of a chat body (None without any); ProtocolError naming the field for anything
+    wrong."""
     tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none"):
@@ -185,8 +189,9 @@ def parser_for_template(template: str | None) -> str:
 
 
 def extract_calls(req: ToolRequest, text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output. Only calls to the request's functions whose arguments validate
-    are returned (the first of them without parallel_tool_calls); any other output stays content."""
+    """(content, calls) of a finished output. Only calls to the request's functions whose arguments
+    validate are returned (the first of them without parallel_tool_calls); any other output stays
+    content."""
     if req.choice == "none":
         return text, []
     if req.choice == "named":
@@ -221,14 +226,15 @@ Check = Callable[[object, str], ToolCall | None]  # ToolRequest.call
 
 def _all_or_none(content: str | None, text: str, items: list, check: Check,
                  args_key: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) when every item is a valid call; else (text, []): one JSON document of calls is taken
-    whole or left as content."""
+    """(content, calls) when every item is a valid call; else (text, []): one JSON document of calls
+    is taken whole or left as content."""
     calls = [check(v, args_key) for v in items]
     return (content, calls) if calls and None not in calls else (text, [])
 
 
 def _hermes(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
-    """Each `<tool_call>` block that holds a valid call becomes that call; the rest of the text is content."""
+    """Each `<tool_call>` block that holds a valid call becomes that call; the rest of the text is
+    content."""
     calls = []
 
     def take(m: re.Match) -> str:

@@ -1,6 +1,7 @@
-"""The layering of docs/architecture.md: the import-linter contracts of pyproject.toml (each layer imports
-only the layers below it; the scheduler core is pure Python; kernels are reached through `kernels.ops`),
-the scheduler's standard-library-only rule, and no module importing another package's private names."""
+"""The layering of docs/architecture.md: the import-linter contracts of pyproject.toml (each layer
+imports only the layers below it; the scheduler core is pure Python; kernels are reached through
+`kernels.ops`), the scheduler's standard-library-only rule, and no module importing another
+package's private names."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_importing_the_scheduler_loads_neither_torch_nor_numpy() -> None:
 
 
 def _package_of(module: str) -> str:
-    """The folder a module belongs to: `compiled_engine.runner.sampler` -> `compiled_engine.runner`."""
+    """The folder a module belongs to: `compiled_engine.runner.sampler` ->
+    `compiled_engine.runner`."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
 

@@ -1,5 +1,5 @@
-"""`ruff check .` is clean (pyproject.toml's rules, line length included): CI runs only `make test`, so the
-lint runs here."""
+"""`ruff check .` is clean (pyproject.toml's rules, line length included): CI runs only `make test`,
+so the lint runs here."""
 
 from __future__ import annotations
 

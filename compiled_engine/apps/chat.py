@@ -11,7 +11,8 @@ from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """Interactive chat in this process, streaming tokens; `/reset` clears the history, `/exit` quits."""
+    """Interactive chat in this process, streaming tokens; `/reset` clears the history, `/exit`
+    quits."""
     from compiled_engine.llm import LLM
     from compiled_engine.sampling_params import SamplingParams
     from compiled_engine.tokenization import IncrementalDetokenizer, encode_chat

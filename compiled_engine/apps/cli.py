@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "prompt", ()) is None:
         args.prompt = ["Hello! What can a serving engine do?"]
     try:
-        kernels.apply_isa_caps()  # before anything runs torch (an in-process transformers baseline included)
+        # before anything runs torch (an in-process transformers baseline included)
+        kernels.apply_isa_caps()
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,12 +1,15 @@
-"""TP across hosts under torchrun: every process runs one engine rank; rank 0 feeds the requests of a
-JSONL file to the rank loop (in place of the launcher's channel) and writes one JSON line per finished
-request. torchrun's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) places the ranks.
+"""TP across hosts under torchrun: every process runs one engine rank; rank 0 feeds the requests of
+a JSONL file to the rank loop (in place of the launcher's channel) and writes one JSON line per
+finished request. torchrun's rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK)
+places the ranks.
 
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE --master-addr $HEAD --master-port 29500 \\
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE --master-addr $HEAD \\
+        --master-port 29500 \\
         -m compiled_engine.apps.torchrun_entry --model /ckpt --prompts in.jsonl --output out.jsonl
 
-Input lines: {"prompt": "text"} or {"prompt_ids": [1, 2, 3]}, optionally "params": {SamplingParams fields}.
-Output lines: {"index", "token_ids", "text", "finish_reason"} (or "error"), in the order requests finish.
+Input lines: {"prompt": "text"} or {"prompt_ids": [1, 2, 3]}, optionally "params": {SamplingParams
+fields}. Output lines: {"index", "token_ids", "text", "finish_reason"} (or "error"), in the order
+requests finish.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from compiled_engine.tokenization import encode_prompt, load_tokenizer
 
 
 class JsonlChannel:
-    """Rank 0's stand-in for the launcher's Connection: hands out every request, collects the events, and
-    asks the ranks to stop once every request has finished."""
+    """Rank 0's stand-in for the launcher's Connection: hands out every request, collects the
+    events, and asks the ranks to stop once every request has finished."""
 
     def __init__(self, requests: list[Add], tokenizer, out: TextIO) -> None:
         self._inbox: collections.deque = collections.deque(requests or [Shutdown()])

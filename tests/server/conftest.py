@@ -17,9 +17,10 @@ from server.app import create_app
 from server.serve import Server
 from server.state import ServerConfig
 
-# What `serve` runs by default: compiled; deterministic stated, since the HTTP tests compare answers across
-# batches (on a device whose default is off, `--no-deterministic` has its own server: test_no_deterministic.py).
-# Every server of the suite shares one compile (the compile cache and inductor's cache; CI keeps both under .cache/).
+# What `serve` runs by default: compiled; deterministic stated, since the HTTP tests compare answers
+# across batches (on a device whose default is off, `--no-deterministic` has its own server:
+# test_no_deterministic.py). Every server of the suite shares one compile (the compile cache and
+# inductor's cache; CI keeps both under .cache/).
 ENGINE = dict(model="demo", num_pages=8192, max_running=32, seed=0, deterministic=True)
 
 
@@ -91,7 +92,8 @@ def assert_kv_all_free(stats: dict) -> None:
 
 
 def sse_events(lines) -> list[str]:
-    """The `data:` payloads of an SSE body, checking the framing (each event is `data: ...` + blank line)."""
+    """The `data:` payloads of an SSE body, checking the framing (each event is `data: ...` + blank
+    line)."""
     events, expect_blank = [], False
     for line in lines:
         if expect_blank:

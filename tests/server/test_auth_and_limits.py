@@ -1,4 +1,5 @@
-"""A server with an API key, one sequence in flight at most and a small body limit; then its engine dies."""
+"""A server with an API key, one sequence in flight at most and a small body limit; then its engine
+dies."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def test_overload_is_429_and_clears(limited: RunningServer) -> None:
     with limited.http(headers=AUTH) as a, limited.http(headers=AUTH) as b:
         with a.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()  # keep it referenced: dropping the iterator closes the connection
+            # keep it referenced: dropping the iterator closes the connection
+            lines = r.iter_lines()
             next(lines)
             err = _error(b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
             assert "overloaded" in err["message"] and "--max-queue" in err["message"]

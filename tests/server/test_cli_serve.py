@@ -1,4 +1,5 @@
-"""`compiled-engine serve` as a user runs it: URL printed when ready, SIGTERM -> exit 0, no orphans."""
+"""`compiled-engine serve` as a user runs it: URL printed when ready, SIGTERM -> exit 0, no
+orphans."""
 
 from __future__ import annotations
 
@@ -75,4 +76,5 @@ def test_chat_streams_replies_and_handles_commands() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "random weights" in out.stderr
     replies = [line for line in out.stdout.split("> ") if line.strip()]
-    assert len(replies) == 2, out.stdout  # two messages answered; /reset answered nothing; /exit stopped
+    # two messages answered; /reset answered nothing; /exit stopped
+    assert len(replies) == 2, out.stdout

@@ -1,4 +1,5 @@
-"""What crosses the process boundary: greedy parity with the offline LLM, disconnects, concurrency."""
+"""What crosses the process boundary: greedy parity with the offline LLM, disconnects,
+concurrency."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from compiled_engine.sampling_params import SamplingParams
 from tests.server.conftest import ENGINE, assert_kv_all_free, wait_idle
 
 PROMPTS = ["Hello world", "The capital of France is", "def fib(n):"]
-# As many tokens as the demo model's context leaves a short prompt: a request cut short is told from a finished
-# one by the steps it did not take, and the compiled demo model decodes fast.
+# As many tokens as the demo model's context leaves a short prompt: a request cut short is told from
+# a finished one by the steps it did not take, and the compiled demo model decodes fast.
 LONG = 2000
 
 

@@ -1,5 +1,5 @@
-"""Hypothesis fuzzes request bodies: every answer is 200 or a 4xx in the error shape, never a 5xx, and the
-server keeps serving (and its ledger stays consistent) afterwards."""
+"""Hypothesis fuzzes request bodies: every answer is 200 or a 4xx in the error shape, never a 5xx,
+and the server keeps serving (and its ledger stays consistent) afterwards."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ junk = st.recursive(
     max_leaves=6,
 )
 token_list = st.lists(st.integers(min_value=-5, max_value=9000), max_size=6)
-# any code point, lone surrogates included (json.dumps escapes them as \udXXX: valid JSON, invalid text)
+# any code point, lone surrogates included (json.dumps escapes them as \udXXX: valid JSON, invalid
+# text)
 lone_surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
 unicode_text = st.text(max_size=20) | st.text(st.characters() | lone_surrogate, min_size=1, max_size=8)
 

@@ -85,7 +85,8 @@ def test_native_generate_and_tokenizers(http: httpx.Client) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert [t for c in chunks for t in c["output_ids"]] == a["output_ids"]
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-    assert chat.count(1) == 1  # one BOS: the chat template adds it, the tokenizer does not add another
+    # one BOS: the chat template adds it, the tokenizer does not add another
+    assert chat.count(1) == 1
 
 
 def test_health_and_metrics(http: httpx.Client) -> None:

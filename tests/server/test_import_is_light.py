@@ -1,5 +1,6 @@
-"""The server's process imports no torch and no xgrammar (the engine ranks do, in their own processes):
-importing the app and the serve entry, and loading the tokenizer it serves with, in a fresh interpreter."""
+"""The server's process imports no torch and no xgrammar (the engine ranks do, in their own
+processes): importing the app and the serve entry, and loading the tokenizer it serves with, in a
+fresh interpreter."""
 
 from __future__ import annotations
 

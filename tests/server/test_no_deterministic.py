@@ -1,6 +1,6 @@
-"""`serve --no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as it starts by default, with
-overlap on and a KV pool small enough to retract: concurrent HTTP requests get transformers' greedy tokens, and
-the ledger ends whole."""
+"""`serve --no-deterministic` (oneDNN / BLAS GEMMs, split attention), compiled as it starts by
+default, with overlap on and a KV pool small enough to retract: concurrent HTTP requests get
+transformers' greedy tokens, and the ledger ends whole."""
 
 from __future__ import annotations
 

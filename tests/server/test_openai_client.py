@@ -66,7 +66,8 @@ def test_n_greater_than_one_with_seed(client: openai.OpenAI) -> None:
     assert out.usage.completion_tokens == 24
     again = client.completions.create(model="demo", prompt="Once", max_tokens=8, n=3, temperature=1.0, seed=7,
                                       extra_body={"ignore_eos": True})
-    assert [c.text for c in out.choices] == [c.text for c in again.choices]  # same seed, same samples
+    # same seed, same samples
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
     assert len({c.text for c in out.choices}) > 1  # sample i uses seed + i
 
 
@@ -83,7 +84,8 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     for logprob, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert logprob <= 0 and 1 <= len(top) <= 3
-        assert abs(max(top.values()) - logprob) < 1e-4  # greedy: the chosen token is the most likely
+        # greedy: the chosen token is the most likely
+        assert abs(max(top.values()) - logprob) < 1e-4
     assert "".join(lp.tokens) == out.choices[0].text
 
 

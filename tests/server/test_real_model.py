@@ -1,5 +1,5 @@
-"""The built-in real model over HTTP with the official `openai` client, compiled as `serve` runs it by default
-(the engine settings of the parity tests, so that a suite run compiles them once)."""
+"""The built-in real model over HTTP with the official `openai` client, compiled as `serve` runs it
+by default (the engine settings of the parity tests, so that a suite run compiles them once)."""
 
 from __future__ import annotations
 
@@ -33,16 +33,16 @@ def smollm2_server() -> Iterator[RunningServer]:
 
 @dataclass
 class Fp32Answer:
-    """transformers fp32's greedy answer to CPU_QUESTION on the same file: the text after each token, and how
-    far apart fp32's top two log-probs are at each step."""
+    """transformers fp32's greedy answer to CPU_QUESTION on the same file: the text after each
+    token, and how far apart fp32's top two log-probs are at each step."""
 
     texts: list[str]
     gaps: list[float]
     ended: bool  # the answer's last text is complete (end of turn)
 
     def check(self, content: str) -> int:
-        """Assert that `content` follows fp32's answer until it ends or parts at a near tie (where bf16 may pick
-        the other token); returns the number of fp32 tokens it followed."""
+        """Assert that `content` follows fp32's answer until it ends or parts at a near tie (where
+        bf16 may pick the other token); returns the number of fp32 tokens it followed."""
         for k, text in enumerate(self.texts):
             if not content.startswith(text):
                 assert self.gaps[k] < NEAR_TIE_GAP, f"our answer {content!r} parts from fp32's {text!r} at token " \
@@ -85,8 +85,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 def _weather_tool_round(client: OpenAI) -> None:
-    """A weather-tool prompt with tool_choice auto is served end to end: an answer in words or a call whose
-    arguments parse; with `required` it is always a call."""
+    """A weather-tool prompt with tool_choice auto is served end to end: an answer in words or a
+    call whose arguments parse; with `required` it is always a call."""
     ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     auto = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER_TOOL], tool_choice="auto",
                                           max_tokens=48, temperature=0).choices[0]
@@ -102,8 +102,10 @@ def _weather_tool_round(client: OpenAI) -> None:
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
 
 
-# Deterministic inference (the default): what a user sees does not depend on what else the server is doing.
-NEAR_TIE = "Once upon a time in a quiet village by the sea,"  # transformers fp32: " a" -1.4836, " there" -1.4873
+# Deterministic inference (the default): what a user sees does not depend on what else the server is
+# doing.
+# transformers fp32: " a" -1.4836, " there" -1.4873
+NEAR_TIE = "Once upon a time in a quiet village by the sea,"
 
 
 def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False) -> tuple[str, list]:
@@ -129,7 +131,8 @@ def _concurrently(fn, args: list[tuple]) -> list:
 
 
 def test_same_greedy_request_twice_gives_the_same_answer(smollm2_server: RunningServer) -> None:
-    """The issue's report: the second request's prompt is a radix hit (all but its last token cached)."""
+    """The issue's report: the second request's prompt is a radix hit (all but its last token
+    cached)."""
     first = _complete(smollm2_server.url, NEAR_TIE, 32)
     second = _complete(smollm2_server.url, NEAR_TIE, 32)
     assert first == second

@@ -1,8 +1,9 @@
-"""Each way an HTTP request ends leaves nothing behind, in the server or the engine: finished (length),
-stopped by a stop string (n=2, one choice stopped), failed (a constraint no token can continue), rejected
-by the engine (a constraint it cannot compile: a 400), and the client gone mid-stream. One check after
-each, over every registry that remains: the server's routing entries (`EngineClient.num_in_flight`), the
-rank's queues (waiting, running, in flight) and its page books (integrity, every page free or cached)."""
+"""Each way an HTTP request ends leaves nothing behind, in the server or the engine: finished
+(length), stopped by a stop string (n=2, one choice stopped), failed (a constraint no token can
+continue), rejected by the engine (a constraint it cannot compile: a 400), and the client gone
+mid-stream. One check after each, over every registry that remains: the server's routing entries
+(`EngineClient.num_in_flight`), the rank's queues (waiting, running, in flight) and its page books
+(integrity, every page free or cached)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Structured output through the official openai client on the random demo model: the constraint, not the
-weights, makes every answer parse. JSON schemas (OpenAI `response_format`, vLLM `structured_outputs`,
-SGLang `json_schema` in /generate), regexes, choices and EBNF grammars; bad constraints are 400s naming the
-field; constrained and unconstrained requests share batches without changing the unconstrained tokens."""
+"""Structured output through the official openai client on the random demo model: the constraint,
+not the weights, makes every answer parse. JSON schemas (OpenAI `response_format`, vLLM
+`structured_outputs`, SGLang `json_schema` in /generate), regexes, choices and EBNF grammars; bad
+constraints are 400s naming the field; constrained and unconstrained requests share batches without
+changing the unconstrained tokens."""
 
 from __future__ import annotations
 
@@ -181,9 +182,9 @@ OPEN_OBJECT = {"type": "object", "properties": {"a": {"type": "integer", "minimu
 
 @pytest.mark.parametrize("strict", [True, False, None], ids=["strict", "not strict", "absent"])
 def test_strict_decides_whether_other_properties_may_appear(client: openai.OpenAI, strict: bool | None) -> None:
-    """`strict` true or absent (as vLLM and SGLang compile every schema), only the properties the schema names
-    (the object closes after "a"); false, any document the schema validates (the random model opens another
-    property)."""
+    """`strict` true or absent (as vLLM and SGLang compile every schema), only the properties the
+    schema names (the object closes after "a"); false, any document the schema validates (the random
+    model opens another property)."""
     spec = {"name": "a", "schema": OPEN_OBJECT} | ({} if strict is None else {"strict": strict})
     out = client.completions.create(model="demo", prompt="x", max_tokens=48, temperature=0,
                                     extra_body={"response_format": {"type": "json_schema", "json_schema": spec}})
@@ -195,8 +196,9 @@ def test_strict_decides_whether_other_properties_may_appear(client: openai.OpenA
 
 
 def test_a_constraint_no_token_can_continue_ends_in_error(server) -> None:
-    """The pattern needs a raw control character, which JSON output never holds: after '"a' no token is
-    allowed. The choice ends with finish_reason "error" (not an unconstrained answer); the server serves on."""
+    """The pattern needs a raw control character, which JSON output never holds: after '"a' no token
+    is allowed. The choice ends with finish_reason "error" (not an unconstrained answer); the server
+    serves on."""
     stuck = {"json": {"type": "string", "pattern": "^a\u0001b$"}}
     with server.http() as http:
         r = http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 16, "temperature": 0,
@@ -220,8 +222,8 @@ def test_a_constraint_no_token_can_continue_ends_in_error(server) -> None:
 ])
 def test_a_constraint_the_engine_cannot_compile_is_a_400_and_the_engine_serves_on(server, stream: bool, path: str,
                                                                                   body: dict, param: str) -> None:
-    """The engine compiles each constraint (once): one that does not compile comes back as the request's 400
-    naming its field, streamed or not, and the next constrained request is served."""
+    """The engine compiles each constraint (once): one that does not compile comes back as the
+    request's 400 naming its field, streamed or not, and the next constrained request is served."""
     with server.http() as http:
         limit = {} if path == "/generate" else {"max_tokens": 4}
         r = http.post(path, json={"model": "demo", "stream": stream} | limit | body)

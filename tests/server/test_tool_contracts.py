@@ -1,8 +1,9 @@
-"""The contracts of tool calling an HTTP user relies on, on the demo model. A returned call always names a
-function of the request and its arguments validate against that function's `parameters` (with `strict`,
-objects that list properties are closed); any other output stays `content`. `parallel_tool_calls: false`
-returns at most one call; a forced call cut by max_tokens ends with `length`; streamed tool choices carry
-their logprobs. Under `auto` a `structured_outputs` choice makes the random model write the exact text."""
+"""The contracts of tool calling an HTTP user relies on, on the demo model. A returned call always
+names a function of the request and its arguments validate against that function's `parameters`
+(with `strict`, objects that list properties are closed); any other output stays `content`.
+`parallel_tool_calls: false` returns at most one call; a forced call cut by max_tokens ends with
+`length`; streamed tool choices carry their logprobs. Under `auto` a `structured_outputs` choice
+makes the random model write the exact text."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _events(http: httpx.Client, **body) -> list[dict]:
     return [json.loads(d) for d in data[:-1]]
 
 
-# ---- 2: under auto, a call is returned only when its arguments validate ----------------------------
+# ---- 2: under auto, a call is returned only when its arguments validate --------------------------
 @pytest.mark.parametrize(("arguments", "valid"), [
     ({"zone": "UTC"}, True),
     ({"zone": 1}, False),  # an integer for a string
@@ -83,13 +84,14 @@ def test_auto_keeps_an_invalid_call_as_content_next_to_a_valid_one() -> None:
     ("llama3_json", '{"name": "get_time", "parameters": {"zone": 7}}'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
                 '{"name": "get_time", "arguments": {"zone": 7}}]'),
-    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": 7}"}</tool_call>'),  # args as JSON text
+    # args as JSON text
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": 7}"}</tool_call>'),
 ])
 def test_every_parser_leaves_invalid_arguments_as_content(parser: str, text: str) -> None:
     assert extract_calls(parse_tool_request({"tools": _tools()}), text, parser) == (text, [])
 
 
-# ---- 1: strict ------------------------------------------------------------------------------------
+# ---- 1: strict -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("strict", "valid"), [(None, True), (False, True), (True, False)])
 def test_strict_closes_the_arguments_under_auto(http: httpx.Client, strict: bool | None, valid: bool) -> None:
     text = _call_text("get_time", {"zone": "UTC", "note": "extra"})
@@ -111,7 +113,8 @@ def test_strict_forced_calls_validate(http: httpx.Client) -> None:
     (_tools(True, {"type": "object", "properties": {"z": {"type": "array", "uniqueItems": True}}}),
      "tools[0].function.strict"),
     (_tools(True, {"type": "object", "properties": {"z": {"not": {"const": 1}}}}), "tools[0].function.strict"),
-    # the decoder reads an allOf of several schemas as any value, and drops constraints beside anyOf or $ref
+    # the decoder reads an allOf of several schemas as any value, and drops constraints beside anyOf
+    # or $ref
     (_tools(True, {"allOf": [{"type": "object"}, {"required": ["zone"]}]}), "tools[0].function.strict"),
     (_tools(True, {"type": "object", "properties": {"z": {"anyOf": [{"type": "string"}], "maxLength": 2}}}),
      "tools[0].function.strict"),
@@ -124,7 +127,8 @@ def test_strict_that_cannot_be_honoured_is_a_400(http: httpx.Client, tools: list
 
 
 def test_strict_allows_what_the_decoder_enforces(http: httpx.Client) -> None:
-    """Properties named like keywords, a $ref with a description, anyOf: accepted, and a forced call follows them."""
+    """Properties named like keywords, a $ref with a description, anyOf: accepted, and a forced call
+    follows them."""
     schema = {"type": "object", "properties": {"not": {"type": "string", "maxLength": 4},
                                                "if": {"$ref": "#/$defs/n", "description": "a number"}},
               "$defs": {"n": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]}},
@@ -135,7 +139,7 @@ def test_strict_allows_what_the_decoder_enforces(http: httpx.Client) -> None:
     jsonschema.validate(args, schema | {"additionalProperties": False})
 
 
-# ---- 3: parallel_tool_calls -----------------------------------------------------------------------
+# ---- 3: parallel_tool_calls ----------------------------------------------------------------------
 @pytest.mark.parametrize(("parallel", "names"), [(None, ["get_time", "get_weather"]),
                                                  (True, ["get_time", "get_weather"]), (False, ["get_time"])])
 def test_parallel_tool_calls_false_returns_one_call(http: httpx.Client, parallel: bool | None,
@@ -147,7 +151,7 @@ def test_parallel_tool_calls_false_returns_one_call(http: httpx.Client, parallel
     assert choice["message"]["content"] is None
 
 
-# ---- 4: a forced call cut by max_tokens -----------------------------------------------------------
+# ---- 4: a forced call cut by max_tokens ----------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", NAMED])
 def test_a_forced_call_cut_by_max_tokens_finishes_with_length(http: httpx.Client, tool_choice: object,
@@ -163,7 +167,7 @@ def test_a_forced_call_cut_by_max_tokens_finishes_with_length(http: httpx.Client
     assert not message.get("tool_calls") and message["content"]
 
 
-# ---- 5: streamed tool choices carry logprobs ------------------------------------------------------
+# ---- 5: streamed tool choices carry logprobs -----------------------------------------------------
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_streamed_tool_choices_carry_logprobs(http: httpx.Client, tool_choice: str) -> None:
     body = dict(tools=_tools(), tool_choice=tool_choice, logprobs=True, top_logprobs=2, max_tokens=24)
@@ -186,7 +190,7 @@ def test_strict_closes_objects_as_constrained_decoding_does() -> None:
     assert strict.accepts({"a": {"b": 1}, "c": [1]})
 
 
-# ---- a schema's $ref is never fetched ----------------------------------------------------------------
+# ---- a schema's $ref is never fetched ------------------------------------------------------------
 def test_a_remote_ref_is_a_400(http: httpx.Client) -> None:
     tools = _tools(None, {"type": "object", "properties": {"zone": {"$ref": "http://127.0.0.1:9/zone.json"}}})
     r = http.post("/v1/chat/completions", json={"model": "demo", "messages": ASK, "max_tokens": 2, "tools": tools})
@@ -196,7 +200,8 @@ def test_a_remote_ref_is_a_400(http: httpx.Client) -> None:
 
 
 def test_validating_arguments_fetches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even a Function built past the request check: its unresolvable $ref rejects the call, without a fetch."""
+    """Even a Function built past the request check: its unresolvable $ref rejects the call, without
+    a fetch."""
     import urllib.request
 
     from server.tools import Function

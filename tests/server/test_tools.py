@@ -1,7 +1,7 @@
-"""Tool calling through the official openai client on the demo model: `required` and a named function are
-constrained by the functions' schemas, so the calls always parse and validate; streamed calls reassemble
-into the same calls; tool results go back through the chat template; bad tools are 400s naming the field.
-The model-family parsers of `auto` are tested on their formats directly."""
+"""Tool calling through the official openai client on the demo model: `required` and a named
+function are constrained by the functions' schemas, so the calls always parse and validate; streamed
+calls reassemble into the same calls; tool results go back through the chat template; bad tools are
+400s naming the field. The model-family parsers of `auto` are tested on their formats directly."""
 
 from __future__ import annotations
 

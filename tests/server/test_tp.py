@@ -1,5 +1,5 @@
-"""Two engine ranks (gloo, overlap on) answer exactly as one rank does (the cross-rank ledger digest is
-checked at every step). Rank failures: tests/distributed/test_rank_failure.py."""
+"""Two engine ranks (gloo, overlap on) answer exactly as one rank does (the cross-rank ledger digest
+is checked at every step). Rank failures: tests/distributed/test_rank_failure.py."""
 
 from __future__ import annotations
 

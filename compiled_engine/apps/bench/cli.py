@@ -20,7 +20,8 @@ from compiled_engine.apps.bench.datasets import (
 from compiled_engine.apps.bench.models import BENCH_NAME, QWEN3_NAME, resolve_bench_model
 from compiled_engine.apps.bench.report import table, write_json
 
-COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")  # hf: transformers generate
+# hf: transformers generate
+COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_OUTPUT = {"random": "64:256", "prefix": "32"}
 
@@ -30,7 +31,8 @@ def _log(msg: str) -> None:
 
 
 def _tokenizer(model_dir: str):
-    """The checkpoint's tokenizer: `tokenizers` on tokenizer.json when there is one (no torch import)."""
+    """The checkpoint's tokenizer: `tokenizers` on tokenizer.json when there is one (no torch
+    import)."""
     path = Path(model_dir) / "tokenizer.json"
     if path.is_file():
         from tokenizers import Tokenizer
@@ -87,7 +89,7 @@ def _workload(args: argparse.Namespace, sessions: list[Session]) -> dict:
     }
 
 
-# ---- offline ------------------------------------------------------------------------------------------
+# ---- offline -------------------------------------------------------------------------------------
 
 def _cmd_offline(args: argparse.Namespace) -> int:
     from compiled_engine.apps.bench.offline import OfflineResult, run_offline
@@ -122,10 +124,11 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- latency ------------------------------------------------------------------------------------------
+# ---- latency -------------------------------------------------------------------------------------
 
 def _mode_ab_base(compare: list[str] | None) -> dict:
-    """The base run's settings under `--compare nondeterministic`: deterministic, whatever the device's default."""
+    """The base run's settings under `--compare nondeterministic`: deterministic, whatever the
+    device's default."""
     return {"deterministic": True} if "nondeterministic" in (compare or []) else {}
 
 
@@ -140,7 +143,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     base = _mode_ab_base(args.compare)
     variants = [("compiled", base)] + [(name, base | others[name]) for name in args.compare or []]
     runs = []
-    for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant
+    # alternating, so that a slow spell of a shared machine hits every variant
+    for _ in range(args.repeats):
         for label, settings in variants:
             _log(f"measuring {label} ...")
             runs.append(measure(model_dir, label, {**_placement(args), **settings}, decode, prefill))
@@ -162,15 +166,15 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- serve --------------------------------------------------------------------------------------------
+# ---- serve ---------------------------------------------------------------------------------------
 
 def _parse_rates(text: str) -> list[float]:
     return [math.inf if r.strip() == "inf" else float(r) for r in text.split(",")]
 
 
 async def _serve_all(args: argparse.Namespace, workloads: list[list[Session]], prompt_of) -> list:
-    """Every --url at every rate; rate i uses workload i (fresh prompts, so no rate reuses the KV cached by
-    the previous one)."""
+    """Every --url at every rate; rate i uses workload i (fresh prompts, so no rate reuses the KV
+    cached by the previous one)."""
     import httpx
 
     from compiled_engine.apps.bench.openai_client import first_model
@@ -222,7 +226,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0 if all(r.summary.failed == 0 for r in runs) else 1
 
 
-# ---- parser -------------------------------------------------------------------------------------------
+# ---- parser --------------------------------------------------------------------------------------
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, online serving")

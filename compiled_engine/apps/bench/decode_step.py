@@ -1,14 +1,16 @@
-"""Compiled vs eager, side by side in one process: `python -m compiled_engine.apps.bench.decode_step`.
+"""Compiled vs eager, side by side in one process:
+`python -m compiled_engine.apps.bench.decode_step`.
 
-1. Demo model (fp32): decode step latency at batch 1/8/32 (context 128 per row), eager vs each compile mode.
-2. Bench model (bf16 Llama, hidden 768, 12 layers): batch-1 decode tokens/s (prompt 128, 256 new tokens,
-   greedy argmax on the logits) and 512-token prefill tokens/s, eager vs each compile mode.
+1. Demo model (fp32): decode step latency at batch 1/8/32 (context 128 per row), eager vs each
+   compile mode.
+2. Bench model (bf16 Llama, hidden 768, 12 layers): batch-1 decode tokens/s (prompt 128, 256 new
+   tokens, greedy argmax on the logits) and 512-token prefill tokens/s, eager vs each compile mode.
 
 It times the model step (`CompiledForward`, on graphs precompiled as the engine's warm-up makes
-them), not the scheduler or the sampler. The machine may be
-shared: variants run interleaved, call by call, and each estimate is the mean of the fastest fifth of
-the samples, in wall time and in CPU time of this process (CPU time ignores the time other processes
-hold the cores; with --threads 1 it is the cleanest signal on a busy machine).
+them), not the scheduler or the sampler. The machine may be shared: variants run interleaved, call
+by call, and each estimate is the mean of the fastest fifth of the samples, in wall time and in CPU
+time of this process (CPU time ignores the time other processes hold the cores; with --threads 1 it
+is the cleanest signal on a busy machine).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from compiled_engine.scheduler.plan import ReqStep, StepPlan
 
 
 class Setup:
-    """One model and KV pool, an eager forward and one compiled forward per mode, all sharing them."""
+    """One model and KV pool, an eager forward and one compiled forward per mode, all sharing
+    them."""
 
     def __init__(self, model_dir: str, load_format: str, buckets: list[int], slots: int, modes: list[str]) -> None:
         self.model, _ = load_model(model_dir, load_format=load_format)
@@ -66,7 +69,8 @@ class Setup:
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (wall s, CPU s): each the mean of the fastest fifth, the variants run call by call in turn."""
+    """name -> (wall s, CPU s): each the mean of the fastest fifth, the variants run call by call in
+    turn."""
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
@@ -136,7 +140,8 @@ def bench_model(modes: list[str], prompt: int, new_tokens: int, prefill: int, ro
                     _step(fwd, step).argmax(-1)
             return run
 
-        # Decode: whole 256-step generations, variants in turn; the per-step estimate is the total over steps.
+        # Decode: whole 256-step generations, variants in turn; the per-step estimate is the total
+        # over steps.
         gen = _interleaved({name: generate(fwd) for name, fwd in setup.forwards.items()}, rounds)
         pre_only = _interleaved({name: (lambda f=fwd: _step(f, prompt_inputs)) for name, fwd in setup.forwards.items()},
                                 3)

@@ -1,10 +1,10 @@
-"""`python -m compiled_engine.apps.bench.host_time`: the host's time per decode step against the device's,
-at one batch size (#15's target on a GPU: host under 10% of the GPU step at batch 64).
+"""`python -m compiled_engine.apps.bench.host_time`: the host's time per decode step against the
+device's, at one batch size (#15's target on a GPU: host under 10% of the GPU step at batch 64).
 
-The host's part of a step is `Engine.step` minus its wait for the previous step's tokens (under overlap the
-device runs the next step meanwhile); the device's part is the kernel time the profiler records over the
-same number of steps, per step. Both are measured over `--steps` steady decode steps of a full batch: first
-unprofiled (host and wall time), then profiled (kernel time).
+The host's part of a step is `Engine.step` minus its wait for the previous step's tokens (under
+overlap the device runs the next step meanwhile); the device's part is the kernel time the profiler
+records over the same number of steps, per step. Both are measured over `--steps` steady decode
+steps of a full batch: first unprofiled (host and wall time), then profiled (kernel time).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def measure(model: str, device: str, batch: int, steps: int, input_len: int) -> 
     for i in range(batch):
         engine.add_request(f"host-time-{i}", [rng.randrange(3, 1000) for _ in range(input_len)], params)
     try:
-        while engine.scheduler.stats().num_waiting or engine.steps < 8:  # prefill done, decode steady
+        # prefill done, decode steady
+        while engine.scheduler.stats().num_waiting or engine.steps < 8:
             engine.step()
         with _WaitClock() as wait:
             t0 = time.perf_counter()

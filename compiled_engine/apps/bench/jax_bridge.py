@@ -1,9 +1,10 @@
-"""`python -m compiled_engine.apps.bench.jax_bridge`: what a JAX logits processor costs per decode step, at
-batch 1 and 32 on the bench model, against the same rule built in (torch: `repetition_penalty`) and against
-no processing, in one process, variants alternating.
+"""`python -m compiled_engine.apps.bench.jax_bridge`: what a JAX logits processor costs per decode
+step, at batch 1 and 32 on the bench model, against the same rule built in (torch:
+`repetition_penalty`) and against no processing, in one process, variants alternating.
 
-Each measurement queues a batch of fresh 128-token prompts on the engine, steps until every request decodes,
-then times `--steps` decode steps one by one; a variant's figure is the median step of its best run.
+Each measurement queues a batch of fresh 128-token prompts on the engine, steps until every request
+decodes, then times `--steps` decode steps one by one; a variant's figure is the median step of its
+best run.
 """
 
 from __future__ import annotations

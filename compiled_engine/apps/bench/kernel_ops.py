@@ -1,6 +1,6 @@
-"""Benchmark the kernel ops: `python -m compiled_engine.apps.bench.kernel_ops` (CPU ops vs their portable
-implementations and the reference), `--linear` (CPU bf16 linear: torch vs pre-packed oneDNN vs the op),
-`--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
+"""Benchmark the kernel ops: `python -m compiled_engine.apps.bench.kernel_ops` (CPU ops vs their
+portable implementations and the reference), `--linear` (CPU bf16 linear: torch vs pre-packed oneDNN
+vs the op), `--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
 
 import argparse
 import statistics
@@ -33,7 +33,8 @@ def _paged(
 
 
 def _time_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time after one warm-up call (the machine may be shared: the median resists noise)."""
+    """Median wall time after one warm-up call (the machine may be shared: the median resists
+    noise)."""
     fn()
     times = []
     for _ in range(repeats):

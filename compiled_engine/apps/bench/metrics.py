@@ -1,8 +1,8 @@
 """Latency and throughput math, shared by the offline and online benchmarks.
 
-Definitions (as vLLM's `bench serve`): TTFT = first token time - send time; TPOT = (latency - TTFT) /
-(output tokens - 1) per request (requests with one token have none); ITL = the gaps between successive
-streamed chunks, pooled over all requests; E2E = last token time - send time.
+Definitions (as vLLM's `bench serve`): TTFT = first token time - send time; TPOT = (latency - TTFT)
+/ (output tokens - 1) per request (requests with one token have none); ITL = the gaps between
+successive streamed chunks, pooled over all requests; E2E = last token time - send time.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The bench checkpoints, random weights that every benchmark loads, our engine and transformers alike:
-`bench`, a larger Llama (hidden 768, 12 layers, vocab 32000, bf16), and `qwen3-0.6b`, Qwen3-0.6B's shape
-(28 layers, hidden 1024, GQA 16/8, head dim 128, vocab 151936, bf16: nano-vllm's GPU benchmark model).
+"""The bench checkpoints, random weights that every benchmark loads, our engine and transformers
+alike: `bench`, a larger Llama (hidden 768, 12 layers, vocab 32000, bf16), and `qwen3-0.6b`,
+Qwen3-0.6B's shape (28 layers, hidden 1024, GQA 16/8, head dim 128, vocab 151936, bf16: nano-vllm's
+GPU benchmark model).
 
-Created deterministically on first use under `cache_root()` in Hugging Face layout. The tokenizer is the
-demo one (8000 pieces) whatever the model's vocabulary: benchmarks use random token ids, so only the
-embedding and LM-head sizes matter.
+Created deterministically on first use under `cache_root()` in Hugging Face layout. The tokenizer is
+the demo one (8000 pieces) whatever the model's vocabulary: benchmarks use random token ids, so only
+the embedding and LM-head sizes matter.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`bench offline`: one workload through our engine, and through the baselines it is compared with, in
-one process run, one after the other."""
+"""`bench offline`: one workload through our engine, and through the baselines it is compared with,
+in one process run, one after the other."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
 
 @dataclass
 class TokenAgreement:
-    """A run's greedy tokens against the base run's (ours): requests with identical outputs, and the mean
-    fraction of each output before the first difference (bf16 near ties make some differ)."""
+    """A run's greedy tokens against the base run's (ours): requests with identical outputs, and the
+    mean fraction of each output before the first difference (bf16 near ties make some differ)."""
 
     identical: int
     requests: int
@@ -66,7 +66,8 @@ class OfflineResult:
     runs: list[OfflineRun] = field(default_factory=list)
 
     def ratios(self) -> dict[str, dict[str, float]]:
-        """Base run over each other run: output throughput ratio and median-TTFT ratio (theirs / ours)."""
+        """Base run over each other run: output throughput ratio and median-TTFT ratio (theirs /
+        ours)."""
         base = self.runs[0].summary
         out = {}
         for run in self.runs[1:]:
@@ -99,8 +100,9 @@ def hf_run(model_dir: str, sessions: list[Session], dtype: str = "auto",
 
 def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare: list[str],
                 log=print, repeats: int = 1) -> list[OfflineRun]:
-    """Our engine, then each comparison, `repeats` times over in that order (so that a slow spell of a
-    shared machine hits every variant alike); each variant keeps its fastest run (best of `repeats`)."""
+    """Our engine, then each comparison, `repeats` times over in that order (so that a slow spell of
+    a shared machine hits every variant alike); each variant keeps its fastest run (best of
+    `repeats`)."""
     base_label = "compiled-engine" + (" (eager)" if settings.get("enforce_eager") else "")
     best: dict[str, OfflineRun] = {}
     base_outputs: dict[int, list[int]] = {}

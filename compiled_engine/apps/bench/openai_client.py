@@ -1,5 +1,6 @@
-"""One streaming `/v1/completions` request against any OpenAI-compatible server, timed per chunk
-(as vLLM's `bench serve`: every SSE chunk with `choices` is a token arrival; `usage` gives the count)."""
+"""One streaming `/v1/completions` request against any OpenAI-compatible server, timed per chunk (as
+vLLM's `bench serve`: every SSE chunk with `choices` is a token arrival; `usage` gives the
+count)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def _rate_label(rate: float) -> str:
 
 
 def plot_serve(runs: list[ServeRun], out_dir: Path) -> list[Path]:
-    """Throughput and latency vs request rate, one line per server label (rates on a categorical axis)."""
+    """Throughput and latency vs request rate, one line per server label (rates on a categorical
+    axis)."""
     rates = sorted({r.request_rate for r in runs})
     x = {rate: i for i, rate in enumerate(rates)}
     labels = list(dict.fromkeys(r.label for r in runs))

@@ -1,8 +1,9 @@
-"""CPU cost of `schedule()` + `commit()` per decode step: `python -m compiled_engine.apps.bench.scheduler_step`.
+"""CPU cost of `schedule()` + `commit()` per decode step:
+`python -m compiled_engine.apps.bench.scheduler_step`.
 
-The model is left out: each step "samples" a constant token, so only the ledger is timed. Two pools: one
-with room to spare, and a full one (`--full-pool`: the prefix cache holds every page, as in a warm server,
-so each new page of a decode comes from evicting a cached prefix).
+The model is left out: each step "samples" a constant token, so only the ledger is timed. Two pools:
+one with room to spare, and a full one (`--full-pool`: the prefix cache holds every page, as in a
+warm server, so each new page of a decode comes from evicting a cached prefix).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def bench_decode(running: int, page_size: int, steps: int, prompt_len: int = 128
 
 
 def _fill_cache(sched: Scheduler, cfg: SchedulerConfig, prompt_len: int = 16) -> None:
-    """Run short distinct requests until the prefix cache holds every page (the free list is empty)."""
+    """Run short distinct requests until the prefix cache holds every page (the free list is
+    empty)."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     i = 0
     while sched.allocator.num_free >= prompt_len // cfg.page_size + 2:

@@ -1,8 +1,8 @@
 """`bench serve`: a bounded workload against an OpenAI-compatible server.
 
-Sessions start at Poisson arrival times (or all at once for rate `inf`); a session's requests are sent one
-after the other. Every run has a fixed number of requests, a per-request timeout and an overall
-deadline, after which unfinished requests count as failures.
+Sessions start at Poisson arrival times (or all at once for rate `inf`); a session's requests are
+sent one after the other. Every run has a fixed number of requests, a per-request timeout and an
+overall deadline, after which unfinished requests count as failures.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class ServeRun:
     request_rate: float  # requests/s; inf: all at once
     max_concurrency: int | None
     summary: Summary
-    cache_hit_rate: float | None  # the server's own since it started (its /metrics), when it reports one
+    # the server's own since it started (its /metrics), when it reports one
+    cache_hit_rate: float | None
     errors: list[str]  # the first few failure messages
 
 
@@ -86,7 +87,8 @@ async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOp
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         for task in done:
-            task.result()  # a bug in the client surfaces here; server failures are recorded, not raised
+            # a bug in the client surfaces here; server failures are recorded, not raised
+            task.result()
         duration = time.perf_counter() - start
         hit_rate = metric_value(await fetch_metrics(client, base), "prefix_cache_hit_rate")
     timings = [t for s in slots for t in s]

@@ -1,9 +1,10 @@
 """The cost of structured output: `python -m compiled_engine.apps.bench.structured`.
 
-1. Mask cost per constrained row per step: filling a request's token mask (xgrammar) and applying it in the
-   sampler, on SmolLM2's 49152-token vocabulary, for a JSON schema and a regex.
-2. Decode throughput of the bench model at batch 32 with 0%, 50% and 100% of the rows constrained (a regex
-   no row can finish within max_tokens, so every row decodes the same number of tokens), run alternately.
+1. Mask cost per constrained row per step: filling a request's token mask (xgrammar) and applying it
+   in the sampler, on SmolLM2's 49152-token vocabulary, for a JSON schema and a regex.
+2. Decode throughput of the bench model at batch 32 with 0%, 50% and 100% of the rows constrained (a
+   regex no row can finish within max_tokens, so every row decodes the same number of tokens), run
+   alternately.
 """
 
 from __future__ import annotations

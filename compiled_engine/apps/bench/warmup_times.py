@@ -1,10 +1,12 @@
-"""Eager vs cold vs warm start-up, side by side: `python -m compiled_engine.apps.bench.warmup_times [--models smollm2]`.
+"""Eager vs cold vs warm start-up, side by side: `python -m compiled_engine.apps.bench.warmup_times
+[--models smollm2]`.
 
-Each start is a fresh process that builds `LLM(...)` with the engine's defaults and generates one token.
-The eager start compiles nothing (`enforce_eager`); a cold start has fresh caches (an empty compile cache
-folder and an empty `$COMPILED_ENGINE_CACHE`, so a GGUF file's tokenizer is converted again too); the warm
-start reuses what the cold one filled. Reports seconds from process spawn to ready (engine built) and to
-the first token, the cache status of each start, and cold and warm as multiples of eager."""
+Each start is a fresh process that builds `LLM(...)` with the engine's defaults and generates one
+token. The eager start compiles nothing (`enforce_eager`); a cold start has fresh caches (an empty
+compile cache folder and an empty `$COMPILED_ENGINE_CACHE`, so a GGUF file's tokenizer is converted
+again too); the warm start reuses what the cold one filled. Reports seconds from process spawn to
+ready (engine built) and to the first token, the cache status of each start, and cold and warm as
+multiples of eager."""
 
 from __future__ import annotations
 
