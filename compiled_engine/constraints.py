@@ -48,7 +48,9 @@ class GrammarBook:
             # compact JSON: no runs of whitespace a weak model could fill its budget with
             if spec.kind == "json":
                 schema = _json_schema_text(spec.spec) if spec.spec else ANY_OBJECT
-                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
+                return compiler.compile_json_schema(
+                    schema, any_whitespace=False, strict_mode=spec.strict
+                )
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
@@ -57,13 +59,17 @@ class GrammarBook:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ConstraintError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
 
-    def for_request(self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()) -> RequestGrammar:
+    def for_request(
+        self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()
+    ) -> RequestGrammar:
         """A matcher for one request; `stop_token_ids`: the request's own, allowed where the EOS
         is."""
         import xgrammar as xgr
 
         extra = self._no_control_characters() if spec.kind == "json" else None
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra, stop_token_ids)
+        return RequestGrammar(
+            xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra, stop_token_ids
+        )
 
     def _no_control_characters(self) -> torch.Tensor:
         """The tokens without a control character (U+0000-U+001F), and the stop tokens, as a packed
@@ -86,8 +92,11 @@ class GrammarBook:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                self._info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                                stop_token_ids=self.stop_token_ids)
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    self._load_tokenizer(),
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids,
+                )
                 self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
             return self._compiler
 

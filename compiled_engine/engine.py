@@ -68,9 +68,17 @@ class Engine:
     """One TP rank's engine. Callers add requests, then call `step()` until `has_work()` is
     false."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, scheduler: Scheduler, runner: ModelRunner,
-                 eos_token_ids: tuple[int, ...], vocab_size: int, grammars: GrammarBook | None = None,
-                 compile_report: CompileReport | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        grammars: GrammarBook | None = None,
+        compile_report: CompileReport | None = None,
+    ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -86,7 +94,11 @@ class Engine:
 
     @property
     def compile_summary(self) -> str:
-        return self.compile_report.summary() if self.compile_report is not None else "eager: no graphs compiled"
+        return (
+            self.compile_report.summary()
+            if self.compile_report is not None
+            else "eager: no graphs compiled"
+        )
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -102,13 +114,19 @@ class Engine:
         grammar = None
         if params.structured is not None:
             if self.grammars is None:
-                raise RequestRejected(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
+                raise RequestRejected(
+                    f"request {rid!r}: this engine serves no structured output (no tokenizer)"
+                )
             # ValueError if bad
             grammar = self.grammars.for_request(params.structured, params.stop_token_ids)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
+        banned = (
+            tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
+            if params.min_tokens
+            else ()
+        )
         state = RequestState(params, generator, banned, grammar)
         # checks the rest
         self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
@@ -147,7 +165,9 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> _Launched:
         # Every request of a plan is live until its step is launched (nothing runs in between).
-        sampled = [(step, self.scheduler.get_request(step.rid)) for step in plan.reqs if step.sample]
+        sampled = [
+            (step, self.scheduler.get_request(step.rid)) for step in plan.reqs if step.sample
+        ]
         # The sampler's rows (token masks included) now, on this thread: under overlap the previous
         # step's forward runs meanwhile.
         sampling = [_sampling_row(step, req) for step, req in sampled]
@@ -168,7 +188,11 @@ class Engine:
             lp = top = None
             if output.logprobs is not None and state.params.logprobs is not None:
                 lp = output.logprobs[i]
-                top = output.top_logprobs[i][: state.params.logprobs] if output.top_logprobs is not None else []
+                top = (
+                    output.top_logprobs[i][: state.params.logprobs]
+                    if output.top_logprobs is not None
+                    else []
+                )
             by_rid[req.rid] = (state, lp, top)
         for ev in self.scheduler.commit(plan, output.tokens):
             if ev.token is None:
@@ -193,7 +217,11 @@ class Engine:
         nothing): their token of this step is dropped. One that ended meanwhile (aborted) gets no
         event."""
         live = [(sampled[i].rid, message) for i, message in sorted(errors.items())]
-        return [self._fail(rid, message) for rid, message in live if self.scheduler.get_request(rid) is not None]
+        return [
+            self._fail(rid, message)
+            for rid, message in live
+            if self.scheduler.get_request(rid) is not None
+        ]
 
     def _fail(self, rid: str, message: str) -> TokenEvent:
         """End a request with finish_reason "error" (a no-op in the ledger when its last token ended
@@ -220,5 +248,8 @@ def _sampling_row(step: ReqStep, req: Request) -> SamplingRow:
 
 def _rejected(state: RequestState, token: int) -> str:
     """Why a constrained request fails when its grammar rejects the token it drew."""
-    return (f"structured output: token {token} was sampled, which the {state.params.structured.kind} constraint "
-            "does not allow (were all the tokens it allows ruled out, by logit_bias or a logits processor?)")
+    return (
+        f"structured output: token {token} was sampled, which the {state.params.structured.kind} "
+        "constraint does not allow (were all the tokens it allows ruled out, by logit_bias or a "
+        "logits processor?)"
+    )

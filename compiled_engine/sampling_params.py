@@ -30,14 +30,23 @@ class StructuredOutput:
     strict: bool = True
 
     def validate(self) -> None:
-        _check(self.kind in STRUCTURED_KINDS, f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}",
-               self.kind)
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}",
+            self.kind,
+        )
         if self.kind == "choice":
-            ok = isinstance(self.spec, tuple) and bool(self.spec) and all(isinstance(c, str) and c for c in self.spec)
+            ok = (
+                isinstance(self.spec, tuple)
+                and bool(self.spec)
+                and all(isinstance(c, str) and c for c in self.spec)
+            )
             _check(ok, "choice must be a non-empty list of non-empty strings", self.spec)
         else:
             _check(isinstance(self.spec, str), f"a {self.kind} constraint is a string", self.spec)
-        _check(isinstance(self.strict, bool), "structured output strict must be a boolean", self.strict)
+        _check(
+            isinstance(self.strict, bool), "structured output strict must be a boolean", self.strict
+        )
 
 
 @dataclass(slots=True)
@@ -66,8 +75,13 @@ class SamplingParams:
     logits_processors: tuple[Callable | str, ...] = ()
 
     def ledger_params(self) -> LedgerParams:
-        return LedgerParams(self.max_tokens, self.min_tokens, tuple(self.stop_token_ids), self.ignore_eos,
-                            self.structured is not None)
+        return LedgerParams(
+            self.max_tokens,
+            self.min_tokens,
+            tuple(self.stop_token_ids),
+            self.ignore_eos,
+            self.structured is not None,
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field of those the engine samples by; the ledger
@@ -77,20 +91,39 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k must be -1 (off), 0 (off) or > 0", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", self.frequency_penalty)
-        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty)
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _check(
+            self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty
+        )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
         _check(self.n >= 1, "n must be >= 1", self.n)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
         if self.logit_bias is not None:
-            _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
+            _check(
+                all(t >= 0 for t in self.logit_bias),
+                "logit_bias token ids must be >= 0",
+                self.logit_bias,
+            )
         if self.structured is not None:
             self.structured.validate()
-        _check(isinstance(self.logits_processors, tuple | list)
-               and all(callable(f) or (isinstance(f, str) and ":" in f) for f in self.logits_processors),
-               "logits_processors must be a list of functions f(token_ids, logits) -> logits or 'module:function' "
-               "names", self.logits_processors)
+        _check(
+            isinstance(self.logits_processors, tuple | list)
+            and all(
+                callable(f) or (isinstance(f, str) and ":" in f) for f in self.logits_processors
+            ),
+            "logits_processors must be a list of functions f(token_ids, logits) -> logits or "
+            "'module:function' names",
+            self.logits_processors,
+        )
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
@@ -98,7 +131,9 @@ def expand_n(params: SamplingParams) -> list[SamplingParams]:
     the engine validates the rest when it admits each); sample i of a seeded request uses seed + i
     (mod 2**63, the range of torch's generators)."""
     _check(isinstance(params.n, int) and params.n >= 1, "n must be >= 1", params.n)
-    _check(params.seed is None or 0 <= params.seed < 2**63, "seed must be in [0, 2**63)", params.seed)
+    _check(
+        params.seed is None or 0 <= params.seed < 2**63, "seed must be in [0, 2**63)", params.seed
+    )
     seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
     return [replace(params, n=1, seed=seed) for seed in seeds]
 

@@ -48,18 +48,25 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     not."""
 
     def convert(out: Path) -> None:
-        done = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(out)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(out)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise CheckpointError(f"{gguf}: its tokenizer could not be converted: {last}")
 
     digest = open_gguf(gguf).tokenizer_digest
-    return cached_folder(cache_root() / "gguf-tokenizers" / digest, convert, "tokenizer_config.json")
+    return cached_folder(
+        cache_root() / "gguf-tokenizers" / digest, convert, "tokenizer_config.json"
+    )
 
 
-_CONVERT = ("import sys; from transformers import AutoTokenizer; "
-            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])")
+_CONVERT = (
+    "import sys; from transformers import AutoTokenizer; "
+    "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])"
+)
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
@@ -79,8 +86,9 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     """The chat template's prompt ids; `tools` (OpenAI function tools) go to the template too."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -112,7 +120,9 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(  # noqa: E731
+            ids, skip_special_tokens=self.skip_special_tokens
+        )
         prefix = decode(self.ids[self._prefix_offset:self._read_offset])
         full = decode(self.ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

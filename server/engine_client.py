@@ -127,8 +127,8 @@ class EngineClient:
             raise EngineDead(self.dead_reason or "the engine is not running")
         if self.num_in_flight + len(subs) > self.max_in_flight:
             raise Overloaded(
-                f"the server is overloaded: {self.num_in_flight} sequences in flight, this request adds "
-                f"{len(subs)} and the limit (--max-queue) is {self.max_in_flight}; retry later"
+                f"the server is overloaded: {self.num_in_flight} sequences in flight, this request "
+                f"adds {len(subs)} and the limit (--max-queue) is {self.max_in_flight}; retry later"
             )
         group = RequestGroup(self, [s.rid for s in subs])
         for s in subs:

@@ -42,8 +42,14 @@ class Choice(OutputStream):
 
     def delta(self, text: str) -> Delta:
         lo, self._sent_tokens = self._sent_tokens, len(self.token_ids)
-        return Delta(self.index, text, self.token_ids[lo:], self.logprobs[lo:], self.top_logprobs[lo:],
-                     self.finish_reason)
+        return Delta(
+            self.index,
+            text,
+            self.token_ids[lo:],
+            self.logprobs[lo:],
+            self.top_logprobs[lo:],
+            self.finish_reason,
+        )
 
 
 @dataclass
@@ -65,16 +71,28 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def expand_choices(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                   constraint_param: str | None = None) -> Generation:
+def expand_choices(
+    request_id: str,
+    tokenizer,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    constraint_param: str | None = None,
+) -> Generation:
     """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names
     the field of their constraint, for the 400 of one that does not compile in the engine."""
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
             detok = IncrementalDetokenizer(tokenizer, ids, p.stop)
-            choices.append(Choice(f"{request_id}-{j * p.n + i}", detok, params=sample, index=len(choices),
-                                  prompt_ids=ids))
+            choices.append(
+                Choice(
+                    f"{request_id}-{j * p.n + i}",
+                    detok,
+                    params=sample,
+                    index=len(choices),
+                    prompt_ids=ids,
+                )
+            )
     return Generation(request_id, choices, [len(ids) for ids in prompts], constraint_param)
 
 
@@ -94,7 +112,9 @@ async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncI
                 if text or choice.finish_reason is not None:
                     yield choice.delta(text)
                 if choice.finish_reason is not None:
-                    metrics.observe_finished(choice.start, choice.first_token_at, len(choice.token_ids))
+                    metrics.observe_finished(
+                        choice.start, choice.first_token_at, len(choice.token_ids)
+                    )
         except EngineRejected as e:
             if e.field != "structured":
                 raise

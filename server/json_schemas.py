@@ -12,13 +12,39 @@ from collections.abc import Iterator
 # rather than promise arguments it cannot make follow the schema exactly (as it refuses an `allOf`
 # of several schemas, which xgrammar reads as any value, and constraints beside a REPLACING_KEYWORDS
 # one).
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
-                       "unevaluatedItems", "contains", "minContains", "maxContains", "propertyNames")
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "propertyNames",
+)
 # A node with one of these is read as that keyword alone: any other constraint beside it is not
 # enforced.
 REPLACING_KEYWORDS = ("$ref", "anyOf", "oneOf", "allOf")
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-                         "$comment", "$defs", "definitions", "$schema", "$id"})
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$comment",
+        "$defs",
+        "definitions",
+        "$schema",
+        "$id",
+    }
+)
 # keyword -> {name: subschema}
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # keyword -> [subschema]
@@ -28,7 +54,9 @@ _SCHEMA_ONES = ("items", "additionalProperties")  # keyword -> subschema
 def _unenforced_here(node: dict) -> str | None:
     """What of this schema node (its subschemas aside) constrained decoding would not enforce, or
     None."""
-    found = [k for k in UNENFORCED_KEYWORDS if k in node] + (["uniqueItems"] if node.get("uniqueItems") else [])
+    found = [k for k in UNENFORCED_KEYWORDS if k in node] + (
+        ["uniqueItems"] if node.get("uniqueItems") else []
+    )
     if found:
         return f"'{found[0]}'"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
@@ -63,7 +91,11 @@ def closed_schema(schema: dict) -> dict:
     `properties` admits no others unless it says so, and a `prefixItems` array no further items."""
     out = copy.deepcopy(schema)
     for _, node in list(_subschemas(out, "")):
-        if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and "patternProperties" not in node
+        ):
             node["additionalProperties"] = False
         if "prefixItems" in node and "items" not in node:
             node["items"] = False

@@ -33,7 +33,8 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started and self.announce:
             host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
-            print(f"compiled-engine is serving at http://{host}:{port}  (OpenAI base URL: http://{host}:{port}/v1)",
+            print(f"compiled-engine is serving at http://{host}:{port}  "
+                  f"(OpenAI base URL: http://{host}:{port}/v1)",
                   flush=True)
 
     async def on_tick(self, counter: int) -> bool:
@@ -52,7 +53,11 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _state(self) -> ServerState | None:
-        return getattr(self.config.app.state, "server", None) if hasattr(self.config.app, "state") else None
+        return (
+            getattr(self.config.app.state, "server", None)
+            if hasattr(self.config.app, "state")
+            else None
+        )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
@@ -68,10 +73,20 @@ class Server(uvicorn.Server):
             state.client.fail_all("the server is shutting down")
 
 
-def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+def serve(
+    config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> int:
     app = create_app(config)
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                                   lifespan="on"))
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+            lifespan="on",
+        )
+    )
     server.run()
     return 0 if server.started and server.engine_dead_since is None else 1
 

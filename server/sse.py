@@ -52,7 +52,13 @@ class EventStream:
                 tg.start_soon(watch)
                 with contextlib.suppress(OSError):  # the client went away while we were writing
                     async for chunk in self.chunks:
-                        await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": chunk.encode(),
+                                "more_body": True,
+                            }
+                        )
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         finally:

@@ -47,7 +47,9 @@ class ServerState:
 
     @property
     def tool_parser(self) -> str:
-        return self.config.tool_call_parser or parser_for_template(getattr(self.tokenizer, "chat_template", None))
+        return self.config.tool_call_parser or parser_for_template(
+            getattr(self.tokenizer, "chat_template", None)
+        )
 
     @property
     def is_demo(self) -> bool:

@@ -52,7 +52,9 @@ class Function:
         closed)."""
         schema = closed_schema(self.parameters) if self.strict else self.parameters
         try:  # an empty registry: a $ref resolves inside the schema or not at all (never fetched)
-            return jsonschema.validators.validator_for(schema)(schema, registry=Registry()).is_valid(arguments)
+            return jsonschema.validators.validator_for(schema)(
+                schema, registry=Registry()
+            ).is_valid(arguments)
         except Unresolvable:  # a $ref the schema does not hold
             return False
 
@@ -65,8 +67,17 @@ class ToolRequest:
     parallel: bool = True
 
     def template_tools(self) -> list[dict]:
-        return [{"type": "function", "function": {"name": f.name, "description": f.description or "",
-                                                  "parameters": f.parameters}} for f in self.functions]
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": f.name,
+                    "description": f.description or "",
+                    "parameters": f.parameters,
+                },
+            }
+            for f in self.functions
+        ]
 
     def constraint(self) -> StructuredOutput | None:
         """The constraint that makes the output a parseable call (required, named), else None."""
@@ -74,9 +85,22 @@ class ToolRequest:
             return StructuredOutput("json", json.dumps(self._function(self.named).parameters))
         if self.choice != "required":
             return None
-        calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": f.parameters},
-                            "required": ["name", "parameters"]} for f in self.functions]}
-        array = {"type": "array", "items": calls, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
+        calls = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f.name}, "parameters": f.parameters},
+                    "required": ["name", "parameters"],
+                }
+                for f in self.functions
+            ]
+        }
+        array = {
+            "type": "array",
+            "items": calls,
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
+        }
         return StructuredOutput("json", json.dumps(array))
 
     def _function(self, name: str | None) -> Function:
@@ -102,13 +126,21 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def parse_tool_request(body: dict) -> ToolRequest | None:
     """The tools of a chat body (None without any); ProtocolError naming the field for anything
     wrong."""
-    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    tools, choice, parallel = (
+        body.get("tools"),
+        body.get("tool_choice"),
+        body.get("parallel_tool_calls"),
+    )
     if tools is None:
         if choice not in (None, "none"):
             raise ProtocolError("'tool_choice' needs 'tools'", "tool_choice")
@@ -125,19 +157,34 @@ def parse_tool_request(body: dict) -> ToolRequest | None:
     if choice is None or choice in ("none", "auto", "required"):
         req.choice = choice or "auto"
         return req
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
-        raise ProtocolError("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
-                            "{\"name\": ...}}", "tool_choice")
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(choice.get("function"), dict)
+    ):
+        raise ProtocolError(
+            "'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
+            "{\"name\": ...}}",
+            "tool_choice",
+        )
     name = choice["function"].get("name")
     if name not in names:
-        raise ProtocolError(f"'tool_choice' names {str(name)[:64]!r}, which is not in 'tools'", "tool_choice")
+        raise ProtocolError(
+            f"'tool_choice' names {str(name)[:64]!r}, which is not in 'tools'", "tool_choice"
+        )
     req.choice, req.named = "named", name
     return req
 
 
 def _function(tool: object, where: str) -> Function:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise ProtocolError(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise ProtocolError(
+            f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", where
+        )
     check_fields(tool, TOOL_FIELDS, where)
     fn = tool["function"]
     check_fields(fn, FUNCTION_FIELDS, f"{where}.function")
@@ -147,7 +194,9 @@ def _function(tool: object, where: str) -> Function:
                             f"{where}.function.name")
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
-        raise ProtocolError(f"'{where}.function.description' must be a string", f"{where}.function.description")
+        raise ProtocolError(
+            f"'{where}.function.description' must be a string", f"{where}.function.description"
+        )
     parameters = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise ProtocolError(f"'{where}.function.parameters' must be a JSON schema object",
@@ -155,15 +204,22 @@ def _function(tool: object, where: str) -> Function:
     try:
         jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except jsonschema.SchemaError as e:
-        raise ProtocolError(f"'{where}.function.parameters' is not a valid JSON schema: {e.message[:200]}",
-                            f"{where}.function.parameters") from None
+        raise ProtocolError(
+            f"'{where}.function.parameters' is not a valid JSON schema: {e.message[:200]}",
+            f"{where}.function.parameters",
+        ) from None
     remote = remote_ref(parameters, "parameters")
     if remote is not None:
-        raise ProtocolError(f"'{where}.function.{remote}.$ref' must point inside the schema ('#/...'): "
-                            "nothing is fetched", f"{where}.function.parameters")
+        raise ProtocolError(
+            f"'{where}.function.{remote}.$ref' must point inside the schema ('#/...'): "
+            "nothing is fetched",
+            f"{where}.function.parameters",
+        )
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise ProtocolError(f"'{where}.function.strict' must be a boolean", f"{where}.function.strict")
+        raise ProtocolError(
+            f"'{where}.function.strict' must be a boolean", f"{where}.function.strict"
+        )
     if strict:
         _check_strict(parameters, where)
     return Function(name, description, parameters, bool(strict))
@@ -173,9 +229,11 @@ def _check_strict(parameters: dict, where: str) -> None:
     """400 naming `strict` when the schema says something constrained decoding does not enforce."""
     found = unenforced(parameters, "parameters")
     if found is not None:
-        raise ProtocolError(f"'{where}.function.strict' cannot be honoured: constrained decoding does not enforce "
-                            f"{found[1]} (in {where}.function.{found[0][:100]}); drop it or set strict to false",
-                            f"{where}.function.strict")
+        raise ProtocolError(
+            f"'{where}.function.strict' cannot be honoured: constrained decoding does not enforce "
+            f"{found[1]} (in {where}.function.{found[0][:100]}); drop it or set strict to false",
+            f"{where}.function.strict",
+        )
 
 
 def parser_for_template(template: str | None) -> str:
@@ -218,7 +276,9 @@ def _named(req: ToolRequest, text: str) -> tuple[str | None, list[ToolCall]]:
 
 def _required(req: ToolRequest, text: str) -> tuple[str | None, list[ToolCall]]:
     items = _loads(text)
-    return _all_or_none(None, text, items if isinstance(items, list) else [None], req.call, "parameters")
+    return _all_or_none(
+        None, text, items if isinstance(items, list) else [None], req.call, "parameters"
+    )
 
 
 Check = Callable[[object, str], ToolCall | None]  # ToolRequest.call
@@ -252,7 +312,9 @@ def _hermes(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
 
 def _llama3_json(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
     value = _loads(text.split("<|python_tag|>", 1)[-1].strip())
-    return _all_or_none(None, text, value if isinstance(value, list) else [value], check, "parameters")
+    return _all_or_none(
+        None, text, value if isinstance(value, list) else [value], check, "parameters"
+    )
 
 
 def _mistral(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
@@ -260,7 +322,13 @@ def _mistral(text: str, check: Check) -> tuple[str | None, list[ToolCall]]:
     if not sep:
         return text, []
     value = _loads(body.strip())
-    return _all_or_none(head.strip() or None, text, value if isinstance(value, list) else [value], check, "arguments")
+    return _all_or_none(
+        head.strip() or None,
+        text,
+        value if isinstance(value, list) else [value],
+        check,
+        "arguments",
+    )
 
 
 _PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}

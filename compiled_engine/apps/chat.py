@@ -38,7 +38,9 @@ def run_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         ids = encode_chat(llm.tokenizer, history)
         rid = f"chat-{turn}"
-        llm.engine.add_request(rid, ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+        llm.engine.add_request(
+            rid, ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        )
         detok = IncrementalDetokenizer(llm.tokenizer, ids)
         while llm.engine.has_work():
             for ev in llm.engine.step():

@@ -47,7 +47,9 @@ def model_shape(model: str) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read the config of {path}: {e}") from e
     if not {"num_attention_heads", "intermediate_size"} <= config.keys():
-        raise CheckpointError(f"{path}/config.json: num_attention_heads and intermediate_size are required")
+        raise CheckpointError(
+            f"{path}/config.json: num_attention_heads and intermediate_size are required"
+        )
     return config
 
 
@@ -62,4 +64,6 @@ def check_tp_size(model: str, tp: int) -> None:
     why = _misfit(config, tp)
     if why is not None:
         valid = ", ".join(map(str, tp_sizes(config)))
-        raise ValueError(f"--tp {tp} does not fit {model}: {why}; valid --tp values for this model: {valid}")
+        raise ValueError(
+            f"--tp {tp} does not fit {model}: {why}; valid --tp values for this model: {valid}"
+        )

@@ -14,7 +14,9 @@ from compiled_engine.ranks.rank_spec import RankSpec
 def run_rank(spec: RankSpec, conn: Connection | None) -> None:
     """Process entry point of a launcher-spawned rank. `conn` is the launcher's channel on rank
     0."""
-    logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s"
+    )
     # Ctrl-C goes to the server, which stops the ranks in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from compiled_engine.ranks.rank_loop import serve_rank

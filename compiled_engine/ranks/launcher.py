@@ -55,7 +55,9 @@ class EngineHandle:
             with self._send_lock:
                 self.conn.send(msg)
         except (OSError, ValueError) as e:
-            raise EngineFailure(self.explain(f"the channel to engine rank 0 closed ({e})")) from None
+            raise EngineFailure(
+                self.explain(f"the channel to engine rank 0 closed ({e})")
+            ) from None
 
     def recv(self) -> list:
         """The next event list (blocks; checks every POLL_S that the ranks are alive)."""
@@ -126,7 +128,9 @@ def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) ->
             try:
                 events = conn.recv()
             except EOFError:
-                raise EngineStartError("engine rank 0 exited during start-up (see its log above)") from None
+                raise EngineStartError(
+                    "engine rank 0 exited during start-up (see its log above)"
+                ) from None
             for ev in events:
                 if isinstance(ev, Ready):
                     return ev
@@ -134,7 +138,9 @@ def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) ->
                     raise EngineStartError(ev.message)
         dead = [p for p in procs if not p.is_alive()]
         if dead:
-            raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
+            raise EngineStartError(
+                f"{dead[0].name} exited with code {dead[0].exitcode} during start-up"
+            )
     raise EngineStartError(f"the engine did not start within {timeout_s:.0f}s")
 
 

@@ -58,8 +58,18 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
         summaries = _gather_strings(engine.compile_summary, control)
         if conn is not None:
             sched = engine.scheduler.config
-            conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids,
-                               engine.vocab_size, summaries)])
+            conn.send(
+                [
+                    Ready(
+                        sched.max_context,
+                        sched.capacity_tokens,
+                        sched.num_pages,
+                        engine.eos_token_ids,
+                        engine.vocab_size,
+                        summaries,
+                    )
+                ]
+            )
         _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
         engine.shutdown()
     except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits
@@ -131,7 +141,9 @@ def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool)
             conn.send(events)
 
 
-def _receive(spec: RankSpec, conn: Connection | None, busy: bool, control) -> tuple[list, list[StatsRequest]]:
+def _receive(
+    spec: RankSpec, conn: Connection | None, busy: bool, control
+) -> tuple[list, list[StatsRequest]]:
     """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same
     order."""
     inputs: list = []
@@ -162,7 +174,11 @@ def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
             engine.add_request(msg.rid, msg.prompt_ids, msg.params)
         # RequestRejected, bad parameters, a bad constraint: answer that request only
         except ValueError as e:
-            events.append(RequestError(msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None))
+            events.append(
+                RequestError(
+                    msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None
+                )
+            )
     elif isinstance(msg, Abort):
         engine.abort(msg.rid)
     elif isinstance(msg, Finish):
@@ -173,8 +189,11 @@ def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
 
 def _stats(engine, req: StatsRequest) -> StatsReply:
     sched = engine.scheduler
-    stats = asdict(sched.stats()) | {"total_pages": sched.allocator.total, "idle": not engine.has_work(),
-                                     "steps": engine.steps}
+    stats = asdict(sched.stats()) | {
+        "total_pages": sched.allocator.total,
+        "idle": not engine.has_work(),
+        "steps": engine.steps,
+    }
     error = None
     if req.check_integrity:
         try:

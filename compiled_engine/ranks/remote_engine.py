@@ -46,11 +46,20 @@ class RemoteEngine:
             params.validate()
         except ValueError as e:
             raise RequestRejected(f"request {rid!r}: {e}") from None
-        check_request(rid, prompt_ids, params.ledger_params(), ready.max_context, ready.capacity_tokens,
-                      ready.vocab_size)
+        check_request(
+            rid,
+            prompt_ids,
+            params.ledger_params(),
+            ready.max_context,
+            ready.capacity_tokens,
+            ready.vocab_size,
+        )
         if any(not isinstance(f, str) for f in params.logits_processors):
-            raise ValueError(f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
-                             "'package.module:function' (each rank imports it): a function cannot be sent to the ranks")
+            raise ValueError(
+                f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
+                "'package.module:function' (each rank imports it): a function cannot be sent to "
+                "the ranks"
+            )
         for name in params.logits_processors:
             bridge.resolve(name)  # ValueError now if it cannot be imported
         self._outbox.append(Add(rid, list(prompt_ids), params))
@@ -84,7 +93,9 @@ class RemoteEngine:
         self._outbox.append(StatsRequest(token))
         while True:
             events = self._recv()
-            reply = next((ev for ev in events if isinstance(ev, StatsReply) and ev.token == token), None)
+            reply = next(
+                (ev for ev in events if isinstance(ev, StatsReply) and ev.token == token), None
+            )
             self._backlog.extend(ev for ev in events if not isinstance(ev, StatsReply))
             if reply is not None:
                 return reply.stats

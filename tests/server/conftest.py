@@ -49,8 +49,17 @@ def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
     engine = EngineConfig(**(ENGINE | overrides.pop("engine", {})))
     port = free_port()
     app = create_app(ServerConfig(engine=engine, **overrides))
-    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                   timeout_graceful_shutdown=5), announce=False)
+    server = Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        ),
+        announce=False,
+    )
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

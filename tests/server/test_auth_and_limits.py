@@ -35,8 +35,12 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
     with limited.http() as http:
         assert http.get("/health").status_code == 200
         body = {"prompt": "hi", "max_tokens": 2}
-        assert _error(http.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
-        _error(http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert (
+            _error(http.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
+        )
+        _error(
+            http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
+        )
         _error(http.get("/v1/models"), 401)
         _error(http.get("/metrics"), 401)
         assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
@@ -45,7 +49,9 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
 
 def test_body_too_large_is_413(limited: RunningServer) -> None:
     with limited.http(headers=AUTH) as http:
-        err = _error(http.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 413)
+        err = _error(
+            http.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 413
+        )
         assert "2048 bytes" in err["message"]
 
         def chunks():  # no content-length: the limit holds while reading
@@ -66,7 +72,9 @@ def test_overload_is_429_and_clears(limited: RunningServer) -> None:
             err = _error(b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
             assert "overloaded" in err["message"] and "--max-queue" in err["message"]
         deadline = time.monotonic() + 30
-        while (r2 := b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})).status_code == 429:
+        while (
+            r2 := b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        ).status_code == 429:
             assert time.monotonic() < deadline, "the aborted stream never left the queue"
             time.sleep(0.05)
         assert r2.status_code == 200

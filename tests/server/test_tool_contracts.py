@@ -15,8 +15,16 @@ import pytest
 
 from server.tools import extract_calls, parse_tool_request
 
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 5}}, "required": ["zone"]}
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 5}},
+    "required": ["zone"],
+}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+}
 ASK = [{"role": "user", "content": "What time is it in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 
@@ -44,8 +52,12 @@ def _auto(http: httpx.Client, text: str, **body) -> dict:
 
 
 def _events(http: httpx.Client, **body) -> list[dict]:
-    with http.stream("POST", "/v1/chat/completions", json={"model": "demo", "messages": ASK, "max_tokens": 200,
-                                                           "temperature": 0, "stream": True} | body) as r:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "demo", "messages": ASK, "max_tokens": 200, "temperature": 0, "stream": True}
+        | body,
+    ) as r:
         assert r.status_code == 200
         data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
@@ -75,7 +87,9 @@ def test_auto_returns_a_call_only_when_its_arguments_validate(http: httpx.Client
 def test_auto_keeps_an_invalid_call_as_content_next_to_a_valid_one() -> None:
     req = parse_tool_request({"tools": _tools()})
     bad = _call_text("get_time", {"zone": 7})
-    content, calls = extract_calls(req, "Checking. " + bad + _call_text("get_weather", {"city": "Oslo"}), "hermes")
+    content, calls = extract_calls(
+        req, "Checking. " + bad + _call_text("get_weather", {"city": "Oslo"}), "hermes"
+    )
     assert content == "Checking. " + bad
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
@@ -93,7 +107,9 @@ def test_every_parser_leaves_invalid_arguments_as_content(parser: str, text: str
 
 # ---- 1: strict -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("strict", "valid"), [(None, True), (False, True), (True, False)])
-def test_strict_closes_the_arguments_under_auto(http: httpx.Client, strict: bool | None, valid: bool) -> None:
+def test_strict_closes_the_arguments_under_auto(
+    http: httpx.Client, strict: bool | None, valid: bool
+) -> None:
     text = _call_text("get_time", {"zone": "UTC", "note": "extra"})
     choice = _chat(http, tools=_tools(strict), structured_outputs={"choice": [text]})["choices"][0]
     assert choice["finish_reason"] == ("tool_calls" if valid else "stop")
@@ -107,21 +123,51 @@ def test_strict_forced_calls_validate(http: httpx.Client) -> None:
     assert set(args) == {"zone"} and isinstance(args["zone"], str) and len(args["zone"]) <= 5
 
 
-@pytest.mark.parametrize(("tools", "param"), [
-    (_tools("yes"), "tools[0].function.strict"),
-    # constrained decoding does not enforce uniqueItems: strict cannot be honoured
-    (_tools(True, {"type": "object", "properties": {"z": {"type": "array", "uniqueItems": True}}}),
-     "tools[0].function.strict"),
-    (_tools(True, {"type": "object", "properties": {"z": {"not": {"const": 1}}}}), "tools[0].function.strict"),
-    # the decoder reads an allOf of several schemas as any value, and drops constraints beside anyOf
-    # or $ref
-    (_tools(True, {"allOf": [{"type": "object"}, {"required": ["zone"]}]}), "tools[0].function.strict"),
-    (_tools(True, {"type": "object", "properties": {"z": {"anyOf": [{"type": "string"}], "maxLength": 2}}}),
-     "tools[0].function.strict"),
-    (_tools(None, {"type": "object", "properties": {"zone": {"type": "text"}}}), "tools[0].function.parameters"),
-])
-def test_strict_that_cannot_be_honoured_is_a_400(http: httpx.Client, tools: list, param: str) -> None:
-    r = http.post("/v1/chat/completions", json={"model": "demo", "messages": ASK, "max_tokens": 2, "tools": tools})
+@pytest.mark.parametrize(
+    ("tools", "param"),
+    [
+        (_tools("yes"), "tools[0].function.strict"),
+        # constrained decoding does not enforce uniqueItems: strict cannot be honoured
+        (
+            _tools(
+                True,
+                {"type": "object", "properties": {"z": {"type": "array", "uniqueItems": True}}},
+            ),
+            "tools[0].function.strict",
+        ),
+        (
+            _tools(True, {"type": "object", "properties": {"z": {"not": {"const": 1}}}}),
+            "tools[0].function.strict",
+        ),
+        # the decoder reads an allOf of several schemas as any value, and drops constraints beside
+        # anyOf or $ref
+        (
+            _tools(True, {"allOf": [{"type": "object"}, {"required": ["zone"]}]}),
+            "tools[0].function.strict",
+        ),
+        (
+            _tools(
+                True,
+                {
+                    "type": "object",
+                    "properties": {"z": {"anyOf": [{"type": "string"}], "maxLength": 2}},
+                },
+            ),
+            "tools[0].function.strict",
+        ),
+        (
+            _tools(None, {"type": "object", "properties": {"zone": {"type": "text"}}}),
+            "tools[0].function.parameters",
+        ),
+    ],
+)
+def test_strict_that_cannot_be_honoured_is_a_400(
+    http: httpx.Client, tools: list, param: str
+) -> None:
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "demo", "messages": ASK, "max_tokens": 2, "tools": tools},
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -129,10 +175,17 @@ def test_strict_that_cannot_be_honoured_is_a_400(http: httpx.Client, tools: list
 def test_strict_allows_what_the_decoder_enforces(http: httpx.Client) -> None:
     """Properties named like keywords, a $ref with a description, anyOf: accepted, and a forced call
     follows them."""
-    schema = {"type": "object", "properties": {"not": {"type": "string", "maxLength": 4},
-                                               "if": {"$ref": "#/$defs/n", "description": "a number"}},
-              "$defs": {"n": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]}},
-              "required": ["if"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "string", "maxLength": 4},
+            "if": {"$ref": "#/$defs/n", "description": "a number"},
+        },
+        "$defs": {
+            "n": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]}
+        },
+        "required": ["if"],
+    }
     choice = _chat(http, tools=_tools(True, schema), tool_choice=NAMED)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
@@ -140,8 +193,14 @@ def test_strict_allows_what_the_decoder_enforces(http: httpx.Client) -> None:
 
 
 # ---- 3: parallel_tool_calls ----------------------------------------------------------------------
-@pytest.mark.parametrize(("parallel", "names"), [(None, ["get_time", "get_weather"]),
-                                                 (True, ["get_time", "get_weather"]), (False, ["get_time"])])
+@pytest.mark.parametrize(
+    ("parallel", "names"),
+    [
+        (None, ["get_time", "get_weather"]),
+        (True, ["get_time", "get_weather"]),
+        (False, ["get_time"]),
+    ],
+)
 def test_parallel_tool_calls_false_returns_one_call(http: httpx.Client, parallel: bool | None,
                                                     names: list[str]) -> None:
     text = _call_text("get_time", {"zone": "UTC"}) + _call_text("get_weather", {"city": "Oslo"})
@@ -154,8 +213,9 @@ def test_parallel_tool_calls_false_returns_one_call(http: httpx.Client, parallel
 # ---- 4: a forced call cut by max_tokens ----------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", NAMED])
-def test_a_forced_call_cut_by_max_tokens_finishes_with_length(http: httpx.Client, tool_choice: object,
-                                                              stream: bool) -> None:
+def test_a_forced_call_cut_by_max_tokens_finishes_with_length(
+    http: httpx.Client, tool_choice: object, stream: bool
+) -> None:
     body = dict(tools=_tools(), tool_choice=tool_choice, max_tokens=2)
     if stream:
         last = [c for e in _events(http, **body) for c in e["choices"]][-1]
@@ -170,21 +230,32 @@ def test_a_forced_call_cut_by_max_tokens_finishes_with_length(http: httpx.Client
 # ---- 5: streamed tool choices carry logprobs -----------------------------------------------------
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_streamed_tool_choices_carry_logprobs(http: httpx.Client, tool_choice: str) -> None:
-    body = dict(tools=_tools(), tool_choice=tool_choice, logprobs=True, top_logprobs=2, max_tokens=24)
+    body = dict(
+        tools=_tools(), tool_choice=tool_choice, logprobs=True, top_logprobs=2, max_tokens=24
+    )
     whole = _chat(http, **body)
     expected = whole["choices"][0]["logprobs"]["content"]
     streamed = [lp for e in _events(http, **body) for c in e["choices"] if c["logprobs"] is not None
                 for lp in c["logprobs"]["content"]]
     assert len(streamed) == len(expected) == whole["usage"]["completion_tokens"]
     assert [e["token"] for e in streamed] == [e["token"] for e in expected]
-    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    assert [e["logprob"] for e in streamed] == pytest.approx(
+        [e["logprob"] for e in expected], abs=1e-4
+    )
     assert all(len(e["top_logprobs"]) == 2 for e in streamed)
 
 
 def test_strict_closes_objects_as_constrained_decoding_does() -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
-                                               "c": {"type": "array", "prefixItems": [{"type": "integer"}]}}}
-    lax, strict = (parse_tool_request({"tools": _tools(s, schema)}).functions[0] for s in (False, True))
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "c": {"type": "array", "prefixItems": [{"type": "integer"}]},
+        },
+    }
+    lax, strict = (
+        parse_tool_request({"tools": _tools(s, schema)}).functions[0] for s in (False, True)
+    )
     for args in ({"a": {"b": 1, "x": 2}}, {"a": {}, "x": 1}, {"c": [1, 2]}):
         assert lax.accepts(args) and not strict.accepts(args)
     assert strict.accepts({"a": {"b": 1}, "c": [1]})
@@ -192,8 +263,13 @@ def test_strict_closes_objects_as_constrained_decoding_does() -> None:
 
 # ---- a schema's $ref is never fetched ------------------------------------------------------------
 def test_a_remote_ref_is_a_400(http: httpx.Client) -> None:
-    tools = _tools(None, {"type": "object", "properties": {"zone": {"$ref": "http://127.0.0.1:9/zone.json"}}})
-    r = http.post("/v1/chat/completions", json={"model": "demo", "messages": ASK, "max_tokens": 2, "tools": tools})
+    tools = _tools(
+        None, {"type": "object", "properties": {"zone": {"$ref": "http://127.0.0.1:9/zone.json"}}}
+    )
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "demo", "messages": ASK, "max_tokens": 2, "tools": tools},
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "tools[0].function.parameters"
     assert "nothing is fetched" in r.json()["error"]["message"]
@@ -213,6 +289,8 @@ def test_validating_arguments_fetches_nothing(monkeypatch: pytest.MonkeyPatch) -
         raise OSError("no network in this test")
 
     monkeypatch.setattr(urllib.request, "urlopen", record)
-    fn = Function("f", None, {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/a.json"}}})
+    fn = Function(
+        "f", None, {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/a.json"}}}
+    )
     assert not fn.accepts({"a": 1})
     assert fetched == []

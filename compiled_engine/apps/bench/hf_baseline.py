@@ -29,7 +29,9 @@ def load_hf_model(model_path: str, dtype: str = "auto", device: str = "auto") ->
     if is_gguf(model_path):
         where = Path(model_path)
         dtype = open_gguf(where).config_dict["torch_dtype"] if dtype == "auto" else dtype
-        model = AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(where.parent), gguf_file=where.name, dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()
@@ -50,15 +52,18 @@ def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[in
     return [row[width:width + r.output_len] for row, r in zip(out.tolist(), group, strict=True)]
 
 
-def run_hf(model: torch.nn.Module, sessions: list[Session],
-           group_size: int | None = None) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
+def run_hf(
+    model: torch.nn.Module, sessions: list[Session], group_size: int | None = None
+) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
     """Timings (latency only: `generate` does not stream), the total duration, and each request's
     tokens (by index in `all_requests(sessions)`). Groups of 16 rows on the CPU, 64 on a GPU (wider
     batches feed it better; the padding a group wastes grows with its width)."""
     if group_size is None:
         group_size = 64 if model.device.type == "cuda" else 16
     ordered = all_requests(sessions)
-    order = sorted(range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids)))
+    order = sorted(
+        range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids))
+    )
     reqs = [ordered[i] for i in order]
     timings = []
     outputs: dict[int, list[int]] = {}
@@ -69,5 +74,8 @@ def run_hf(model: torch.nn.Module, sessions: list[Session],
             group = reqs[i:i + group_size]
             outputs.update(zip(order[i:i + group_size], _generate(model, group), strict=True))
             done = time.perf_counter() - start
-            timings.extend(RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True) for r in group)
+            timings.extend(
+                RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True)
+                for r in group
+            )
     return timings, time.perf_counter() - start, outputs

@@ -41,7 +41,12 @@ class Stats:
     def of(cls, values: list[float]) -> Stats:
         if not values:
             return cls(math.nan, math.nan, math.nan, math.nan)
-        return cls(sum(values) / len(values), percentile(values, 50), percentile(values, 90), percentile(values, 99))
+        return cls(
+            sum(values) / len(values),
+            percentile(values, 50),
+            percentile(values, 90),
+            percentile(values, 99),
+        )
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -26,7 +26,9 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
         return "eager", {"enforce_eager": True}
     if name == "nondeterministic":
         return "not deterministic", {"deterministic": False}
-    raise ValueError(f"unknown comparison {name!r}; use hf, naive, overlap, eager or nondeterministic")
+    raise ValueError(
+        f"unknown comparison {name!r}; use hf, naive, overlap, eager or nondeterministic"
+    )
 
 
 @dataclass
@@ -51,10 +53,14 @@ def token_agreement(base: dict[int, list[int]], other: dict[int, list[int]]) -> 
     fractions = []
     for i, ours in base.items():
         theirs = other.get(i, [])
-        same = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        same = next(
+            (k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+        )
         fractions.append(same / len(ours) if ours else 1.0)
     identical = sum(base[i] == other.get(i) for i in base)
-    return TokenAgreement(identical, len(base), sum(fractions) / len(fractions) if fractions else 1.0)
+    return TokenAgreement(
+        identical, len(base), sum(fractions) / len(fractions) if fractions else 1.0
+    )
 
 
 @dataclass
@@ -73,7 +79,9 @@ class OfflineResult:
         for run in self.runs[1:]:
             s = run.summary
             out[run.label] = {
-                "throughput": base.output_throughput / s.output_throughput if s.output_throughput else float("nan"),
+                "throughput": base.output_throughput / s.output_throughput
+                if s.output_throughput
+                else float("nan"),
                 "ttft_p50": s.ttft_s.p50 / base.ttft_s.p50 if base.ttft_s.p50 else float("nan"),
             }
         return out
@@ -120,8 +128,15 @@ def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare
             if name is not None:
                 run.tokens_vs_base = token_agreement(base_outputs, outputs)
             agree = run.tokens_vs_base
-            same = f"; tokens identical to ours in {agree.identical}/{agree.requests} requests" if agree else ""
+            same = (
+                f"; tokens identical to ours in {agree.identical}/{agree.requests} requests"
+                if agree
+                else ""
+            )
             log(f"{run.label}: {run.summary.output_throughput:.1f} output tok/s{same}")
-            if run.label not in best or run.summary.output_throughput > best[run.label].summary.output_throughput:
+            if (
+                run.label not in best
+                or run.summary.output_throughput > best[run.label].summary.output_throughput
+            ):
                 best[run.label] = run
     return list(best.values())

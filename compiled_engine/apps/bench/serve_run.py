@@ -18,7 +18,12 @@ import httpx
 
 from compiled_engine.apps.bench.datasets import BenchRequest, Session
 from compiled_engine.apps.bench.metrics import RequestTiming, Summary, summarize
-from compiled_engine.apps.bench.openai_client import completion_body, fetch_metrics, metric_value, stream_completion
+from compiled_engine.apps.bench.openai_client import (
+    completion_body,
+    fetch_metrics,
+    metric_value,
+    stream_completion,
+)
 
 PromptOf = Callable[[BenchRequest], "list[int] | str"]
 
@@ -57,11 +62,14 @@ class ServeOptions:
     deadline_s: float = 1800.0
 
 
-async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOptions, prompt_of: PromptOf) -> ServeRun:
+async def run_serve(
+    url: str, label: str, sessions: list[Session], opts: ServeOptions, prompt_of: PromptOf
+) -> ServeRun:
     base = url.rstrip("/")
     endpoint = base + "/v1/completions"
     slots: list[list[RequestTiming]] = [
-        [RequestTiming(len(r.prompt_ids), error="not sent before the deadline") for r in s] for s in sessions
+        [RequestTiming(len(r.prompt_ids), error="not sent before the deadline") for r in s]
+        for s in sessions
     ]
     limit = asyncio.Semaphore(opts.max_concurrency or len(slots) or 1)
     timeout = httpx.Timeout(opts.request_timeout_s, connect=10.0)
@@ -74,7 +82,9 @@ async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOp
             for j, req in enumerate(sessions[i]):
                 async with limit:
                     body = completion_body(opts.model, prompt_of(req), req.output_len)
-                    slots[i][j] = await stream_completion(client, endpoint, body, len(req.prompt_ids))
+                    slots[i][j] = await stream_completion(
+                        client, endpoint, body, len(req.prompt_ids)
+                    )
                 if not slots[i][j].success:
                     for rest in slots[i][j + 1:]:
                         rest.error = "not sent: an earlier turn of its session failed"
@@ -93,5 +103,12 @@ async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOp
         hit_rate = metric_value(await fetch_metrics(client, base), "prefix_cache_hit_rate")
     timings = [t for s in slots for t in s]
     errors = [t.error for t in timings if not t.success][:5]
-    return ServeRun(label, url, opts.request_rate, opts.max_concurrency, summarize(timings, duration), hit_rate,
-                    errors)
+    return ServeRun(
+        label,
+        url,
+        opts.request_rate,
+        opts.max_concurrency,
+        summarize(timings, duration),
+        hit_rate,
+        errors,
+    )
