@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# `EngineConfig.compile_mode` values (their inductor options: `runner.compiled_forward.COMPILE_MODES`).
+# `EngineConfig.compile_mode` values (their inductor options:
+# `runner.compiled_forward.COMPILE_MODES`).
 COMPILE_MODE_NAMES = ("default", "freezing", "max-autotune-freezing")
 
 
@@ -16,7 +17,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy (random weights)
     page_size: int = 1
     num_pages: int | None = None  # KV pool size; None: sized from memory (mem_fraction)
-    mem_fraction: float | None = None  # cuda: of the memory free after loading weights (0.8); cpu: of all (0.25)
+    # cuda: of the memory free after loading weights (0.8); cpu: of all (0.25)
+    mem_fraction: float | None = None
     max_running: int = 256
     max_context: int | None = None  # None: the model's max_position_embeddings
     chunk_budget: int = 8192  # tokens computed per step (chunked prefill)
@@ -24,21 +26,24 @@ class EngineConfig:
     prefix_cache: str = "radix"  # radix | naive
     enforce_eager: bool = False
     buckets: list[int] | None = None  # decode batch sizes with compiled graphs
-    # None: cpu 1 (batch 1, then one shape-generic decode graph for every larger batch: a graph per batch size
-    # costs a compile each and buys no step time there, docs/benchmarks.md), cuda max_running (a CUDA graph
-    # is captured per bucket); 0: no static decode graph
+    # None: cpu 1 (batch 1, then one shape-generic decode graph for every larger batch: a graph per
+    # batch size costs a compile each and buys no step time there, docs/benchmarks.md), cuda
+    # max_running (a CUDA graph is captured per bucket); 0: no static decode graph
     max_bucket: int | None = None
-    # None: on with CUDA; off on the CPU, where the planning thread competes with the compute threads for
-    # the cores (slower than no overlap on 2 cores: docs/benchmarks.md).
+    # None: on with CUDA; off on the CPU, where the planning thread competes with the compute
+    # threads for the cores (slower than no overlap on 2 cores: docs/benchmarks.md).
     overlap: bool | None = None
     seed: int = 0
     tp_size: int = 1
-    tp_debug: bool = False  # check every step's plan + tokens agree across TP ranks (or COMPILED_ENGINE_TP_DEBUG=1)
-    rank_timeout_s: float = 300.0  # a TP rank with no loop iteration for this long is hung: the engine fails
-    compile_cache_dir: str | None = None  # None: <cache_root()>/compile (see compiled_engine.runner.compile_cache)
+    # check every step's plan + tokens agree across TP ranks (or COMPILED_ENGINE_TP_DEBUG=1)
+    tp_debug: bool = False
+    # a TP rank with no loop iteration for this long is hung: the engine fails
+    rank_timeout_s: float = 300.0
+    # None: <cache_root()>/compile (see compiled_engine.runner.compile_cache)
+    compile_cache_dir: str | None = None
     compile_mode: str = "default"  # CPU inductor options: one of COMPILE_MODE_NAMES
-    # Batch-invariant kernels: a request's tokens and logprobs depend on the request (and its seed) only, never
-    # on its batch, chunking, the prefix cache, overlap or the step kind (README, "Deterministic inference").
-    # None: the device's measured default (runner.device_defaults).
+    # Batch-invariant kernels: a request's tokens and logprobs depend on the request (and its seed)
+    # only, never on its batch, chunking, the prefix cache, overlap or the step kind (README,
+    # "Deterministic inference"). None: the device's measured default (runner.device_defaults).
     deterministic: bool | None = None
     extra: dict = field(default_factory=dict)

@@ -1,13 +1,13 @@
-"""Structured output: JSON schemas, regular expressions, choices and EBNF grammars enforced token by token
-with xgrammar (the grammar engine vLLM and SGLang use; it runs on the CPU).
+"""Structured output: JSON schemas, regular expressions, choices and EBNF grammars enforced token by
+token with xgrammar (the grammar engine vLLM and SGLang use; it runs on the CPU).
 
-A `GrammarBook` serves one tokenizer: it compiles each constraint once (xgrammar's compiler caches by the
-constraint's text) and gives each request a `RequestGrammar`, whose matcher fills the token mask of the
-request's next step and advances when one of its tokens commits. The sampler applies the mask after every
-other rule (logit_bias, penalties, logits processors), so no rule can bring back a token the grammar
-excludes, and log-probabilities are those of the masked distribution. The request's own stop_token_ids are
-allowed wherever the grammar allows its EOS (where the document may end). xgrammar is imported on the first
-constrained request: it costs seconds to import.
+A `GrammarBook` serves one tokenizer: it compiles each constraint once (xgrammar's compiler caches
+by the constraint's text) and gives each request a `RequestGrammar`, whose matcher fills the token
+mask of the request's next step and advances when one of its tokens commits. The sampler applies the
+mask after every other rule (logit_bias, penalties, logits processors), so no rule can bring back a
+token the grammar excludes, and log-probabilities are those of the masked distribution. The
+request's own stop_token_ids are allowed wherever the grammar allows its EOS (where the document may
+end). xgrammar is imported on the first constrained request: it costs seconds to import.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ class ConstraintError(ValueError):
 class GrammarBook:
     def __init__(self, tokenizer: Callable[[], object], vocab_size: int,
                  stop_token_ids: Sequence[int] | None = None) -> None:
-        """`tokenizer`: loads the Hugging Face tokenizer (called once, on the first constrained request);
-        `vocab_size`: the model's (the logits' width); `stop_token_ids`: the ids that end a request (None:
-        the tokenizer's EOS)."""
+        """`tokenizer`: loads the Hugging Face tokenizer (called once, on the first constrained
+        request); `vocab_size`: the model's (the logits' width); `stop_token_ids`: the ids that end
+        a request (None: the tokenizer's EOS)."""
         self._load_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = None if stop_token_ids is None else list(stop_token_ids)
@@ -45,9 +45,12 @@ class GrammarBook:
         """The compiled grammar of `spec`; ConstraintError saying what is wrong with it."""
         compiler = self._get_compiler()
         try:
-            if spec.kind == "json":  # compact JSON: no runs of whitespace a weak model could fill its budget with
+            # compact JSON: no runs of whitespace a weak model could fill its budget with
+            if spec.kind == "json":
                 schema = _json_schema_text(spec.spec) if spec.spec else ANY_OBJECT
-                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
+                return compiler.compile_json_schema(
+                    schema, any_whitespace=False, strict_mode=spec.strict
+                )
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
@@ -56,17 +59,23 @@ class GrammarBook:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ConstraintError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
 
-    def for_request(self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()) -> RequestGrammar:
-        """A matcher for one request; `stop_token_ids`: the request's own, allowed where the EOS is."""
+    def for_request(
+        self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()
+    ) -> RequestGrammar:
+        """A matcher for one request; `stop_token_ids`: the request's own, allowed where the EOS
+        is."""
         import xgrammar as xgr
 
         extra = self._no_control_characters() if spec.kind == "json" else None
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra, stop_token_ids)
+        return RequestGrammar(
+            xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra, stop_token_ids
+        )
 
     def _no_control_characters(self) -> torch.Tensor:
-        """The tokens without a control character (U+0000-U+001F), and the stop tokens, as a packed mask.
-        xgrammar's JSON strings admit raw control characters, which JSON does not (json.loads rejects
-        them); compact JSON needs none outside strings, so JSON constraints also apply this mask."""
+        """The tokens without a control character (U+0000-U+001F), and the stop tokens, as a packed
+        mask. xgrammar's JSON strings admit raw control characters, which JSON does not (json.loads
+        rejects them); compact JSON needs none outside strings, so JSON constraints also apply this
+        mask."""
         with self._lock:
             if self._json_mask is None:
                 self._get_compiler()
@@ -83,16 +92,19 @@ class GrammarBook:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                self._info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                                stop_token_ids=self.stop_token_ids)
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    self._load_tokenizer(),
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids,
+                )
                 self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
             return self._compiler
 
 
 class RequestGrammar:
-    """One request's matcher: the state after the tokens it has committed. `extra`: a packed mask of tokens
-    allowed on top of the grammar's (None: all); `stop_token_ids`: the request's own stop tokens, allowed
-    wherever the document is complete (as the EOS)."""
+    """One request's matcher: the state after the tokens it has committed. `extra`: a packed mask of
+    tokens allowed on top of the grammar's (None: all); `stop_token_ids`: the request's own stop
+    tokens, allowed wherever the document is complete (as the EOS)."""
 
     def __init__(self, matcher, vocab_size: int, extra: torch.Tensor | None = None,
                  stop_token_ids: Sequence[int] = ()) -> None:
@@ -103,7 +115,8 @@ class RequestGrammar:
         self._stops = _packed(_token_set(self._stop_ids, vocab_size)) if self._stop_ids else None
 
     def next_mask(self) -> torch.Tensor:
-        """The allowed next tokens as a packed bitmask: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32."""
+        """The allowed next tokens as a packed bitmask: int32 [ceil(vocab / 32)], bit t % 32 of word
+        t // 32."""
         import xgrammar as xgr
 
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
@@ -112,8 +125,8 @@ class RequestGrammar:
         return mask | self._stops if self._stops is not None and self.complete else mask
 
     def accept(self, token: int) -> bool:
-        """Advance past a committed token; False when the grammar does not allow it (one of the request's own
-        stop tokens is allowed after a complete document: the request ends on it)."""
+        """Advance past a committed token; False when the grammar does not allow it (one of the
+        request's own stop tokens is allowed after a complete document: the request ends on it)."""
         if token in self._stop_ids and self.complete:
             return True
         return bool(self._matcher.accept_token(token))
@@ -135,15 +148,16 @@ def choice_grammar(choices: Sequence[str]) -> str:
 
 
 def _token_set(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """bool [ceil(vocab / 32) * 32]: True at `ids` (those outside the vocabulary are left to the scheduler's
-    check of the request, which rejects them by name)."""
+    """bool [ceil(vocab / 32) * 32]: True at `ids` (those outside the vocabulary are left to the
+    scheduler's check of the request, which rejects them by name)."""
     allowed = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
     allowed[[i for i in ids if 0 <= i < vocab_size]] = True
     return allowed
 
 
 def _packed(allowed: torch.Tensor) -> torch.Tensor:
-    """A bool [n * 32] tensor as a packed bitmask (xgrammar's layout): int32 [n], bit t % 32 of word t // 32."""
+    """A bool [n * 32] tensor as a packed bitmask (xgrammar's layout): int32 [n], bit t % 32 of word
+    t // 32."""
     weights = 1 << torch.arange(32, dtype=torch.int64)
     words = (allowed.view(-1, 32).to(torch.int64) * weights).sum(1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

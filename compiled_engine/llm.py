@@ -12,7 +12,12 @@ from compiled_engine.models.names import resolve_model
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
 from compiled_engine.startup import build_engine
-from compiled_engine.tokenization import IncrementalDetokenizer, Prompt, encode_prompt, load_tokenizer
+from compiled_engine.tokenization import (
+    IncrementalDetokenizer,
+    Prompt,
+    encode_prompt,
+    load_tokenizer,
+)
 
 
 @dataclass
@@ -46,8 +51,9 @@ class RequestOutput:
 
 class LLM:
     """`LLM("demo").generate(["Hello"], SamplingParams(max_tokens=8))`; keyword arguments are
-    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, tp_size, ...).
-    With `tp_size > 1` the engine runs in that many rank processes (stopped by `engine.shutdown()` or at exit)."""
+    `EngineConfig` fields (enforce_eager, overlap, page_size, num_pages, prefix_cache, tp_size,
+    ...). With `tp_size > 1` the engine runs in that many rank processes (stopped by
+    `engine.shutdown()` or at exit)."""
 
     def __init__(self, model: str = "demo", **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
@@ -61,11 +67,17 @@ class LLM:
             self.engine = build_engine(self.config)
         self._next_id = 0
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         results: list[RequestOutput] = []
@@ -78,7 +90,9 @@ class LLM:
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
                     self.engine.add_request(rid, ids, sample)
-                    streams[rid] = OutputStream(rid, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop)))
+                    streams[rid] = OutputStream(
+                        rid, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop))
+                    )
         except Exception:
             for rid in streams:  # a bad prompt rejects the whole call, and leaves nothing queued
                 self.engine.abort(rid)
@@ -99,9 +113,15 @@ class LLM:
         for result, p in zip(results, params_list):
             for i in range(p.n):
                 stream = next(ordered)
-                result.outputs.append(CompletionOutput(
-                    i, stream.text, stream.token_ids, stream.finish_reason,
-                    stream.logprobs if p.logprobs is not None else None, stream.top_logprobs if p.logprobs else None,
-                    stream.error,
-                ))
+                result.outputs.append(
+                    CompletionOutput(
+                        i,
+                        stream.text,
+                        stream.token_ids,
+                        stream.finish_reason,
+                        stream.logprobs if p.logprobs is not None else None,
+                        stream.top_logprobs if p.logprobs else None,
+                        stream.error,
+                    )
+                )
         return results

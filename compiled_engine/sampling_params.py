@@ -14,28 +14,39 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """A constraint on the generated text, enforced token by token (`compiled_engine.constraints`):
-        json     `spec` a JSON schema (text); "" for any JSON object (`response_format: json_object`)
+        json     `spec` a JSON schema (text); "" for any JSON object
+                 (`response_format: json_object`)
         regex    `spec` a regular expression the whole output matches
         choice   `spec` the allowed outputs (a tuple of strings): exactly one of them
-        grammar  `spec` an EBNF grammar (GBNF, as llama.cpp and xgrammar write it; `root` is the start)
-    `strict` (json only): True, only the properties and array items the schema names (xgrammar's strict mode,
-    as vLLM and SGLang compile every schema); False, any document the schema validates (extra properties
-    where the schema does not forbid them). The request ends when the constraint is complete (or at
-    max_tokens, with "length")."""
+        grammar  `spec` an EBNF grammar (GBNF, as llama.cpp and xgrammar write it; `root` is the
+                 start)
+    `strict` (json only): True, only the properties and array items the schema names (xgrammar's
+    strict mode, as vLLM and SGLang compile every schema); False, any document the schema validates
+    (extra properties where the schema does not forbid them). The request ends when the constraint
+    is complete (or at max_tokens, with "length")."""
 
     kind: str
     spec: str | tuple[str, ...]
     strict: bool = True
 
     def validate(self) -> None:
-        _check(self.kind in STRUCTURED_KINDS, f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}",
-               self.kind)
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}",
+            self.kind,
+        )
         if self.kind == "choice":
-            ok = isinstance(self.spec, tuple) and bool(self.spec) and all(isinstance(c, str) and c for c in self.spec)
+            ok = (
+                isinstance(self.spec, tuple)
+                and bool(self.spec)
+                and all(isinstance(c, str) and c for c in self.spec)
+            )
             _check(ok, "choice must be a non-empty list of non-empty strings", self.spec)
         else:
             _check(isinstance(self.spec, str), f"a {self.kind} constraint is a string", self.spec)
-        _check(isinstance(self.strict, bool), "structured output strict must be a boolean", self.strict)
+        _check(
+            isinstance(self.strict, bool), "structured output strict must be a boolean", self.strict
+        )
 
 
 @dataclass(slots=True)
@@ -56,45 +67,73 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     n: int = 1
-    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
-    # JAX functions f(token_ids, logits) -> logits, or their names "module:function" (at tp_size > 1), applied in
-    # order after logit_bias and the penalties, before the structured-output mask (`compiled_engine.jax.bridge`);
-    # offline API only
+    # constrained decoding (JSON schema, regex, choice, grammar)
+    structured: StructuredOutput | None = None
+    # JAX functions f(token_ids, logits) -> logits, or their names "module:function" (at tp_size >
+    # 1), applied in order after logit_bias and the penalties, before the structured-output mask
+    # (`compiled_engine.jax.bridge`); offline API only
     logits_processors: tuple[Callable | str, ...] = ()
 
     def ledger_params(self) -> LedgerParams:
-        return LedgerParams(self.max_tokens, self.min_tokens, tuple(self.stop_token_ids), self.ignore_eos,
-                            self.structured is not None)
+        return LedgerParams(
+            self.max_tokens,
+            self.min_tokens,
+            tuple(self.stop_token_ids),
+            self.ignore_eos,
+            self.structured is not None,
+        )
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field of those the engine samples by; the ledger checks its
-        own (`ledger_params`: lengths and stop ids) when it admits the request (`check_request`)."""
+        """Raise ValueError naming the first bad field of those the engine samples by; the ledger
+        checks its own (`ledger_params`: lengths and stop ids) when it admits the request
+        (`check_request`)."""
         _check(self.temperature >= 0, "temperature must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k must be -1 (off), 0 (off) or > 0", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", self.frequency_penalty)
-        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty)
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _check(
+            self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty
+        )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
         _check(self.n >= 1, "n must be >= 1", self.n)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
         if self.logit_bias is not None:
-            _check(all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0", self.logit_bias)
+            _check(
+                all(t >= 0 for t in self.logit_bias),
+                "logit_bias token ids must be >= 0",
+                self.logit_bias,
+            )
         if self.structured is not None:
             self.structured.validate()
-        _check(isinstance(self.logits_processors, tuple | list)
-               and all(callable(f) or (isinstance(f, str) and ":" in f) for f in self.logits_processors),
-               "logits_processors must be a list of functions f(token_ids, logits) -> logits or 'module:function' "
-               "names", self.logits_processors)
+        _check(
+            isinstance(self.logits_processors, tuple | list)
+            and all(
+                callable(f) or (isinstance(f, str) and ":" in f) for f in self.logits_processors
+            ),
+            "logits_processors must be a list of functions f(token_ids, logits) -> logits or "
+            "'module:function' names",
+            self.logits_processors,
+        )
 
 
 def expand_n(params: SamplingParams) -> list[SamplingParams]:
-    """A request's `n` samples as `n` single-sample requests (ValueError for a bad `n` or `seed`; the engine
-    validates the rest when it admits each); sample i of a seeded request uses seed + i (mod 2**63, the
-    range of torch's generators)."""
+    """A request's `n` samples as `n` single-sample requests (ValueError for a bad `n` or `seed`;
+    the engine validates the rest when it admits each); sample i of a seeded request uses seed + i
+    (mod 2**63, the range of torch's generators)."""
     _check(isinstance(params.n, int) and params.n >= 1, "n must be >= 1", params.n)
-    _check(params.seed is None or 0 <= params.seed < 2**63, "seed must be in [0, 2**63)", params.seed)
+    _check(
+        params.seed is None or 0 <= params.seed < 2**63, "seed must be in [0, 2**63)", params.seed
+    )
     seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
     return [replace(params, n=1, seed=seed) for seed in seeds]
 

@@ -1,4 +1,5 @@
-"""Building an engine from an `EngineConfig`: load the model, size the KV pool, compile the graphs."""
+"""Building an engine from an `EngineConfig`: load the model, size the KV pool, compile the
+graphs."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.buckets import default_buckets
-from compiled_engine.runner.compile_cache import CacheEntry, cache_key, compile_with_cache, default_root
+from compiled_engine.runner.compile_cache import (
+    CacheEntry,
+    cache_key,
+    compile_with_cache,
+    default_root,
+)
 from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.warmup import warm_up
@@ -44,7 +50,10 @@ def resolve_device(name: str) -> torch.device:
 def eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
     """Every EOS id: generation_config.json's (int or list) and the model config's."""
     ids: set[int] = set()
-    for value in (_generation_config(model_dir).get("eos_token_id"), getattr(hf_config, "eos_token_id", None)):
+    for value in (
+        _generation_config(model_dir).get("eos_token_id"),
+        getattr(hf_config, "eos_token_id", None),
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):
@@ -61,12 +70,15 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
 
 
-def size_kv_pool(config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device) -> int:
-    """Pages for the KV pool: `num_pages` if given, else a fraction of memory, capped at what `max_running`
-    full-length requests could use. The pool size shapes the compiled graphs (and so the compile-cache key),
-    so it must not move between starts: on the CPU it is a fraction of total memory (of available memory only
-    when that is less), rounded down to a power of two; sized from available memory, it flipped between two
-    powers of two from one start to the next where the fraction sat near one, and every flip recompiled."""
+def size_kv_pool(
+    config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device
+) -> int:
+    """Pages for the KV pool: `num_pages` if given, else a fraction of memory, capped at what
+    `max_running` full-length requests could use. The pool size shapes the compiled graphs (and so
+    the compile-cache key), so it must not move between starts: on the CPU it is a fraction of total
+    memory (of available memory only when that is less), rounded down to a power of two; sized from
+    available memory, it flipped between two powers of two from one start to the next where the
+    fraction sat near one, and every flip recompiled."""
     if config.num_pages is not None:
         return config.num_pages
     if device.type == "cuda":
@@ -91,15 +103,20 @@ def _host_memory() -> tuple[int, int]:
             info.get("MemAvailable", page * os.sysconf("SC_AVPHYS_PAGES")))
 
 
-def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | None = None) -> Engine:
+def build_engine(
+    config: EngineConfig, progress: Callable[[str, int], None] | None = None
+) -> Engine:
     device = resolve_device(config.device)
-    kernels.init(device)  # the ISA caps; on the CPU the native kernels (built once; a no-op where loaded)
+    # the ISA caps; on the CPU the native kernels (built once; a no-op where loaded)
+    kernels.init(device)
     if device.type == "cuda":
-        # Make it current, so that every allocation, stream, event and Triton launch without an explicit
-        # device lands there (a TP rank sets its own; at tp=1 `cuda:1` would otherwise run half on cuda:0).
+        # Make it current, so that every allocation, stream, event and Triton launch without an
+        # explicit device lands there (a TP rank sets its own; at tp=1 `cuda:1` would otherwise run
+        # half on cuda:0).
         torch.cuda.set_device(device)
     if device.type == "cpu":
-        keep_freed_memory()  # a prefill step's large activations reuse pages instead of faulting fresh ones
+        # a prefill step's large activations reuse pages instead of faulting fresh ones
+        keep_freed_memory()
     if config.deterministic is None:
         on, why = deterministic_default(device)
         if ps.get_tp_rank() == 0:
@@ -107,7 +124,9 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         config = dataclasses.replace(config, deterministic=on)
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
-    model, hf_config = load_model(model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format)
+    model, hf_config = load_model(
+        model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format
+    )
     max_context = config.max_context or hf_config.max_position_embeddings
     eos = eos_token_ids(model_dir, hf_config)
     num_pages = size_kv_pool(config, model, max_context, device)
@@ -117,18 +136,41 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         max_bucket = config.max_bucket if config.max_bucket is not None else (
             config.max_running if device.type == "cuda" else 1)
         buckets = default_buckets(min(max_bucket, config.max_running))
-    scheduler = Scheduler(SchedulerConfig(
-        num_pages=num_pages, page_size=config.page_size, max_running=config.max_running, max_context=max_context,
-        chunk_budget=config.chunk_budget, mixed=config.mixed, prefix_cache=config.prefix_cache, eos_token_ids=eos,
-        vocab_size=hf_config.vocab_size,
-    ))
-    runner = ModelRunner(model, RunnerConfig(
-        max_rows=config.max_running, max_context=max_context, page_size=config.page_size, num_pages=num_pages,
-        buckets=buckets, enforce_eager=config.enforce_eager, seed=config.seed, deterministic=config.deterministic,
-        compile_mode=config.compile_mode,
-    ), device)
-    log.info("loaded %s in %.1fs: %d KV pages of %d tokens", model_dir, time.perf_counter() - t0, num_pages,
-             config.page_size)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_pages=num_pages,
+            page_size=config.page_size,
+            max_running=config.max_running,
+            max_context=max_context,
+            chunk_budget=config.chunk_budget,
+            mixed=config.mixed,
+            prefix_cache=config.prefix_cache,
+            eos_token_ids=eos,
+            vocab_size=hf_config.vocab_size,
+        )
+    )
+    runner = ModelRunner(
+        model,
+        RunnerConfig(
+            max_rows=config.max_running,
+            max_context=max_context,
+            page_size=config.page_size,
+            num_pages=num_pages,
+            buckets=buckets,
+            enforce_eager=config.enforce_eager,
+            seed=config.seed,
+            deterministic=config.deterministic,
+            compile_mode=config.compile_mode,
+        ),
+        device,
+    )
+    log.info(
+        "loaded %s in %.1fs: %d KV pages of %d tokens",
+        model_dir,
+        time.perf_counter() - t0,
+        num_pages,
+        config.page_size,
+    )
     report = None
     if not config.enforce_eager:
         key = cache_key(config, hf_config, model.dtype, device, runner.config)
@@ -144,9 +186,9 @@ def build_engine(config: EngineConfig, progress: Callable[[str, int], None] | No
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report)
-    # What exists now lives as long as the engine: take it out of the cyclic GC, whose full collections
-    # otherwise re-scan every object of torch, transformers and the graphs: long pauses in the middle of
-    # serving (docs/benchmarks.md). `Engine.shutdown` gives them back.
+    # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
+    # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
+    # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.
     gc.collect()
     gc.freeze()
     return engine

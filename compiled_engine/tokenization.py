@@ -16,16 +16,17 @@ Prompt = str | list[int] | list[dict]
 
 
 def load_tokenizer(model_path: str):
-    """The tokenizer of a checkpoint directory, or of a GGUF file (with its chat template). Loading imports no
-    torch (the server's process never does) where the checkpoint has a tokenizer.json and names a class of
-    transformers' tokenizers backend; anything else goes through AutoTokenizer."""
+    """The tokenizer of a checkpoint directory, or of a GGUF file (with its chat template). Loading
+    imports no torch (the server's process never does) where the checkpoint has a tokenizer.json and
+    names a class of transformers' tokenizers backend; anything else goes through AutoTokenizer."""
     directory = gguf_tokenizer_dir(Path(model_path)) if is_gguf(model_path) else Path(model_path)
     return _tokenizer_class(directory).from_pretrained(str(directory))
 
 
 def _tokenizer_class(directory: Path) -> type:
-    """The class AutoTokenizer picks for a tokenizer.json whose tokenizer_config.json names it (with or
-    without its `Fast` suffix), found without AutoTokenizer, which imports torch; else AutoTokenizer."""
+    """The class AutoTokenizer picks for a tokenizer.json whose tokenizer_config.json names it (with
+    or without its `Fast` suffix), found without AutoTokenizer, which imports torch; else
+    AutoTokenizer."""
     import transformers
 
     try:
@@ -41,27 +42,36 @@ def _tokenizer_class(directory: Path) -> type:
 
 
 def gguf_tokenizer_dir(gguf: Path) -> Path:
-    """The tokenizer that transformers converts from a GGUF file's vocabulary (seconds for a 49k-token BPE
-    vocabulary), saved once under the cache root, keyed by what it is converted from. The conversion runs
-    in a child interpreter: it imports torch, which the caller (the server) may not."""
+    """The tokenizer that transformers converts from a GGUF file's vocabulary (seconds for a
+    49k-token BPE vocabulary), saved once under the cache root, keyed by what it is converted from.
+    The conversion runs in a child interpreter: it imports torch, which the caller (the server) may
+    not."""
 
     def convert(out: Path) -> None:
-        done = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(out)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(out)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise CheckpointError(f"{gguf}: its tokenizer could not be converted: {last}")
 
     digest = open_gguf(gguf).tokenizer_digest
-    return cached_folder(cache_root() / "gguf-tokenizers" / digest, convert, "tokenizer_config.json")
+    return cached_folder(
+        cache_root() / "gguf-tokenizers" / digest, convert, "tokenizer_config.json"
+    )
 
 
-_CONVERT = ("import sys; from transformers import AutoTokenizer; "
-            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])")
+_CONVERT = (
+    "import sys; from transformers import AutoTokenizer; "
+    "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])"
+)
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """A string, a list of token ids, or chat messages (the chat template adds BOS itself: no double BOS)."""
+    """A string, a list of token ids, or chat messages (the chat template adds BOS itself: no double
+    BOS)."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
     if prompt and all(isinstance(m, dict) for m in prompt):
@@ -76,8 +86,9 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     """The chat template's prompt ids; `tools` (OpenAI function tools) go to the template too."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -98,7 +109,8 @@ class IncrementalDetokenizer:
     _held: str = ""  # decoded but withheld: it may be the start of a stop string
 
     def __post_init__(self) -> None:
-        # Decode with a few prompt tokens as left context, so the first token gets its leading space right.
+        # Decode with a few prompt tokens as left context, so the first token gets its leading space
+        # right.
         self.ids = list(self.prompt_ids[-4:])
         self._prefix_offset = 0
         self._read_offset = len(self.ids)
@@ -108,7 +120,9 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(  # noqa: E731
+            ids, skip_special_tokens=self.skip_special_tokens
+        )
         prefix = decode(self.ids[self._prefix_offset:self._read_offset])
         full = decode(self.ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -15,7 +15,9 @@ from server.state import ServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compiled-engine serve", description="the OpenAI-compatible HTTP server")
+    parser = argparse.ArgumentParser(
+        prog="compiled-engine serve", description="the OpenAI-compatible HTTP server"
+    )
     add_serve_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -23,11 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kernels.apply_isa_caps()  # before torch first dispatches; the ranks inherit them
         check_tp_size(engine.model, engine.tp_size)
-    except (ValueError, OSError) as e:  # an unknown ISA level, a --tp that does not fit, a model not readable
+    # an unknown ISA level, a --tp that does not fit, a model not readable
+    except (ValueError, OSError) as e:
         print(f"compiled-engine serve: error: {e}", file=sys.stderr)
         return 2
-    config = ServerConfig(engine=engine, api_key=args.api_key, max_queue=args.max_queue, debug=args.debug,
-                          tool_call_parser=args.tool_call_parser)
+    config = ServerConfig(
+        engine=engine,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        debug=args.debug,
+        tool_call_parser=args.tool_call_parser,
+    )
     return serve(config, args.host, args.port)
 
 

@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI-compatible and native endpoints over one engine (launched in the lifespan)."""
+"""The Starlette app: OpenAI-compatible and native endpoints over one engine (launched in the
+lifespan)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
     except BaseException:
         handle.shutdown()
         raise
-    return tokenizer, Limits(handle.ready.max_context, handle.ready.vocab_size or len(tokenizer)), handle
+    return (
+        tokenizer,
+        Limits(handle.ready.max_context, handle.ready.vocab_size or len(tokenizer)),
+        handle,
+    )
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -49,7 +54,9 @@ def create_app(config: ServerConfig) -> Starlette:
         tokenizer, limits, handle = await asyncio.to_thread(_start_engine, config)
         client = EngineClient(handle, config.max_queue)
         client.start()
-        app.state.server = ServerState(config, client, tokenizer, limits, Metrics(), config.engine.model)
+        app.state.server = ServerState(
+            config, client, tokenizer, limits, Metrics(), config.engine.model
+        )
         try:
             yield
         finally:
@@ -96,8 +103,12 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                err = ProtocolError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
-                                    kind="authentication_error", code="invalid_api_key")
+                err = ProtocolError(
+                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    status=401,
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                )
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

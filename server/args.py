@@ -12,8 +12,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+    )
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
-                   help="the format of the model's tool calls (default: read from its chat template)")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="the format of the model's tool calls (default: read from its chat template)",
+    )

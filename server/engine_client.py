@@ -1,8 +1,9 @@
 """The asyncio side of the channel to engine rank 0.
 
-A reader thread receives event lists and hands each event to its request's asyncio queue on the event
-loop. Requests are opened in groups (the `n` choices of one HTTP request); a group's exit always removes
-its queues and aborts whatever is still running in the engine (client gone, error, cancellation).
+A reader thread receives event lists and hands each event to its request's asyncio queue on the
+event loop. Requests are opened in groups (the `n` choices of one HTTP request); a group's exit
+always removes its queues and aborts whatever is still running in the engine (client gone, error,
+cancellation).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class EngineDead(RuntimeError):
 
 
 class EngineRejected(ValueError):
-    """The engine refused one request (e.g. it can never fit the KV pool). `field`: "structured" when its
-    constraint did not compile (`RequestError.field`)."""
+    """The engine refused one request (e.g. it can never fit the KV pool). `field`: "structured"
+    when its constraint did not compile (`RequestError.field`)."""
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
@@ -46,7 +47,8 @@ class Overloaded(RuntimeError):
 
 
 class Submission(Protocol):
-    """What the engine is sent of one sub-request (the server's record of it, `generation.Choice`)."""
+    """What the engine is sent of one sub-request (the server's record of it,
+    `generation.Choice`)."""
 
     rid: str
     prompt_ids: list[int]
@@ -54,7 +56,8 @@ class Submission(Protocol):
 
 
 class RequestGroup:
-    """The live sub-requests of one HTTP request; iterate `events()` until every one has finished."""
+    """The live sub-requests of one HTTP request; iterate `events()` until every one has
+    finished."""
 
     def __init__(self, client: EngineClient, rids: list[str]) -> None:
         self._client = client
@@ -62,7 +65,8 @@ class RequestGroup:
         self.pending = list(rids)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        """Events of the pending sub-requests (late events of ones the server finished are dropped)."""
+        """Events of the pending sub-requests (late events of ones the server finished are
+        dropped)."""
         while self.pending:
             item = await self.queue.get()
             if isinstance(item, BaseException):
@@ -74,7 +78,8 @@ class RequestGroup:
             yield item
 
     def finish(self, rid: str) -> None:
-        """A stop string matched in the server: end the request in the engine (no event comes back)."""
+        """A stop string matched in the server: end the request in the engine (no event comes
+        back)."""
         if rid in self.pending:
             self.pending.remove(rid)
             self._client.send(Finish(rid, "stop"))
@@ -115,14 +120,15 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def open(self, subs: Sequence[Submission]) -> AsyncIterator[RequestGroup]:
-        """Send the sub-requests of one HTTP request; the group's exit (the one way out: finished, client
-        gone, error, cancellation) removes their routing entries and aborts whatever still runs."""
+        """Send the sub-requests of one HTTP request; the group's exit (the one way out: finished,
+        client gone, error, cancellation) removes their routing entries and aborts whatever still
+        runs."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         if self.num_in_flight + len(subs) > self.max_in_flight:
             raise Overloaded(
-                f"the server is overloaded: {self.num_in_flight} sequences in flight, this request adds "
-                f"{len(subs)} and the limit (--max-queue) is {self.max_in_flight}; retry later"
+                f"the server is overloaded: {self.num_in_flight} sequences in flight, this request "
+                f"adds {len(subs)} and the limit (--max-queue) is {self.max_in_flight}; retry later"
             )
         group = RequestGroup(self, [s.rid for s in subs])
         for s in subs:
@@ -148,7 +154,8 @@ class EngineClient:
             raise EngineDead(self.dead_reason) from None
 
     async def stats(self, timeout_s: float, check_integrity: bool = False) -> StatsReply:
-        """A round trip to rank 0 (also the health ping); `check_integrity` adds the ledger's full check."""
+        """A round trip to rank 0 (also the health ping); `check_integrity` adds the ledger's full
+        check."""
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = fut

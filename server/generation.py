@@ -1,5 +1,6 @@
-"""One HTTP request's generation: its sub-requests (prompts x n) in the engine, detokenized incrementally
-into per-choice deltas (stop strings cut here, then the engine is told to finish the request)."""
+"""One HTTP request's generation: its sub-requests (prompts x n) in the engine, detokenized
+incrementally into per-choice deltas (stop strings cut here, then the engine is told to finish the
+request)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class Delta:
 
 @dataclass
 class Choice(OutputStream):
-    """The server's one record of a sub-request: what the engine is sent (rid, prompt, parameters) and
-    what came back (`OutputStream`), plus the client's view (index, timing)."""
+    """The server's one record of a sub-request: what the engine is sent (rid, prompt, parameters)
+    and what came back (`OutputStream`), plus the client's view (index, timing)."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
     index: int = 0
@@ -41,13 +42,20 @@ class Choice(OutputStream):
 
     def delta(self, text: str) -> Delta:
         lo, self._sent_tokens = self._sent_tokens, len(self.token_ids)
-        return Delta(self.index, text, self.token_ids[lo:], self.logprobs[lo:], self.top_logprobs[lo:],
-                     self.finish_reason)
+        return Delta(
+            self.index,
+            text,
+            self.token_ids[lo:],
+            self.logprobs[lo:],
+            self.top_logprobs[lo:],
+            self.finish_reason,
+        )
 
 
 @dataclass
 class Generation:
-    """The choices of one request; `choices[i].index == i`. Prompt j's k-th sample is choice j * n + k."""
+    """The choices of one request; `choices[i].index == i`. Prompt j's k-th sample is choice j * n +
+    k."""
 
     request_id: str
     choices: list[Choice]
@@ -63,22 +71,34 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def expand_choices(request_id: str, tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                   constraint_param: str | None = None) -> Generation:
-    """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names the field of their
-    constraint, for the 400 of one that does not compile in the engine."""
+def expand_choices(
+    request_id: str,
+    tokenizer,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    constraint_param: str | None = None,
+) -> Generation:
+    """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names
+    the field of their constraint, for the 400 of one that does not compile in the engine."""
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
             detok = IncrementalDetokenizer(tokenizer, ids, p.stop)
-            choices.append(Choice(f"{request_id}-{j * p.n + i}", detok, params=sample, index=len(choices),
-                                  prompt_ids=ids))
+            choices.append(
+                Choice(
+                    f"{request_id}-{j * p.n + i}",
+                    detok,
+                    params=sample,
+                    index=len(choices),
+                    prompt_ids=ids,
+                )
+            )
     return Generation(request_id, choices, [len(ids) for ids in prompts], constraint_param)
 
 
 async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncIterator[Delta]:
-    """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest. A constraint
-    the engine could not compile is a ProtocolError naming its field."""
+    """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest. A
+    constraint the engine could not compile is a ProtocolError naming its field."""
     by_rid = {c.rid: c for c in gen.choices}
     async with client.open(gen.choices) as group:
         try:
@@ -92,7 +112,9 @@ async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncI
                 if text or choice.finish_reason is not None:
                     yield choice.delta(text)
                 if choice.finish_reason is not None:
-                    metrics.observe_finished(choice.start, choice.first_token_at, len(choice.token_ids))
+                    metrics.observe_finished(
+                        choice.start, choice.first_token_at, len(choice.token_ids)
+                    )
         except EngineRejected as e:
             if e.field != "structured":
                 raise

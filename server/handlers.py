@@ -1,4 +1,5 @@
-"""Shared request plumbing: body reading, error mapping, and running a generation plain or as SSE."""
+"""Shared request plumbing: body reading, error mapping, and running a generation plain or as
+SSE."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ async def read_json(request: Request) -> object:
 def endpoint(name: str) -> Callable:
     """Map failures to OpenAI-shaped errors and count requests by status."""
 
-    def wrap(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def wrap(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
         @functools.wraps(handler)
         async def wrapped(request: Request) -> Response:
             try:
@@ -70,13 +73,18 @@ def endpoint(name: str) -> Callable:
                 response = error_response(ProtocolError(str(e), status=429, kind="rate_limit_error",
                                                         code="overloaded"))
             except EngineDead as e:
-                response = error_response(ProtocolError(f"the engine is unavailable: {e}", status=503,
-                                                        kind="server_error"))
+                response = error_response(
+                    ProtocolError(
+                        f"the engine is unavailable: {e}", status=503, kind="server_error"
+                    )
+                )
             except (ClientGone, ClientDisconnect):
                 response = Response(status_code=499)
             except Exception:
                 log.exception("%s failed", name)
-                response = error_response(ProtocolError("internal server error", status=500, kind="server_error"))
+                response = error_response(
+                    ProtocolError("internal server error", status=500, kind="server_error")
+                )
             state_of(request).metrics.requests.labels(name, str(response.status_code)).inc()
             return response
 
@@ -100,9 +108,15 @@ def check_model(st: ServerState, model: str | None) -> None:
 def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts: list[list[int]],
                 default_max_tokens: int | None) -> Generation:
     check_model(st, req.model)
-    params = [dataclasses.replace(req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits,
-                                                                            default_max_tokens)) for ids in prompts]
-    gen = expand_choices(f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param)
+    params = [
+        dataclasses.replace(
+            req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits, default_max_tokens)
+        )
+        for ids in prompts
+    ]
+    gen = expand_choices(
+        f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param
+    )
     st.metrics.prompt_tokens.inc(gen.prompt_tokens)
     return gen
 
@@ -116,10 +130,16 @@ async def collect(request: Request, st: ServerState, gen: Generation) -> None:
     await unless_disconnected(request, drain)
 
 
-async def stream(st: ServerState, gen: Generation, head: list[str], chunk: Callable[[Delta], dict | None],
-                  tail: Callable[[], list[str]] | None = None) -> EventStream:
-    """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the response
-    starts, so a request the engine refuses (or overload) still gets a proper status code."""
+async def stream(
+    st: ServerState,
+    gen: Generation,
+    head: list[str],
+    chunk: Callable[[Delta], dict | None],
+    tail: Callable[[], list[str]] | None = None,
+) -> EventStream:
+    """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the
+    response starts, so a request the engine refuses (or overload) still gets a proper status
+    code."""
     deltas = run(st.client, gen, st.metrics)
     try:
         first = await anext(deltas)
@@ -153,7 +173,9 @@ def model_name(st: ServerState, req: GenerationRequest) -> str:
     return req.model or st.model_name
 
 
-def usage_tail(req: GenerationRequest, gen: Generation, base: dict) -> Callable[[], list[str]] | None:
+def usage_tail(
+    req: GenerationRequest, gen: Generation, base: dict
+) -> Callable[[], list[str]] | None:
     if not req.include_usage:
         return None
     return lambda: [sse(base | {"choices": [], "usage": usage(gen)})]

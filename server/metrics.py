@@ -1,4 +1,5 @@
-"""Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one process)."""
+"""Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one
+process)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,66 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         p = "compiled_engine_"
-        self.requests = Counter(p + "requests", "HTTP generation requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.requests = Counter(
+            p + "requests",
+            "HTTP generation requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter(p + "generation_tokens", "generated tokens", registry=r)
-        self.in_flight = Gauge(p + "server_in_flight_sequences", "sequences the server is waiting on", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "requests queued in the scheduler", registry=r)
-        self.running = Gauge(p + "num_requests_running", "requests running in the scheduler", registry=r)
+        self.in_flight = Gauge(
+            p + "server_in_flight_sequences", "sequences the server is waiting on", registry=r
+        )
+        self.waiting = Gauge(
+            p + "num_requests_waiting", "requests queued in the scheduler", registry=r
+        )
+        self.running = Gauge(
+            p + "num_requests_running", "requests running in the scheduler", registry=r
+        )
         self.kv_usage = Gauge(p + "kv_cache_usage", "fraction of KV pages in use", registry=r)
-        self.cache_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix tokens reused / prompt tokens", registry=r)
+        self.cache_hit_rate = Gauge(
+            p + "prefix_cache_hit_rate", "prefix tokens reused / prompt tokens", registry=r
+        )
         self.retractions = Gauge(p + "num_retractions", "requests retracted so far", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "time per output token after the first",
-                              registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "end-to-end sequence latency", registry=r,
-                             buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds",
+            "time per output token after the first",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "end-to-end sequence latency",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
 
     def observe_finished(self, start: float, first_token_at: float | None, num_tokens: int) -> None:
         now = time.monotonic()

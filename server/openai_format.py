@@ -63,7 +63,9 @@ class CompletionLogprobs:
         s = self.token_text(tok)
         out["tokens"].append(s)
         out["token_logprobs"].append(_lp(lp))
-        out["top_logprobs"].append(None if top is None else {self.token_text(t): _lp(v) for t, v in top})
+        out["top_logprobs"].append(
+            None if top is None else {self.token_text(t): _lp(v) for t, v in top}
+        )
         out["text_offset"].append(self.offset)
         self.offset += len(s)
 

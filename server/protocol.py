@@ -1,5 +1,5 @@
-"""Validation of the OpenAI-style request bodies into plain data. Every problem raises `ProtocolError`
-naming the field (the app turns it into a 400 in the OpenAI error shape)."""
+"""Validation of the OpenAI-style request bodies into plain data. Every problem raises
+`ProtocolError` naming the field (the app turns it into a 400 in the OpenAI error shape)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,40 @@ MAX_PROMPTS = 64
 MAX_STOPS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-# The fields each body may carry. Any other field that is present (not null) is answered with a 400 naming
-# it: a field the server does not implement is never silently ignored. `user` is OpenAI's end-user id for
-# abuse monitoring, which asks for no behaviour.
+# The fields each body may carry. Any other field that is present (not null) is answered with a 400
+# naming it: a field the server does not implement is never silently ignored. `user` is OpenAI's
+# end-user id for abuse monitoring, which asks for no behaviour.
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n"})
-_COMMON_FIELDS = SAMPLING_FIELDS | {"model", "max_tokens", "stream", "stream_options", "user", "response_format",
-                                    "structured_outputs"}
+_COMMON_FIELDS = SAMPLING_FIELDS | {
+    "model",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "user",
+    "response_format",
+    "structured_outputs",
+}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "logprobs", "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                                 "parallel_tool_calls"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
-NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {"max_new_tokens", "max_tokens", "logprobs", "json_schema", "regex", "ebnf"}
+NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {
+    "max_new_tokens",
+    "max_tokens",
+    "logprobs",
+    "json_schema",
+    "regex",
+    "ebnf",
+}
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
 MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
@@ -72,15 +93,17 @@ class ChatRequest(GenerationRequest):
 
 # ---- field readers -------------------------------------------------------------------------------
 def check_text(value: object, where: str = "") -> None:
-    """400 naming the first string (or object key) in a parsed JSON body that is not valid Unicode text: a
-    lone UTF-16 surrogate (JSON "\\ud800") decodes to a str that has no UTF-8 form, so no tokenizer,
-    detokenizer or stop-string match could handle it."""
+    """400 naming the first string (or object key) in a parsed JSON body that is not valid Unicode
+    text: a lone UTF-16 surrogate (JSON "\\ud800") decodes to a str that has no UTF-8 form, so no
+    tokenizer, detokenizer or stop-string match could handle it."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ProtocolError(f"'{where or 'body'}' is not valid text: it holds a lone UTF-16 surrogate",
-                                where or None) from None
+            raise ProtocolError(
+                f"'{where or 'body'}' is not valid text: it holds a lone UTF-16 surrogate",
+                where or None,
+            ) from None
     elif isinstance(value, list):
         for i, item in enumerate(value):
             if not isinstance(item, (int, float)):
@@ -92,11 +115,20 @@ def check_text(value: object, where: str = "") -> None:
 
 
 def _type_name(value: object) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
-def get_int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+def get_int(
+    body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:  # absent or null: the default
         return default
@@ -106,8 +138,14 @@ def get_int(body: dict, name: str, default: int | None, lo: int | None = None, h
     return value
 
 
-def get_float(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False) -> float:
+def get_float(
+    body: dict,
+    name: str,
+    default: float,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+) -> float:
     value = body.get(name)
     if value is None:  # absent or null: the default
         return default
@@ -142,16 +180,25 @@ def _get_typed(body: dict, name: str, default, kind: type, what: str):
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         shown = value if abs(value) < 1e18 else f"{str(value)[:12]}..."
-        bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if hi is None else f"<= {hi}")
+        bounds = (
+            f"in [{lo}, {hi}]"
+            if lo is not None and hi is not None
+            else (f">= {lo}" if hi is None else f"<= {hi}")
+        )
         raise ProtocolError(f"'{name}' must be {bounds}, got {shown}", name)
 
 
 def token_ids(value: object, name: str, vocab_size: int) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
         raise ProtocolError(f"'{name}' must be a list of integer token ids", name)
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
-        raise ProtocolError(f"'{name}' has token id {str(bad[0])[:24]} outside the vocabulary [0, {vocab_size})", name)
+        raise ProtocolError(
+            f"'{name}' has token id {str(bad[0])[:24]} outside the vocabulary [0, {vocab_size})",
+            name,
+        )
     return value
 
 
@@ -189,16 +236,22 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ProtocolError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+        raise ProtocolError(
+            "'logit_bias' must be an object mapping token ids to biases", "logit_bias"
+        )
     out: dict[int, float] = {}
     for key, bias in value.items():
         try:
             tok = int(key)
         except ValueError:
-            raise ProtocolError(f"'logit_bias' key {key[:24]!r} is not a token id", "logit_bias") from None
+            raise ProtocolError(
+                f"'logit_bias' key {key[:24]!r} is not a token id", "logit_bias"
+            ) from None
         if not 0 <= tok < vocab_size:
-            raise ProtocolError(f"'logit_bias' token id {key[:24]} is outside the vocabulary [0, {vocab_size})",
-                                "logit_bias")
+            raise ProtocolError(
+                f"'logit_bias' token id {key[:24]} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
         out[tok] = get_float({"logit_bias": bias}, "logit_bias", 0.0, -100.0, 100.0)
     return out or None
 
@@ -217,12 +270,17 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise ProtocolError("'stop' must be a string or a list of strings", "stop")
     if len(value) > MAX_STOPS:
-        raise ProtocolError(f"'stop' has {len(value)} strings; at most {MAX_STOPS} are allowed", "stop")
+        raise ProtocolError(
+            f"'stop' has {len(value)} strings; at most {MAX_STOPS} are allowed", "stop"
+        )
     return tuple(s for s in value if s)
 
 
-def resolve_max_tokens(req: GenerationRequest, prompt_len: int, limits: Limits, default: int | None) -> int:
-    """The request's max_tokens for a prompt of `prompt_len` tokens; 400 when it cannot fit the context."""
+def resolve_max_tokens(
+    req: GenerationRequest, prompt_len: int, limits: Limits, default: int | None
+) -> int:
+    """The request's max_tokens for a prompt of `prompt_len` tokens; 400 when it cannot fit the
+    context."""
     room = limits.max_context - prompt_len
     if room < 1:
         raise ProtocolError(
@@ -232,15 +290,19 @@ def resolve_max_tokens(req: GenerationRequest, prompt_len: int, limits: Limits, 
         return room if default is None else min(default, room)
     if req.max_tokens > room:
         raise ProtocolError(
-            f"'{req.max_tokens_param}' is {req.max_tokens} but the prompt has {prompt_len} tokens and the context "
-            f"limit is {limits.max_context} (at most {room} new tokens)", req.max_tokens_param)
+            f"'{req.max_tokens_param}' is {req.max_tokens} but the prompt has {prompt_len} tokens "
+            f"and the context limit is {limits.max_context} (at most {room} new tokens)",
+            req.max_tokens_param,
+        )
     if req.params.min_tokens > req.max_tokens:
         raise ProtocolError("'min_tokens' must be <= max_tokens", "min_tokens")
     return req.max_tokens
 
 
 def _common(body: dict, limits: Limits, logprobs: int | None) -> dict:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ProtocolError("'stream_options' must be an object", "stream_options")
@@ -284,9 +346,13 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
             isinstance(t, int) and not isinstance(t, bool) for t in value)):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise ProtocolError("'prompt' must be a non-empty string, list of token ids, or list of those", "prompt")
+        raise ProtocolError(
+            "'prompt' must be a non-empty string, list of token ids, or list of those", "prompt"
+        )
     if len(value) > MAX_PROMPTS:
-        raise ProtocolError(f"'prompt' has {len(value)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+        raise ProtocolError(
+            f"'prompt' has {len(value)} prompts; at most {MAX_PROMPTS} are allowed", "prompt"
+        )
     prompts: list[Prompt] = []
     for p in value:
         if isinstance(p, str):
@@ -296,7 +362,9 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
         elif isinstance(p, list) and p:
             prompts.append(token_ids(p, "prompt", limits.vocab_size))
         else:
-            raise ProtocolError("'prompt' must be a non-empty string, list of token ids, or list of those", "prompt")
+            raise ProtocolError(
+                "'prompt' must be a non-empty string, list of token ids, or list of those", "prompt"
+            )
     return prompts
 
 
@@ -307,13 +375,20 @@ def parse_chat(body: object, limits: Limits) -> ChatRequest:
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
         raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    req = ChatRequest(**_common(body, limits, (top or 0) if want else None), messages=_messages(body),
-                      logprobs=want, tools=parse_tool_request(body))
+    req = ChatRequest(
+        **_common(body, limits, (top or 0) if want else None),
+        messages=_messages(body),
+        logprobs=want,
+        tools=parse_tool_request(body),
+    )
     forced = req.tools.constraint() if req.tools is not None else None
     if forced is not None:
         if req.params.structured is not None:
-            raise ProtocolError("'tool_choice' required or a named function cannot be combined with "
-                                f"'{req.structured_param}'", "tool_choice")
+            raise ProtocolError(
+                "'tool_choice' required or a named function cannot be combined with "
+                f"'{req.structured_param}'",
+                "tool_choice",
+            )
         req.params = dataclasses.replace(req.params, structured=forced)
         req.structured_param = "tools"
     return req
@@ -331,16 +406,22 @@ def _messages(body: dict) -> list[dict]:
         check_fields(m, MESSAGE_FIELDS, where)
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", f"{where}.role")
+            raise ProtocolError(
+                f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", f"{where}.role"
+            )
         message = {"role": role, "content": _content(m.get("content"), f"{where}.content", role)}
         if m.get("tool_calls") is not None:
             if role != "assistant":
-                raise ProtocolError(f"'{where}.tool_calls' belongs to an assistant message", f"{where}.tool_calls")
+                raise ProtocolError(
+                    f"'{where}.tool_calls' belongs to an assistant message", f"{where}.tool_calls"
+                )
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
-                raise ProtocolError(f"'{where}.tool_call_id' is required in a tool message", f"{where}.tool_call_id")
+                raise ProtocolError(
+                    f"'{where}.tool_call_id' is required in a tool message", f"{where}.tool_call_id"
+                )
             message["tool_call_id"] = call_id
         if m.get("name") is not None:
             message["name"] = get_str(m, "name", "")
@@ -356,7 +437,9 @@ def _tool_calls(value: object, where: str) -> list[dict]:
     for i, call in enumerate(value):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ProtocolError(f"'{where}[{i}]' must be a call with a function name", f"{where}[{i}]")
+            raise ProtocolError(
+                f"'{where}[{i}]' must be a call with a function name", f"{where}[{i}]"
+            )
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
@@ -377,8 +460,14 @@ def _content(value: object, where: str, role: str) -> str:
     if isinstance(value, list):
         parts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ProtocolError(f"'{where}' parts must be {{\"type\": \"text\", \"text\": ...}}", where)
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ProtocolError(
+                    f"'{where}' parts must be {{\"type\": \"text\", \"text\": ...}}", where
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise ProtocolError(f"'{where}' must be a string or an array of text parts", where)
@@ -405,8 +494,12 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     logprobs = get_int(sp, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
     structured, structured_param = native_constraint(sp)
-    req = GenerationRequest(params=sampling_params(sp, limits, logprobs, structured),
-                            max_tokens=get_int(sp, name, None, 0, 2**63), max_tokens_param=name,
-                            structured_param=structured_param, stream=get_bool(body, "stream", False),
-                            model=get_str(body, "model", None))
+    req = GenerationRequest(
+        params=sampling_params(sp, limits, logprobs, structured),
+        max_tokens=get_int(sp, name, None, 0, 2**63),
+        max_tokens_param=name,
+        structured_param=structured_param,
+        stream=get_bool(body, "stream", False),
+        model=get_str(body, "model", None),
+    )
     return prompt, req

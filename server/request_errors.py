@@ -1,5 +1,5 @@
-"""The 400s of request validation: `ProtocolError` (the app answers it in the OpenAI error shape) and the
-check that refuses fields the server does not implement."""
+"""The 400s of request validation: `ProtocolError` (the app answers it in the OpenAI error shape)
+and the check that refuses fields the server does not implement."""
 
 from __future__ import annotations
 
@@ -8,10 +8,23 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.message, self.param, self.status, self.kind, self.code = (
+            message,
+            param,
+            status,
+            kind,
+            code,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def check_fields(body: dict, allowed: frozenset[str], where: str = "") -> None:

@@ -42,7 +42,8 @@ from server.protocol import (
 from server.tools import extract_calls
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens"})
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 async def health(request: Request) -> Response:
@@ -52,14 +53,18 @@ async def health(request: Request) -> Response:
     try:
         await st.client.stats(st.config.health_timeout_s)
     except (TimeoutError, EngineDead) as e:
-        return json_response({"status": "unavailable", "reason": str(e) or "the engine did not answer in time"}, 503)
+        return json_response(
+            {"status": "unavailable", "reason": str(e) or "the engine did not answer in time"}, 503
+        )
     return json_response({"status": "ok"})
 
 
 async def metrics(request: Request) -> Response:
     st = state_of(request)
     with contextlib.suppress(TimeoutError, EngineDead):
-        st.metrics.set_engine_stats((await st.client.stats(st.config.health_timeout_s)).stats, st.client.num_in_flight)
+        st.metrics.set_engine_stats(
+            (await st.client.stats(st.config.health_timeout_s)).stats, st.client.num_in_flight
+        )
     return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -73,8 +78,13 @@ async def integrity(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     st = state_of(request)
-    card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "compiled-engine",
-            "max_model_len": st.limits.max_context}
+    card = {
+        "id": st.model_name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "compiled-engine",
+        "max_model_len": st.limits.max_context,
+    }
     if st.is_demo:
         card["description"] = DEMO_LABEL
     return json_response({"object": "list", "data": [card]})
@@ -87,8 +97,10 @@ async def completions(request: Request) -> Response:
     prompts = [tokenize_prompt(st, p) for p in req.prompts]
     gen = new_generation(st, "cmpl", req, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
     n = req.params.n
-    echo = [(p if isinstance(p, str) else st.tokenizer.decode(ids)) if req.echo else "" for p, ids in
-            zip(req.prompts, prompts, strict=True)]
+    echo = [
+        (p if isinstance(p, str) else st.tokenizer.decode(ids)) if req.echo else ""
+        for p, ids in zip(req.prompts, prompts, strict=True)
+    ]
     want_logprobs = req.params.logprobs is not None
     token_text = TokenText(st.tokenizer)
     lp = [CompletionLogprobs(token_text) for _ in gen.choices]
@@ -98,7 +110,12 @@ async def completions(request: Request) -> Response:
     def choice(d: Delta, text: str, first: bool) -> dict:
         echo_ids = gen.choices[d.index].prompt_ids if first and req.echo else None
         logprobs = lp[d.index].build(d, echo_ids) if want_logprobs else None
-        return {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        return {
+            "index": d.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": d.finish_reason,
+        }
 
     if not req.stream:
         await collect(request, st, gen)
@@ -132,60 +149,108 @@ async def chat_completions(request: Request) -> Response:
     calling = req.tools is not None and req.tools.choice != "none"
 
     def message(c) -> tuple[dict, str | None]:
-        """The choice's assistant message and finish reason, tool calls parsed out when tools are on."""
+        """The choice's assistant message and finish reason, tool calls parsed out when tools are
+        on."""
         if not calling:
             return {"role": "assistant", "content": c.detok.text}, c.finish_reason
-        content, calls = extract_calls(req.tools, st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                                       if st.tool_parser != "hermes" else c.detok.text, st.tool_parser)
+        content, calls = extract_calls(
+            req.tools,
+            st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            if st.tool_parser != "hermes"
+            else c.detok.text,
+            st.tool_parser,
+        )
         if not calls:
             return {"role": "assistant", "content": content}, c.finish_reason
-        return ({"role": "assistant", "content": content, "tool_calls": [t.as_openai() for t in calls]},
-                "tool_calls")
+        return (
+            {"role": "assistant", "content": content, "tool_calls": [t.as_openai() for t in calls]},
+            "tool_calls",
+        )
 
     if not req.stream:
         await collect(request, st, gen)
         choices = []
         for c in gen.choices:
             msg, reason = message(c)
-            choices.append({"index": c.index, "message": msg, "finish_reason": reason,
-                            "logprobs": chat_logprobs(whole(c), token_text) if req.logprobs else None})
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": msg,
+                    "finish_reason": reason,
+                    "logprobs": chat_logprobs(whole(c), token_text) if req.logprobs else None,
+                }
+            )
         return json_response(base | {"choices": choices, "usage": usage(gen)})
 
     base["object"] = "chat.completion.chunk"
-    head = [sse(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]}) for c in gen.choices]
+    head = [
+        sse(
+            base
+            | {
+                "choices": [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            }
+        )
+        for c in gen.choices
+    ]
 
     def chunk(d: Delta) -> dict | None:
         if calling:  # a call is known only once the output is whole: its choice is sent at its end
             return tool_chunk(d) if d.finish_reason is not None else None
         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        return base | {"choices": [{"index": d.index, "delta": delta,
-                                    "logprobs": chat_logprobs(d, token_text) if req.logprobs else None,
-                                    "finish_reason": d.finish_reason}]}
+        return base | {
+            "choices": [
+                {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": chat_logprobs(d, token_text) if req.logprobs else None,
+                    "finish_reason": d.finish_reason,
+                }
+            ]
+        }
 
     def tool_chunk(d: Delta) -> dict:
-        """One chunk holding the whole choice: its content, or its calls as OpenAI streams them (by index:
-        id, type and name, then the arguments), its logprobs (every token's, when asked) and the finish reason."""
+        """One chunk holding the whole choice: its content, or its calls as OpenAI streams them (by
+        index: id, type and name, then the arguments), its logprobs (every token's, when asked) and
+        the finish reason."""
         msg, reason = message(gen.choices[d.index])
         delta: dict = {"content": msg["content"]} if msg["content"] else {}
         if "tool_calls" in msg:
             delta["tool_calls"] = [{"index": i} | t for i, t in enumerate(msg["tool_calls"])]
         logprobs = chat_logprobs(whole(gen.choices[d.index]), token_text) if req.logprobs else None
-        return base | {"choices": [{"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        return base | {
+            "choices": [
+                {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            ]
+        }
 
     return await stream(st, gen, head, chunk, usage_tail(req, gen, base))
 
 
 @endpoint("generate")
 async def generate(request: Request) -> Response:
-    """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and text."""
+    """Native: {"text" | "input_ids", "sampling_params": {...}, "stream": bool} -> token ids and
+    text."""
     st = state_of(request)
     prompt, req = parse_native(await read_json(request), st.limits)
-    gen = new_generation(st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS)
+    gen = new_generation(
+        st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS
+    )
 
     def out(d: Delta) -> dict:
-        return {"index": d.index, "text": d.text, "output_ids": d.token_ids, "finish_reason": d.finish_reason,
-                "output_logprobs": d.logprobs if req.params.logprobs is not None else None}
+        return {
+            "index": d.index,
+            "text": d.text,
+            "output_ids": d.token_ids,
+            "finish_reason": d.finish_reason,
+            "output_logprobs": d.logprobs if req.params.logprobs is not None else None,
+        }
 
     if not req.stream:
         await collect(request, st, gen)
@@ -201,18 +266,29 @@ async def tokenize(request: Request) -> Response:
     check_fields(body, TOKENIZE_FIELDS)
     check_model(st, get_str(body, "model", None))
     if body.get("messages") is not None:
-        if body.get("add_special_tokens") is not None:  # the chat template places the special tokens
-            raise ProtocolError("'add_special_tokens' applies to 'prompt' / 'text', not to 'messages'",
-                                "add_special_tokens")
+        # the chat template places the special tokens
+        if body.get("add_special_tokens") is not None:
+            raise ProtocolError(
+                "'add_special_tokens' applies to 'prompt' / 'text', not to 'messages'",
+                "add_special_tokens",
+            )
         try:
-            ids = encode_chat(st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages)
+            ids = encode_chat(
+                st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages
+            )
         except ValueError as e:
             raise ProtocolError(str(e), "messages") from None
     else:
-        text = get_str(body, "prompt", None) if body.get("prompt") is not None else get_str(body, "text", None)
+        text = (
+            get_str(body, "prompt", None)
+            if body.get("prompt") is not None
+            else get_str(body, "text", None)
+        )
         if text is None:
             raise ProtocolError("one of 'prompt', 'text' or 'messages' is required", "prompt")
-        ids = st.tokenizer(text, add_special_tokens=get_bool(body, "add_special_tokens", True)).input_ids
+        ids = st.tokenizer(
+            text, add_special_tokens=get_bool(body, "add_special_tokens", True)
+        ).input_ids
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": st.limits.max_context})
 
 

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn in this process: URL printed when ready, graceful SIGINT/SIGTERM."""
+"""Running the app under uvicorn in this process: URL printed when ready, graceful
+SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
-    """uvicorn with in-flight requests aborted on the first signal (so the graceful shutdown does not wait
-    for long generations) and a plain exit 0 afterwards (uvicorn would re-raise the signal)."""
+    """uvicorn with in-flight requests aborted on the first signal (so the graceful shutdown does
+    not wait for long generations) and a plain exit 0 afterwards (uvicorn would re-raise the
+    signal)."""
 
     def __init__(self, config: uvicorn.Config, announce: bool = True) -> None:
         super().__init__(config)
@@ -31,13 +33,14 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started and self.announce:
             host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
-            print(f"compiled-engine is serving at http://{host}:{port}  (OpenAI base URL: http://{host}:{port}/v1)",
+            print(f"compiled-engine is serving at http://{host}:{port}  "
+                  f"(OpenAI base URL: http://{host}:{port}/v1)",
                   flush=True)
 
     async def on_tick(self, counter: int) -> bool:
-        """Also exit when the engine is gone (a rank died or hung): in-flight requests have failed with the
-        reason, /health answers 503 for `engine_dead_exit_s`, then the server exits so that a process
-        supervisor can restart it."""
+        """Also exit when the engine is gone (a rank died or hung): in-flight requests have failed
+        with the reason, /health answers 503 for `engine_dead_exit_s`, then the server exits so that
+        a process supervisor can restart it."""
         state = self._state()
         if state is not None and state.client.dead_reason is not None:
             now = time.monotonic()
@@ -50,7 +53,11 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _state(self) -> ServerState | None:
-        return getattr(self.config.app.state, "server", None) if hasattr(self.config.app, "state") else None
+        return (
+            getattr(self.config.app.state, "server", None)
+            if hasattr(self.config.app, "state")
+            else None
+        )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
@@ -66,10 +73,20 @@ class Server(uvicorn.Server):
             state.client.fail_all("the server is shutting down")
 
 
-def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+def serve(
+    config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> int:
     app = create_app(config)
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                                   lifespan="on"))
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+            lifespan="on",
+        )
+    )
     server.run()
     return 0 if server.started and server.engine_dead_since is None else 1
 

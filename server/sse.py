@@ -1,7 +1,9 @@
-"""Responses that end their work when the client goes away: an SSE stream, and a helper for plain requests.
+"""Responses that end their work when the client goes away: an SSE stream, and a helper for plain
+requests.
 
-Both watch ASGI `receive()` for `http.disconnect` and cancel the work; the work's generators are closed
-in `finally`, which aborts the engine requests (independent of how the server reports disconnects)."""
+Both watch ASGI `receive()` for `http.disconnect` and cancel the work; the work's generators are
+closed in `finally`, which aborts the engine requests (independent of how the server reports
+disconnects)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 class EventStream:
-    """`text/event-stream` response; each item of `chunks` is one already framed `data: ...\\n\\n` event."""
+    """`text/event-stream` response; each item of `chunks` is one already framed `data: ...\\n\\n`
+    event."""
 
     status_code = 200
 
@@ -49,7 +52,13 @@ class EventStream:
                 tg.start_soon(watch)
                 with contextlib.suppress(OSError):  # the client went away while we were writing
                     async for chunk in self.chunks:
-                        await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": chunk.encode(),
+                                "more_body": True,
+                            }
+                        )
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         finally:

@@ -21,9 +21,11 @@ class ServerConfig:
     max_queue: int = 1024  # sequences in flight (waiting + running) before 429
     max_body_bytes: int = 4 * 2**20
     debug: bool = False  # exposes GET /debug/integrity
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None: from the chat template
+    # hermes | llama3_json | mistral; None: from the chat template
+    tool_call_parser: str | None = None
     health_timeout_s: float = 10.0
-    engine_dead_exit_s: float = 10.0  # after the engine fails: /health answers 503 this long, then the server exits
+    # after the engine fails: /health answers 503 this long, then the server exits
+    engine_dead_exit_s: float = 10.0
 
 
 @dataclass
@@ -38,13 +40,16 @@ class ServerState:
 
     @property
     def model_names(self) -> tuple[str, ...]:
-        """The names a request's `model` may give: the served id and, for a path, its last component."""
+        """The names a request's `model` may give: the served id and, for a path, its last
+        component."""
         tail = Path(self.model_name.rstrip("/")).name
         return (self.model_name,) if tail in ("", self.model_name) else (self.model_name, tail)
 
     @property
     def tool_parser(self) -> str:
-        return self.config.tool_call_parser or parser_for_template(getattr(self.tokenizer, "chat_template", None))
+        return self.config.tool_call_parser or parser_for_template(
+            getattr(self.tokenizer, "chat_template", None)
+        )
 
     @property
     def is_demo(self) -> bool:

@@ -1,6 +1,7 @@
-"""The layering of docs/architecture.md: the import-linter contracts of pyproject.toml (each layer imports
-only the layers below it; the scheduler core is pure Python; kernels are reached through `kernels.ops`),
-the scheduler's standard-library-only rule, and no module importing another package's private names."""
+"""The layering of docs/architecture.md: the import-linter contracts of pyproject.toml (each layer
+imports only the layers below it; the scheduler core is pure Python; kernels are reached through
+`kernels.ops`), the scheduler's standard-library-only rule, and no module importing another
+package's private names."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ PACKAGES = ("compiled_engine", "server", "kernels")
 
 
 def test_import_linter_contracts_hold() -> None:
-    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which(
+        "lint-imports"
+    )
     assert lint is not None, "import-linter is part of the test requirements (requirements.txt)"
-    out = subprocess.run([lint, "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [lint, "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
 
@@ -43,25 +48,31 @@ def test_scheduler_imports_only_the_standard_library() -> None:
     for path in sorted((ROOT / "compiled_engine/scheduler").rglob("*.py")):
         for module, _ in _imports(path):
             top = module.split(".")[0]
-            if top not in sys.stdlib_module_names and not module.startswith("compiled_engine.scheduler"):
+            if top not in sys.stdlib_module_names and not module.startswith(
+                "compiled_engine.scheduler"
+            ):
                 bad.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not bad, "compiled_engine.scheduler must stay stdlib-only:\n" + "\n".join(bad)
 
 
 def test_importing_the_scheduler_loads_neither_torch_nor_numpy() -> None:
     code = (
-        "import sys, pkgutil, importlib, compiled_engine.scheduler as s\n"
-        "for m in pkgutil.walk_packages(s.__path__, s.__name__ + '.'):\n"
-        "    importlib.import_module(m.name)\n"
-        "heavy = sorted(m for m in ('torch', 'numpy', 'triton', 'kernels', 'server') if m in sys.modules)\n"
-        "print(','.join(heavy))\n"
+        "import sys, pkgutil, importlib, compiled_engine.scheduler as s\nfor m in "
+        "pkgutil.walk_packages(s.__path__, s.__name__ + '.'):\n    "
+        "importlib.import_module(m.name)\nheavy = sorted(m for m in ('torch', 'numpy', 'triton', "
+        "'kernels', 'server') if m in sys.modules)\nprint(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert out.stdout.strip() == "", f"importing compiled_engine.scheduler loaded: {out.stdout.strip()}"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert out.stdout.strip() == "", (
+        f"importing compiled_engine.scheduler loaded: {out.stdout.strip()}"
+    )
 
 
 def _package_of(module: str) -> str:
-    """The folder a module belongs to: `compiled_engine.runner.sampler` -> `compiled_engine.runner`."""
+    """The folder a module belongs to: `compiled_engine.runner.sampler` ->
+    `compiled_engine.runner`."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
 
@@ -74,7 +85,9 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
             for module, name in _imports(path):
                 if module.split(".")[0] not in PACKAGES:
                     continue
-                private = any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+                private = any(
+                    part.startswith("_") and not part.startswith("__") for part in module.split(".")
+                )
                 private |= name is not None and name.startswith("_") and not name.startswith("__")
                 if private and _package_of(module) != here:
                     bad.append(f"{path.relative_to(ROOT)}: from {module} import {name}")

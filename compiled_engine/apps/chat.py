@@ -11,7 +11,8 @@ from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """Interactive chat in this process, streaming tokens; `/reset` clears the history, `/exit` quits."""
+    """Interactive chat in this process, streaming tokens; `/reset` clears the history, `/exit`
+    quits."""
     from compiled_engine.llm import LLM
     from compiled_engine.sampling_params import SamplingParams
     from compiled_engine.tokenization import IncrementalDetokenizer, encode_chat
@@ -37,7 +38,9 @@ def run_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         ids = encode_chat(llm.tokenizer, history)
         rid = f"chat-{turn}"
-        llm.engine.add_request(rid, ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+        llm.engine.add_request(
+            rid, ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        )
         detok = IncrementalDetokenizer(llm.tokenizer, ids)
         while llm.engine.has_work():
             for ev in llm.engine.step():

@@ -32,7 +32,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = [p if args.raw else [{"role": "user", "content": p}] for p in args.prompt]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
-        print(f"prompt: {prompt!r}\noutput: {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        print(
+            f"prompt: {prompt!r}\noutput: {out.text!r} ({len(out.token_ids)} tokens, "
+            f"{out.finish_reason})"
+        )
     llm.engine.shutdown()
     return 0
 
@@ -52,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compiled-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo-model", help="create (if missing) and print the path of the demo checkpoint")
+    p = sub.add_parser(
+        "demo-model", help="create (if missing) and print the path of the demo checkpoint"
+    )
     p.set_defaults(func=_cmd_demo_model)
 
     p = sub.add_parser("generate", help="offline generation: prompts in, text out")
@@ -60,14 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as text")
+    p.add_argument(
+        "--raw", action="store_true", help="no chat template: complete the prompt as text"
+    )
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_serve_args(p)
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens; /reset, /exit)")
+    p = sub.add_parser(
+        "chat", help="interactive chat in the terminal (streams tokens; /reset, /exit)"
+    )
     add_engine_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -85,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "prompt", ()) is None:
         args.prompt = ["Hello! What can a serving engine do?"]
     try:
-        kernels.apply_isa_caps()  # before anything runs torch (an in-process transformers baseline included)
+        # before anything runs torch (an in-process transformers baseline included)
+        kernels.apply_isa_caps()
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

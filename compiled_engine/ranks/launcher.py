@@ -1,5 +1,5 @@
-"""Starting the engine rank processes (spawn), waiting until rank 0 is ready, watching them (a dead or
-hung rank kills the rest: see monitor.py), and stopping them."""
+"""Starting the engine rank processes (spawn), waiting until rank 0 is ready, watching them (a dead
+or hung rank kills the rest: see monitor.py), and stopping them."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def free_port() -> int:
 
 @dataclass
 class EngineHandle:
-    """The running ranks and the private channel to rank 0: `send` inputs (one message, or a list that
-    reaches one step together), `recv` event lists. Both raise EngineFailure, explained, when the engine
-    is gone; every client of the ranks (`RemoteEngine`, the server's `EngineClient`) goes through them."""
+    """The running ranks and the private channel to rank 0: `send` inputs (one message, or a list
+    that reaches one step together), `recv` event lists. Both raise EngineFailure, explained, when
+    the engine is gone; every client of the ranks (`RemoteEngine`, the server's `EngineClient`) goes
+    through them."""
 
     conn: Connection
     procs: list[BaseProcess]
@@ -54,7 +55,9 @@ class EngineHandle:
             with self._send_lock:
                 self.conn.send(msg)
         except (OSError, ValueError) as e:
-            raise EngineFailure(self.explain(f"the channel to engine rank 0 closed ({e})")) from None
+            raise EngineFailure(
+                self.explain(f"the channel to engine rank 0 closed ({e})")
+            ) from None
 
     def recv(self) -> list:
         """The next event list (blocks; checks every POLL_S that the ranks are alive)."""
@@ -74,8 +77,8 @@ class EngineHandle:
         return self.monitor.failure
 
     def explain(self, seen: str) -> str:
-        """The reason the engine is gone, for a reader that saw `seen` (a Fatal or the channel's end):
-        the monitor's diagnosis (which rank, how) first, once it has one."""
+        """The reason the engine is gone, for a reader that saw `seen` (a Fatal or the channel's
+        end): the monitor's diagnosis (which rank, how) first, once it has one."""
         if not self.monitor.stopping:
             self.monitor.failed.wait(EXPLAIN_WAIT_S)
         return seen if self.monitor.failure is None else f"{self.monitor.failure} ({seen})"
@@ -86,15 +89,16 @@ class EngineHandle:
 
 
 def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle:
-    """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError otherwise; a model
-    that does not split over `tp_size` ranks before any rank starts)."""
+    """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError
+    otherwise; a model that does not split over `tp_size` ranks before any rank starts)."""
     try:
         check_tp_size(config.model, config.tp_size)
     except ValueError as e:
         raise EngineStartError(str(e)) from None
     ctx = mp.get_context("spawn")
     world = config.tp_size
-    init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""  # the launcher's ranks share one host
+    # the launcher's ranks share one host
+    init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""
     server_end, rank_end = ctx.Pipe(duplex=True)
     heartbeats = ctx.RawArray("d", world)
     procs: list[BaseProcess] = []
@@ -124,7 +128,9 @@ def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) ->
             try:
                 events = conn.recv()
             except EOFError:
-                raise EngineStartError("engine rank 0 exited during start-up (see its log above)") from None
+                raise EngineStartError(
+                    "engine rank 0 exited during start-up (see its log above)"
+                ) from None
             for ev in events:
                 if isinstance(ev, Ready):
                     return ev
@@ -132,12 +138,15 @@ def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) ->
                     raise EngineStartError(ev.message)
         dead = [p for p in procs if not p.is_alive()]
         if dead:
-            raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
+            raise EngineStartError(
+                f"{dead[0].name} exited with code {dead[0].exitcode} during start-up"
+            )
     raise EngineStartError(f"the engine did not start within {timeout_s:.0f}s")
 
 
 def _stop(conn: Connection, procs: list[BaseProcess], timeout_s: float) -> None:
-    """Ask rank 0 to stop (it forwards the stop to every rank), join, then terminate and kill leftovers."""
+    """Ask rank 0 to stop (it forwards the stop to every rank), join, then terminate and kill
+    leftovers."""
     with contextlib.suppress(OSError, ValueError):
         conn.send(Shutdown())
     _join_all(procs, timeout_s)

@@ -1,5 +1,6 @@
-"""The wire types between the server (or `RemoteEngine`) and engine rank 0, over the launcher's channel.
-A client may send several inputs as one list: they then reach the same engine step together."""
+"""The wire types between the server (or `RemoteEngine`) and engine rank 0, over the launcher's
+channel. A client may send several inputs as one list: they then reach the same engine step
+together."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ class Finish:
 
 @dataclass(slots=True)
 class StatsRequest:
-    """Answered by rank 0 alone (read-only): a ping and the metrics; with `check_integrity`, the ledger's full
-    integrity check too (O(pages): the server's --debug endpoint and tests, never /health or /metrics)."""
+    """Answered by rank 0 alone (read-only): a ping and the metrics; with `check_integrity`, the
+    ledger's full integrity check too (O(pages): the server's --debug endpoint and tests, never
+    /health or /metrics)."""
 
     token: int
     check_integrity: bool = False
@@ -56,7 +58,8 @@ class Ready:
 class RequestError:
     rid: str
     message: str
-    field: str | None = None  # "structured": the request's constraint did not compile (the server names its field)
+    # "structured": the request's constraint did not compile (the server names its field)
+    field: str | None = None
 
 
 @dataclass(slots=True)

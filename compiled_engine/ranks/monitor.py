@@ -30,7 +30,9 @@ def describe_exit(code: int | None) -> str:
 class RankMonitor:
     """`heartbeats[rank]` is the `time.monotonic()` of that rank's latest loop iteration."""
 
-    def __init__(self, procs: Sequence[BaseProcess], heartbeats: Sequence[float], timeout_s: float) -> None:
+    def __init__(
+        self, procs: Sequence[BaseProcess], heartbeats: Sequence[float], timeout_s: float
+    ) -> None:
         self.procs, self.heartbeats, self.timeout_s = procs, heartbeats, timeout_s
         self.failure: str | None = None
         self.failed = threading.Event()
@@ -63,8 +65,10 @@ class RankMonitor:
             now = time.monotonic()
             for rank, beat in enumerate(self.heartbeats):
                 if now - beat > self.timeout_s:
-                    self._fail(f"engine rank {rank} (pid {self.procs[rank].pid}) made no progress for "
-                               f"{now - beat:.0f}s (rank_timeout_s={self.timeout_s:g}): it is hung")
+                    self._fail(
+                        f"engine rank {rank} (pid {self.procs[rank].pid}) made no progress for "
+                        f"{now - beat:.0f}s (rank_timeout_s={self.timeout_s:g}): it is hung"
+                    )
                     return
 
     def _fail(self, reason: str) -> None:

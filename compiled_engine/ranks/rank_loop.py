@@ -1,11 +1,11 @@
 """The main loop of one engine rank process.
 
 Rank 0 drains its private channel (a `multiprocessing` Connection from the launcher), forwards every
-input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo control
-group), so each rank's scheduler consumes the same inputs at the same step, then every rank applies the
-inputs and steps. Rank 0 sends each step's events back over the channel as one list. Each iteration
-stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode, checks that every
-rank planned and sampled the same (see digest.py).
+input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo
+control group), so each rank's scheduler consumes the same inputs at the same step, then every rank
+applies the inputs and steps. Rank 0 sends each step's events back over the channel as one list.
+Each iteration stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode,
+checks that every rank planned and sampled the same (see digest.py).
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ from compiled_engine.ranks.rank_spec import RankSpec
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
+# rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
+IDLE_POLL_S = 0.5
 # A collective waiting this long fails (start-up skew between ranks must fit; the launcher's monitor
 # detects hangs sooner, from heartbeats: EngineConfig.rank_timeout_s).
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
-    """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on `conn`
-    (rank 0) and end the process with exit code 1."""
+    """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on
+    `conn` (rank 0) and end the process with exit code 1."""
     try:
         kernels.apply_isa_caps()  # before the process group's first tensor
         config, control = _init_distributed(spec)
@@ -57,8 +58,18 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
         summaries = _gather_strings(engine.compile_summary, control)
         if conn is not None:
             sched = engine.scheduler.config
-            conn.send([Ready(sched.max_context, sched.capacity_tokens, sched.num_pages, engine.eos_token_ids,
-                               engine.vocab_size, summaries)])
+            conn.send(
+                [
+                    Ready(
+                        sched.max_context,
+                        sched.capacity_tokens,
+                        sched.num_pages,
+                        engine.eos_token_ids,
+                        engine.vocab_size,
+                        summaries,
+                    )
+                ]
+            )
         _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
         engine.shutdown()
     except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits
@@ -130,8 +141,11 @@ def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool)
             conn.send(events)
 
 
-def _receive(spec: RankSpec, conn: Connection | None, busy: bool, control) -> tuple[list, list[StatsRequest]]:
-    """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same order."""
+def _receive(
+    spec: RankSpec, conn: Connection | None, busy: bool, control
+) -> tuple[list, list[StatsRequest]]:
+    """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same
+    order."""
     inputs: list = []
     local: list[StatsRequest] = []
     if conn is not None:
@@ -158,8 +172,13 @@ def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
     if isinstance(msg, Add):
         try:
             engine.add_request(msg.rid, msg.prompt_ids, msg.params)
-        except ValueError as e:  # RequestRejected, bad parameters, a bad constraint: answer that request only
-            events.append(RequestError(msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None))
+        # RequestRejected, bad parameters, a bad constraint: answer that request only
+        except ValueError as e:
+            events.append(
+                RequestError(
+                    msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None
+                )
+            )
     elif isinstance(msg, Abort):
         engine.abort(msg.rid)
     elif isinstance(msg, Finish):
@@ -170,8 +189,11 @@ def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
 
 def _stats(engine, req: StatsRequest) -> StatsReply:
     sched = engine.scheduler
-    stats = asdict(sched.stats()) | {"total_pages": sched.allocator.total, "idle": not engine.has_work(),
-                                     "steps": engine.steps}
+    stats = asdict(sched.stats()) | {
+        "total_pages": sched.allocator.total,
+        "idle": not engine.has_work(),
+        "steps": engine.steps,
+    }
     error = None
     if req.check_integrity:
         try:

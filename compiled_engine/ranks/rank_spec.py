@@ -1,4 +1,5 @@
-"""What a rank process is started with (plain data: the launcher, torchrun's entry and the rank share it)."""
+"""What a rank process is started with (plain data: the launcher, torchrun's entry and the rank
+share it)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from compiled_engine.config import EngineConfig
 class RankSpec:
     rank: int
     world_size: int
-    init_method: str  # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
+    # torch.distributed rendezvous: tcp://HOST:PORT (launcher) or env:// (torchrun)
+    init_method: str
     config: EngineConfig
     local_rank: int | None = None  # None: `rank` (one host)
     local_world_size: int | None = None  # None: `world_size`
-    heartbeats: Sequence[float] | None = None  # shared with the launcher's monitor: each rank's latest iteration
+    # shared with the launcher's monitor: each rank's latest iteration
+    heartbeats: Sequence[float] | None = None

@@ -1,5 +1,6 @@
-"""The TP engine (ranks spawned by the launcher) driven synchronously through rank 0's channel, with the
-calls `LLM` makes on an in-process `Engine`: add_request, abort, finish, has_work, step, shutdown."""
+"""The TP engine (ranks spawned by the launcher) driven synchronously through rank 0's channel, with
+the calls `LLM` makes on an in-process `Engine`: add_request, abort, finish, has_work, step,
+shutdown."""
 
 from __future__ import annotations
 
@@ -31,23 +32,34 @@ class RemoteEngine:
         self.eos_token_ids = self.handle.ready.eos_token_ids
         self.scheduler = _RemoteScheduler(self)
         self._live: dict[str, None] = {}  # requests added and not yet finished, aborted or rejected
-        self._outbox: list = []  # inputs sent as one message before the next receive: they share a step
+        # inputs sent as one message before the next receive: they share a step
+        self._outbox: list = []
         self._backlog: list = []  # events received while waiting for a stats reply
         self._tokens = itertools.count()
         self._closed = False
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Checks what the engine would reject at once (ValueError), then queues the request on rank 0."""
+        """Checks what the engine would reject at once (ValueError), then queues the request on rank
+        0."""
         ready = self.handle.ready
         try:
             params.validate()
         except ValueError as e:
             raise RequestRejected(f"request {rid!r}: {e}") from None
-        check_request(rid, prompt_ids, params.ledger_params(), ready.max_context, ready.capacity_tokens,
-                      ready.vocab_size)
+        check_request(
+            rid,
+            prompt_ids,
+            params.ledger_params(),
+            ready.max_context,
+            ready.capacity_tokens,
+            ready.vocab_size,
+        )
         if any(not isinstance(f, str) for f in params.logits_processors):
-            raise ValueError(f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
-                             "'package.module:function' (each rank imports it): a function cannot be sent to the ranks")
+            raise ValueError(
+                f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
+                "'package.module:function' (each rank imports it): a function cannot be sent to "
+                "the ranks"
+            )
         for name in params.logits_processors:
             bridge.resolve(name)  # ValueError now if it cannot be imported
         self._outbox.append(Add(rid, list(prompt_ids), params))
@@ -81,7 +93,9 @@ class RemoteEngine:
         self._outbox.append(StatsRequest(token))
         while True:
             events = self._recv()
-            reply = next((ev for ev in events if isinstance(ev, StatsReply) and ev.token == token), None)
+            reply = next(
+                (ev for ev in events if isinstance(ev, StatsReply) and ev.token == token), None
+            )
             self._backlog.extend(ev for ev in events if not isinstance(ev, StatsReply))
             if reply is not None:
                 return reply.stats

@@ -63,8 +63,10 @@ class PendingStep:
         if "logprobs" in h:
             output.logprobs = h["logprobs"].tolist()
         if "top_ids" in h:
-            output.top_logprobs = [list(zip(ids, lps)) for ids, lps in zip(h["top_ids"].tolist(),
-                                                                         h["top_logprobs"].tolist())]
+            output.top_logprobs = [
+                list(zip(ids, lps))
+                for ids, lps in zip(h["top_ids"].tolist(), h["top_logprobs"].tolist())
+            ]
         return output
 
 

@@ -58,7 +58,8 @@ def test_serve_with_a_tp_that_does_not_fit_prints_one_line() -> None:
 
 
 def test_offline_engine_refuses_before_spawning_a_rank() -> None:
-    before = set(multiprocessing.active_children())  # a session fixture's server may hold ranks already
+    # a session fixture's server may hold ranks already
+    before = set(multiprocessing.active_children())
     with pytest.raises(EngineStartError, match="valid --tp values for this model: 1, 3"):
         LLM("smollm2", tp_size=2)
     assert set(multiprocessing.active_children()) <= before

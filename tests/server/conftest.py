@@ -17,9 +17,10 @@ from server.app import create_app
 from server.serve import Server
 from server.state import ServerConfig
 
-# What `serve` runs by default: compiled; deterministic stated, since the HTTP tests compare answers across
-# batches (on a device whose default is off, `--no-deterministic` has its own server: test_no_deterministic.py).
-# Every server of the suite shares one compile (the compile cache and inductor's cache; CI keeps both under .cache/).
+# What `serve` runs by default: compiled; deterministic stated, since the HTTP tests compare answers
+# across batches (on a device whose default is off, `--no-deterministic` has its own server:
+# test_no_deterministic.py). Every server of the suite shares one compile (the compile cache and
+# inductor's cache; CI keeps both under .cache/).
 ENGINE = dict(model="demo", num_pages=8192, max_running=32, seed=0, deterministic=True)
 
 
@@ -48,8 +49,17 @@ def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
     engine = EngineConfig(**(ENGINE | overrides.pop("engine", {})))
     port = free_port()
     app = create_app(ServerConfig(engine=engine, **overrides))
-    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                   timeout_graceful_shutdown=5), announce=False)
+    server = Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        ),
+        announce=False,
+    )
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
@@ -91,7 +101,8 @@ def assert_kv_all_free(stats: dict) -> None:
 
 
 def sse_events(lines) -> list[str]:
-    """The `data:` payloads of an SSE body, checking the framing (each event is `data: ...` + blank line)."""
+    """The `data:` payloads of an SSE body, checking the framing (each event is `data: ...` + blank
+    line)."""
     events, expect_blank = [], False
     for line in lines:
         if expect_blank:

@@ -1,4 +1,5 @@
-"""A server with an API key, one sequence in flight at most and a small body limit; then its engine dies."""
+"""A server with an API key, one sequence in flight at most and a small body limit; then its engine
+dies."""
 
 from __future__ import annotations
 
@@ -34,8 +35,12 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
     with limited.http() as http:
         assert http.get("/health").status_code == 200
         body = {"prompt": "hi", "max_tokens": 2}
-        assert _error(http.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
-        _error(http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert (
+            _error(http.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
+        )
+        _error(
+            http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
+        )
         _error(http.get("/v1/models"), 401)
         _error(http.get("/metrics"), 401)
         assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
@@ -44,7 +49,9 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
 
 def test_body_too_large_is_413(limited: RunningServer) -> None:
     with limited.http(headers=AUTH) as http:
-        err = _error(http.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 413)
+        err = _error(
+            http.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 413
+        )
         assert "2048 bytes" in err["message"]
 
         def chunks():  # no content-length: the limit holds while reading
@@ -59,12 +66,15 @@ def test_overload_is_429_and_clears(limited: RunningServer) -> None:
     with limited.http(headers=AUTH) as a, limited.http(headers=AUTH) as b:
         with a.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()  # keep it referenced: dropping the iterator closes the connection
+            # keep it referenced: dropping the iterator closes the connection
+            lines = r.iter_lines()
             next(lines)
             err = _error(b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
             assert "overloaded" in err["message"] and "--max-queue" in err["message"]
         deadline = time.monotonic() + 30
-        while (r2 := b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})).status_code == 429:
+        while (
+            r2 := b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        ).status_code == 429:
             assert time.monotonic() < deadline, "the aborted stream never left the queue"
             time.sleep(0.05)
         assert r2.status_code == 200

@@ -1,4 +1,5 @@
-"""What crosses the process boundary: greedy parity with the offline LLM, disconnects, concurrency."""
+"""What crosses the process boundary: greedy parity with the offline LLM, disconnects,
+concurrency."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from compiled_engine.sampling_params import SamplingParams
 from tests.server.conftest import ENGINE, assert_kv_all_free, wait_idle
 
 PROMPTS = ["Hello world", "The capital of France is", "def fib(n):"]
-# As many tokens as the demo model's context leaves a short prompt: a request cut short is told from a finished
-# one by the steps it did not take, and the compiled demo model decodes fast.
+# As many tokens as the demo model's context leaves a short prompt: a request cut short is told from
+# a finished one by the steps it did not take, and the compiled demo model decodes fast.
 LONG = 2000
 
 
@@ -28,8 +29,10 @@ def llm() -> LLM:
 def test_greedy_http_equals_offline_llm(http: httpx.Client, llm: LLM) -> None:
     offline = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, expected in zip(PROMPTS, offline, strict=True):
-        out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
-                                                 "ignore_eos": True}).json()
+        out = http.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        ).json()
         assert out["choices"][0]["text"] == expected.text
         native = http.post("/generate", json={"text": prompt, "sampling_params": {
             "max_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()
@@ -38,7 +41,12 @@ def test_greedy_http_equals_offline_llm(http: httpx.Client, llm: LLM) -> None:
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, http: httpx.Client) -> None:
     before = wait_idle(http)
-    body = {"prompt": "Tell me a long story", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Tell me a long story",
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with server.http() as other, other.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -63,8 +71,15 @@ def test_64_concurrent_streams_complete_with_the_right_length(server, http: http
     max_tokens = 8
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, str]:
-        body = {"prompt": f"Request number {i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "temperature": 0.8, "seed": i, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": f"Request number {i}",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0.8,
+            "seed": i,
+            "stream_options": {"include_usage": True},
+        }
         usage, finish, text = None, None, ""
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200

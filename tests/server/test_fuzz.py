@@ -1,5 +1,5 @@
-"""Hypothesis fuzzes request bodies: every answer is 200 or a 4xx in the error shape, never a 5xx, and the
-server keeps serving (and its ledger stays consistent) afterwards."""
+"""Hypothesis fuzzes request bodies: every answer is 200 or a 4xx in the error shape, never a 5xx,
+and the server keeps serving (and its ledger stays consistent) afterwards."""
 
 from __future__ import annotations
 
@@ -12,15 +12,23 @@ from hypothesis import strategies as st
 from tests.server.conftest import assert_kv_all_free, wait_idle
 
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
     max_leaves=6,
 )
 token_list = st.lists(st.integers(min_value=-5, max_value=9000), max_size=6)
-# any code point, lone surrogates included (json.dumps escapes them as \udXXX: valid JSON, invalid text)
+# any code point, lone surrogates included (json.dumps escapes them as \udXXX: valid JSON, invalid
+# text)
 lone_surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
-unicode_text = st.text(max_size=20) | st.text(st.characters() | lone_surrogate, min_size=1, max_size=8)
+unicode_text = st.text(max_size=20) | st.text(
+    st.characters() | lone_surrogate, min_size=1, max_size=8
+)
 
 # Mostly valid values (a few out of range), so that many bodies reach the engine ...
 valid = {
@@ -45,9 +53,14 @@ valid = {
 max_tokens = st.integers(min_value=-1, max_value=4)  # always present: keeps generations short
 # ... and at most one field replaced by junk of any type (huge numbers, unicode, nested containers).
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -67,11 +80,15 @@ completion_body = bodies(
      "prompt": unicode_text | token_list | st.lists(st.text(max_size=8), min_size=1, max_size=2)},
     valid | {"logprobs": st.integers(-1, 5), "echo": st.booleans()},
 )
-message = st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant"]),
-    "content": unicode_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": unicode_text}),
-                                       max_size=2),
-})
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"]),
+        "content": unicode_text
+        | st.lists(
+            st.fixed_dictionaries({"type": st.just("text"), "text": unicode_text}), max_size=2
+        ),
+    }
+)
 chat_body = bodies(
     {"max_tokens": max_tokens, "messages": st.lists(message, max_size=3)},
     valid | {"logprobs": st.booleans(), "top_logprobs": st.integers(-1, 5)},
@@ -91,7 +108,9 @@ def _check(r: httpx.Response) -> None:
         assert r.json()["choices"]
 
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+)
 
 
 @FUZZ
@@ -108,6 +127,8 @@ def test_fuzz_chat(http: httpx.Client, body: dict) -> None:
 
 def test_still_serving_after_fuzzing(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
-    out = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2, "ignore_eos": True}).json()
+    out = http.post(
+        "/v1/completions", json={"prompt": "ok", "max_tokens": 2, "ignore_eos": True}
+    ).json()
     assert out["usage"]["completion_tokens"] == 2
     assert_kv_all_free(wait_idle(http))

@@ -1,8 +1,9 @@
-"""Each way an HTTP request ends leaves nothing behind, in the server or the engine: finished (length),
-stopped by a stop string (n=2, one choice stopped), failed (a constraint no token can continue), rejected
-by the engine (a constraint it cannot compile: a 400), and the client gone mid-stream. One check after
-each, over every registry that remains: the server's routing entries (`EngineClient.num_in_flight`), the
-rank's queues (waiting, running, in flight) and its page books (integrity, every page free or cached)."""
+"""Each way an HTTP request ends leaves nothing behind, in the server or the engine: finished
+(length), stopped by a stop string (n=2, one choice stopped), failed (a constraint no token can
+continue), rejected by the engine (a constraint it cannot compile: a 400), and the client gone
+mid-stream. One check after each, over every registry that remains: the server's routing entries
+(`EngineClient.num_in_flight`), the rank's queues (waiting, running, in flight) and its page books
+(integrity, every page free or cached)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,24 @@ pytestmark = pytest.mark.slow
 
 def _assert_nothing_left(http: httpx.Client) -> None:
     stats = wait_idle(http)  # idle, nothing running, no routing entry in the server
-    assert stats["num_waiting"] == 0 and stats["num_running"] == 0 and stats["server_in_flight"] == 0, stats
+    assert (
+        stats["num_waiting"] == 0 and stats["num_running"] == 0 and stats["server_in_flight"] == 0
+    ), stats
     assert_kv_all_free(stats)
 
 
 def _complete(http: httpx.Client, **body) -> httpx.Response:
-    return http.post("/v1/completions", json={"model": "demo", "prompt": "a story", "temperature": 0, **body})
+    return http.post(
+        "/v1/completions", json={"model": "demo", "prompt": "a story", "temperature": 0, **body}
+    )
 
 
 def test_finished(http: httpx.Client) -> None:
     r = _complete(http, max_tokens=5, ignore_eos=True, n=2)
-    assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+    assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == [
+        "length",
+        "length",
+    ]
     _assert_nothing_left(http)
 
 
@@ -53,8 +61,14 @@ def test_rejected_by_the_engine(http: httpx.Client) -> None:
 
 
 def test_client_gone_mid_stream(server, http: httpx.Client) -> None:
-    body = {"model": "demo", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True,
-            "n": 2}
+    body = {
+        "model": "demo",
+        "prompt": "a long story",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 2,
+    }
     with server.http() as other, other.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()

@@ -1,5 +1,5 @@
-"""Two engine ranks (gloo, overlap on) answer exactly as one rank does (the cross-rank ledger digest is
-checked at every step). Rank failures: tests/distributed/test_rank_failure.py."""
+"""Two engine ranks (gloo, overlap on) answer exactly as one rank does (the cross-rank ledger digest
+is checked at every step). Rank failures: tests/distributed/test_rank_failure.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ from tests.server.conftest import RunningServer, start_server
 
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[RunningServer]:
-    running = start_server(engine={"tp_size": 2, "num_pages": 2048, "max_running": 8, "tp_debug": True,
-                                         "overlap": True})
+    running = start_server(
+        engine={
+            "tp_size": 2,
+            "num_pages": 2048,
+            "max_running": 8,
+            "tp_debug": True,
+            "overlap": True,
+        }
+    )
     yield running
     running.stop()
 
@@ -26,7 +33,9 @@ def test_tp2_greedy_equals_tp1_and_streams(tp2: RunningServer, http: httpx.Clien
             one = http.post("/generate", json=body | {"text": prompt}).json()["output_ids"]
             two = client.post("/generate", json=body | {"text": prompt}).json()["output_ids"]
             assert two == one
-        out = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 3, "ignore_eos": True,
-                                                   "seed": 1}).json()
+        out = client.post(
+            "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 4, "n": 3, "ignore_eos": True, "seed": 1},
+        ).json()
         assert out["usage"]["completion_tokens"] == 12
         assert client.get("/health").json() == {"status": "ok"}

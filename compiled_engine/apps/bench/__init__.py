@@ -1,1 +1,2 @@
-"""Benchmarks: offline throughput, decode latency, online serving, prefix sharing (`compiled-engine bench`)."""
+"""Benchmarks: offline throughput, decode latency, online serving, prefix sharing (`compiled-engine
+bench`)."""

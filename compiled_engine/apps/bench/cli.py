@@ -20,7 +20,8 @@ from compiled_engine.apps.bench.datasets import (
 from compiled_engine.apps.bench.models import BENCH_NAME, QWEN3_NAME, resolve_bench_model
 from compiled_engine.apps.bench.report import table, write_json
 
-COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")  # hf: transformers generate
+# hf: transformers generate
+COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_OUTPUT = {"random": "64:256", "prefix": "32"}
 
@@ -30,7 +31,8 @@ def _log(msg: str) -> None:
 
 
 def _tokenizer(model_dir: str):
-    """The checkpoint's tokenizer: `tokenizers` on tokenizer.json when there is one (no torch import)."""
+    """The checkpoint's tokenizer: `tokenizers` on tokenizer.json when there is one (no torch
+    import)."""
     path = Path(model_dir) / "tokenizer.json"
     if path.is_file():
         from tokenizers import Tokenizer
@@ -54,78 +56,128 @@ def prompt_vocab(model_dir: str, tokenizer) -> int:
 
 def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument("--dataset", choices=("random", "prefix"), default="random")
-    p.add_argument("--num-prompts", type=int, default=num_prompts, help="random dataset: number of requests")
-    p.add_argument("--input-len", default="64:512", help="random dataset: N or LO:HI (uniform), default 64:512")
+    p.add_argument(
+        "--num-prompts", type=int, default=num_prompts, help="random dataset: number of requests"
+    )
+    p.add_argument(
+        "--input-len", default="64:512", help="random dataset: N or LO:HI (uniform), default 64:512"
+    )
     p.add_argument("--output-len", default=None,
                    help="N or LO:HI (uniform); default 64:256 (random), 32 (prefix)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="widen a single length N to N*(1-r)..N*(1+r)")
-    p.add_argument("--system-len", type=int, default=PrefixShape.system_len, help="prefix dataset: system prompt")
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="widen a single length N to N*(1-r)..N*(1+r)"
+    )
+    p.add_argument(
+        "--system-len",
+        type=int,
+        default=PrefixShape.system_len,
+        help="prefix dataset: system prompt",
+    )
     p.add_argument("--num-shared", type=int, default=PrefixShape.num_shared,
                    help="prefix dataset: single requests sharing the system prompt")
-    p.add_argument("--num-chats", type=int, default=PrefixShape.num_chats, help="prefix dataset: multi-turn chats")
-    p.add_argument("--turns", type=int, default=PrefixShape.turns, help="prefix dataset: turns per chat")
+    p.add_argument(
+        "--num-chats",
+        type=int,
+        default=PrefixShape.num_chats,
+        help="prefix dataset: multi-turn chats",
+    )
+    p.add_argument(
+        "--turns", type=int, default=PrefixShape.turns, help="prefix dataset: turns per chat"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
 def build_dataset(args: argparse.Namespace, vocab: int, seed_offset: int = 0) -> list[Session]:
     output = LengthRange.parse(args.output_len or DEFAULT_OUTPUT[args.dataset], args.range_ratio)
     if args.dataset == "random":
-        return random_dataset(args.num_prompts, LengthRange.parse(args.input_len, args.range_ratio), output, vocab,
-                              args.seed + seed_offset)
-    shape = PrefixShape(system_len=args.system_len, num_shared=args.num_shared, num_chats=args.num_chats,
-                        turns=args.turns, output_len=output)
+        return random_dataset(
+            args.num_prompts,
+            LengthRange.parse(args.input_len, args.range_ratio),
+            output,
+            vocab,
+            args.seed + seed_offset,
+        )
+    shape = PrefixShape(
+        system_len=args.system_len,
+        num_shared=args.num_shared,
+        num_chats=args.num_chats,
+        turns=args.turns,
+        output_len=output,
+    )
     return prefix_dataset(shape, vocab, args.seed + seed_offset)
 
 
 def _workload(args: argparse.Namespace, sessions: list[Session]) -> dict:
     reqs = all_requests(sessions)
     return {
-        "dataset": args.dataset, "seed": args.seed, "num_requests": len(reqs), "num_sessions": len(sessions),
+        "dataset": args.dataset,
+        "seed": args.seed,
+        "num_requests": len(reqs),
+        "num_sessions": len(sessions),
         "input_len": args.input_len if args.dataset == "random" else None,
         "output_len": args.output_len or DEFAULT_OUTPUT[args.dataset],
-        "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "max_output_tokens": sum(r.output_len for r in reqs),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
+        "max_output_tokens": sum(r.output_len for r in reqs),
     }
 
 
-# ---- offline ------------------------------------------------------------------------------------------
+# ---- offline -------------------------------------------------------------------------------------
 
 def _cmd_offline(args: argparse.Namespace) -> int:
     from compiled_engine.apps.bench.offline import OfflineResult, run_offline
 
     model_dir = resolve_bench_model(args.model)
     sessions = build_dataset(args, prompt_vocab(model_dir, _tokenizer(model_dir)))
-    settings = {"enforce_eager": args.enforce_eager, "overlap": False if args.disable_overlap else None,
-                "prefix_cache": args.prefix_cache, **_placement(args)}
+    settings = {
+        "enforce_eager": args.enforce_eager,
+        "overlap": False if args.disable_overlap else None,
+        "prefix_cache": args.prefix_cache,
+        **_placement(args),
+    }
     if args.num_pages is not None:
         settings["num_pages"] = args.num_pages
     settings |= _mode_ab_base(args.compare)
     result = OfflineResult(args.model, args.dataset, _workload(args, sessions), settings)
-    result.runs = run_offline(model_dir, sessions, settings, args.compare or [], log=_log, repeats=args.repeats)
+    result.runs = run_offline(
+        model_dir, sessions, settings, args.compare or [], log=_log, repeats=args.repeats
+    )
     rows = [[r.label, r.summary.completed, r.summary.duration_s, r.summary.request_throughput,
              r.summary.output_throughput, r.summary.total_throughput, r.summary.ttft_s.p50,
              r.cache_hit_rate] for r in result.runs]
     print(table(["run", "requests", "time s", "req/s", "output tok/s", "total tok/s", "TTFT p50 s",
                  "cache hit rate"], rows))
     for label, ratio in result.ratios().items():
-        ttft = "" if math.isnan(ratio["ttft_p50"]) else f", {ratio['ttft_p50']:.2f}x lower median TTFT"
-        print(f"{result.runs[0].label} vs {label}: {ratio['throughput']:.2f}x output throughput{ttft}")
+        ttft = (
+            "" if math.isnan(ratio["ttft_p50"]) else f", {ratio['ttft_p50']:.2f}x lower median TTFT"
+        )
+        print(
+            f"{result.runs[0].label} vs {label}: {ratio['throughput']:.2f}x output throughput{ttft}"
+        )
     for run in result.runs[1:]:
         agree = run.tokens_vs_base
-        print(f"{run.label}: greedy tokens identical to {result.runs[0].label}'s in {agree.identical} of "
-              f"{agree.requests} requests; {agree.common_prefix:.1%} of each output before a first difference")
+        print(
+            f"{run.label}: greedy tokens identical to {result.runs[0].label}'s in "
+            f"{agree.identical} of {agree.requests} requests; {agree.common_prefix:.1%} of each "
+            "output before a first difference"
+        )
     if args.json:
         write_json(args.json, "offline", result)
     if args.plot:
         from compiled_engine.apps.bench.plots import plot_offline
 
-        plot_offline(result.runs, f"offline, {args.dataset} dataset", Path(args.plot) / f"offline_{args.dataset}.png")
+        plot_offline(
+            result.runs,
+            f"offline, {args.dataset} dataset",
+            Path(args.plot) / f"offline_{args.dataset}.png",
+        )
     return 0
 
 
-# ---- latency ------------------------------------------------------------------------------------------
+# ---- latency -------------------------------------------------------------------------------------
 
 def _mode_ab_base(compare: list[str] | None) -> dict:
-    """The base run's settings under `--compare nondeterministic`: deterministic, whatever the device's default."""
+    """The base run's settings under `--compare nondeterministic`: deterministic, whatever the
+    device's default."""
     return {"deterministic": True} if "nondeterministic" in (compare or []) else {}
 
 
@@ -140,18 +192,28 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     base = _mode_ab_base(args.compare)
     variants = [("compiled", base)] + [(name, base | others[name]) for name in args.compare or []]
     runs = []
-    for _ in range(args.repeats):  # alternating, so that a slow spell of a shared machine hits every variant
+    # alternating, so that a slow spell of a shared machine hits every variant
+    for _ in range(args.repeats):
         for label, settings in variants:
             _log(f"measuring {label} ...")
-            runs.append(measure(model_dir, label, {**_placement(args), **settings}, decode, prefill))
+            runs.append(
+                measure(model_dir, label, {**_placement(args), **settings}, decode, prefill)
+            )
     rows = [[r.label, p.batch, p.step_ms, p.tokens_per_s] for r in runs for p in r.decode]
     print(table(["graphs", "batch", "decode step ms", "decode tok/s"], rows))
-    print(table(["graphs", "prefill tokens", "prefill tok/s"], [[r.label, r.prefill_len, r.prefill_tokens_per_s]
-                                                                for r in runs]))
+    print(
+        table(
+            ["graphs", "prefill tokens", "prefill tok/s"],
+            [[r.label, r.prefill_len, r.prefill_tokens_per_s] for r in runs],
+        )
+    )
     for other in runs[1 : len(variants)]:
         for a, b in zip(runs[0].decode, other.decode, strict=True):
             ratio = b.step_ms / a.step_ms
-            print(f"batch {a.batch}: compiled (default) {ratio:.2f}x faster decode step than {other.label}")
+            print(
+                f"batch {a.batch}: compiled (default) {ratio:.2f}x faster decode step than "
+                f"{other.label}"
+            )
     if args.json:
         write_json(args.json, "latency", {"model": args.model, "input_len": args.input_len,
                                           "output_len": args.output_len, "runs": runs})
@@ -162,15 +224,15 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- serve --------------------------------------------------------------------------------------------
+# ---- serve ---------------------------------------------------------------------------------------
 
 def _parse_rates(text: str) -> list[float]:
     return [math.inf if r.strip() == "inf" else float(r) for r in text.split(",")]
 
 
 async def _serve_all(args: argparse.Namespace, workloads: list[list[Session]], prompt_of) -> list:
-    """Every --url at every rate; rate i uses workload i (fresh prompts, so no rate reuses the KV cached by
-    the previous one)."""
+    """Every --url at every rate; rate i uses workload i (fresh prompts, so no rate reuses the KV
+    cached by the previous one)."""
     import httpx
 
     from compiled_engine.apps.bench.openai_client import first_model
@@ -185,7 +247,9 @@ async def _serve_all(args: argparse.Namespace, workloads: list[list[Session]], p
             async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
                 model = await first_model(client, url)
         for rate, sessions in zip(_parse_rates(args.request_rate), workloads, strict=True):
-            opts = ServeOptions(model, rate, args.max_concurrency, args.seed, args.request_timeout, args.timeout)
+            opts = ServeOptions(
+                model, rate, args.max_concurrency, args.seed, args.request_timeout, args.timeout
+            )
             _log(f"{label}: request rate {rate} ...")
             runs.append(await run_serve(url, label, sessions, opts, prompt_of))
     return runs
@@ -204,12 +268,45 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     rows = []
     for r in runs:
         s = r.summary
-        rows.append([r.label, "inf" if math.isinf(r.request_rate) else r.request_rate, s.completed, s.failed,
-                     s.request_throughput, s.output_throughput, s.ttft_s.mean * 1e3, s.ttft_s.p50 * 1e3,
-                     s.ttft_s.p99 * 1e3, s.tpot_s.p50 * 1e3, s.tpot_s.p99 * 1e3, s.itl_s.p99 * 1e3,
-                     s.e2e_s.p50, r.cache_hit_rate])
-    print(table(["server", "rate", "ok", "failed", "req/s", "out tok/s", "TTFT mean ms", "TTFT p50 ms",
-                 "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms", "E2E p50 s", "cache hit rate"], rows))
+        rows.append(
+            [
+                r.label,
+                "inf" if math.isinf(r.request_rate) else r.request_rate,
+                s.completed,
+                s.failed,
+                s.request_throughput,
+                s.output_throughput,
+                s.ttft_s.mean * 1e3,
+                s.ttft_s.p50 * 1e3,
+                s.ttft_s.p99 * 1e3,
+                s.tpot_s.p50 * 1e3,
+                s.tpot_s.p99 * 1e3,
+                s.itl_s.p99 * 1e3,
+                s.e2e_s.p50,
+                r.cache_hit_rate,
+            ]
+        )
+    print(
+        table(
+            [
+                "server",
+                "rate",
+                "ok",
+                "failed",
+                "req/s",
+                "out tok/s",
+                "TTFT mean ms",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "TPOT p50 ms",
+                "TPOT p99 ms",
+                "ITL p99 ms",
+                "E2E p50 s",
+                "cache hit rate",
+            ],
+            rows,
+        )
+    )
     for r in runs:
         for err in r.errors:
             _log(f"{r.label}: failed request: {err}")
@@ -222,28 +319,47 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0 if all(r.summary.failed == 0 for r in runs) else 1
 
 
-# ---- parser -------------------------------------------------------------------------------------------
+# ---- parser --------------------------------------------------------------------------------------
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: offline throughput, decode latency, online serving")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: offline throughput, decode latency, online serving"
+    )
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    model_help = (f"'{BENCH_NAME}' (default: the random 768-hidden Llama), '{QWEN3_NAME}' (random, Qwen3-0.6B's "
-                  "shape), 'demo', or a checkpoint directory")
+    model_help = (
+        f"'{BENCH_NAME}' (default: the random 768-hidden Llama), '{QWEN3_NAME}' (random, "
+        "Qwen3-0.6B's shape), 'demo', or a checkpoint directory"
+    )
 
-    p = kinds.add_parser("offline", help="throughput of LLM.generate's loop on a workload, with baselines")
+    p = kinds.add_parser(
+        "offline", help="throughput of LLM.generate's loop on a workload, with baselines"
+    )
     p.add_argument("--model", default=BENCH_NAME, help=model_help)
     _add_dataset_args(p, num_prompts=64)
-    p.add_argument("--compare", action="append", choices=COMPARE_CHOICES,
-                   help="also run: hf (transformers generate in the checkpoint's dtype), hf-fp32 (in fp32: its "
-                   "best on CPUs without a bf16 GEMM), naive (prefix cache), overlap (toggled), eager, "
-                   "nondeterministic (--no-deterministic)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run our engine and every comparison this many times, alternating; each keeps its best")
+    p.add_argument(
+        "--compare",
+        action="append",
+        choices=COMPARE_CHOICES,
+        help="also run: hf (transformers generate in the checkpoint's dtype), hf-fp32 (in fp32: "
+        "its best on CPUs without a bf16 GEMM), naive (prefix cache), overlap (toggled), eager, "
+        "nondeterministic (--no-deterministic)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run our engine and every comparison this many times, alternating; each keeps its "
+        "best",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--prefix-cache", choices=("radix", "naive"), default="radix")
-    p.add_argument("--num-pages", type=int, default=None,
-                   help="KV pool size in pages (default 65536, fixed so that the compile cache is reused)")
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="KV pool size in pages (default 65536, fixed so that the compile cache is reused)",
+    )
     _add_placement_args(p)
     _add_output_args(p)
     p.set_defaults(func=_cmd_offline)
@@ -254,34 +370,62 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--compare", action="append", choices=("eager", "nondeterministic"),
-                   help="eager: also measure without graphs; nondeterministic: with --no-deterministic")
+    p.add_argument(
+        "--compare",
+        action="append",
+        choices=("eager", "nondeterministic"),
+        help="eager: also measure without graphs; nondeterministic: with --no-deterministic",
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs of every variant, alternating")
     p.add_argument("--seed", type=int, default=0)
     _add_placement_args(p)
     _add_output_args(p)
     p.set_defaults(func=_cmd_latency)
 
-    p = kinds.add_parser("serve", help="an OpenAI-API client: TTFT, TPOT, ITL, throughput against servers")
-    p.add_argument("--url", action="append", default=None,
-                   help="server base URL (repeatable: same workload against each); default " + DEFAULT_URL)
+    p = kinds.add_parser(
+        "serve", help="an OpenAI-API client: TTFT, TPOT, ITL, throughput against servers"
+    )
+    p.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="server base URL (repeatable: same workload against each); default " + DEFAULT_URL,
+    )
     p.add_argument("--label", action="append", help="a name per --url for the tables and plots")
-    p.add_argument("--served-model", default=None, help="the 'model' field sent (default: the first of /v1/models)")
-    p.add_argument("--model", default=BENCH_NAME, help=f"tokenizer and vocabulary for the prompts: {model_help}")
+    p.add_argument(
+        "--served-model",
+        default=None,
+        help="the 'model' field sent (default: the first of /v1/models)",
+    )
+    p.add_argument(
+        "--model",
+        default=BENCH_NAME,
+        help=f"tokenizer and vocabulary for the prompts: {model_help}",
+    )
     _add_dataset_args(p, num_prompts=64)
-    p.add_argument("--request-rate", default="inf",
-                   help="req/s, Poisson arrivals; 'inf' or a list like 1,2,inf (rate i uses prompts of seed + i)")
+    p.add_argument(
+        "--request-rate",
+        default="inf",
+        help="req/s, Poisson arrivals; 'inf' or a list like 1,2,inf (rate i uses prompts of "
+        "seed + i)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run; then the rest fails")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds per run; then the rest fails"
+    )
     _add_output_args(p)
     p.set_defaults(func=_cmd_serve)
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto",
-                   help="auto (cuda when available), cpu, cuda or cuda:N; transformers' baseline runs there too")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda when available), cpu, cuda or cuda:N; transformers' baseline runs there "
+        "too",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of our engine")
 
 

@@ -1,7 +1,9 @@
-"""Deterministic workloads. A workload is a list of sessions; a session is a list of requests sent one
-after the other (turn t+1 only after turn t finished). The random dataset has one request per session.
+"""Deterministic workloads. A workload is a list of sessions; a session is a list of requests sent
+one after the other (turn t+1 only after turn t finished). The random dataset has one request per
+session.
 
-- random: random token ids, input and output lengths uniform in ranges (the field's offline workload).
+- random: random token ids, input and output lengths uniform in ranges (the field's offline
+  workload).
 - prefix: many single requests sharing one long system prompt, plus multi-turn chats in which every
   turn's prompt is the previous turn's prompt + an assistant answer + a new user message.
 """
@@ -68,7 +70,8 @@ class PrefixShape:
     question_len: int = 32
     num_chats: int = 8
     turns: int = 4
-    user_len: int = 64  # new user message per turn (the first turn also starts with the system prompt)
+    # new user message per turn (the first turn also starts with the system prompt)
+    user_len: int = 64
     answer_len: int = 32  # assistant answer inserted into the history between turns
     output_len: LengthRange = LengthRange(32, 32)  # tokens generated per request
 
@@ -93,7 +96,8 @@ def prefix_dataset(shape: PrefixShape, vocab: int, seed: int = 0) -> list[Sessio
 
 
 def rounds(sessions: list[Session]) -> list[list[BenchRequest]]:
-    """Turn t of every session that has one: the batches an offline run submits one after the other."""
+    """Turn t of every session that has one: the batches an offline run submits one after the
+    other."""
     depth = max((len(s) for s in sessions), default=0)
     return [[s[t] for s in sessions if t < len(s)] for t in range(depth)]
 

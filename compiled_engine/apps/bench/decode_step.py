@@ -1,14 +1,16 @@
-"""Compiled vs eager, side by side in one process: `python -m compiled_engine.apps.bench.decode_step`.
+"""Compiled vs eager, side by side in one process:
+`python -m compiled_engine.apps.bench.decode_step`.
 
-1. Demo model (fp32): decode step latency at batch 1/8/32 (context 128 per row), eager vs each compile mode.
-2. Bench model (bf16 Llama, hidden 768, 12 layers): batch-1 decode tokens/s (prompt 128, 256 new tokens,
-   greedy argmax on the logits) and 512-token prefill tokens/s, eager vs each compile mode.
+1. Demo model (fp32): decode step latency at batch 1/8/32 (context 128 per row), eager vs each
+   compile mode.
+2. Bench model (bf16 Llama, hidden 768, 12 layers): batch-1 decode tokens/s (prompt 128, 256 new
+   tokens, greedy argmax on the logits) and 512-token prefill tokens/s, eager vs each compile mode.
 
 It times the model step (`CompiledForward`, on graphs precompiled as the engine's warm-up makes
-them), not the scheduler or the sampler. The machine may be
-shared: variants run interleaved, call by call, and each estimate is the mean of the fastest fifth of
-the samples, in wall time and in CPU time of this process (CPU time ignores the time other processes
-hold the cores; with --threads 1 it is the cleanest signal on a busy machine).
+them), not the scheduler or the sampler. The machine may be shared: variants run interleaved, call
+by call, and each estimate is the mean of the fastest fifth of the samples, in wall time and in CPU
+time of this process (CPU time ignores the time other processes hold the cores; with --threads 1 it
+is the cleanest signal on a busy machine).
 """
 
 from __future__ import annotations
@@ -31,16 +33,29 @@ from compiled_engine.scheduler.plan import ReqStep, StepPlan
 
 
 class Setup:
-    """One model and KV pool, an eager forward and one compiled forward per mode, all sharing them."""
+    """One model and KV pool, an eager forward and one compiled forward per mode, all sharing
+    them."""
 
-    def __init__(self, model_dir: str, load_format: str, buckets: list[int], slots: int, modes: list[str]) -> None:
+    def __init__(
+        self, model_dir: str, load_format: str, buckets: list[int], slots: int, modes: list[str]
+    ) -> None:
         self.model, _ = load_model(model_dir, load_format=load_format)
-        self.runner = ModelRunner(self.model, RunnerConfig(
-            max_rows=max(buckets) + 1, max_context=2048, page_size=1, num_pages=slots + 1, buckets=buckets,
-            enforce_eager=True,
-        ), torch.device("cpu"))
+        self.runner = ModelRunner(
+            self.model,
+            RunnerConfig(
+                max_rows=max(buckets) + 1,
+                max_context=2048,
+                page_size=1,
+                num_pages=slots + 1,
+                buckets=buckets,
+                enforce_eager=True,
+            ),
+            torch.device("cpu"),
+        )
         cpu = torch.device("cpu")
-        self.forwards: dict[str, CompiledForward] = {"eager": CompiledForward(self.model, buckets, False, cpu)}
+        self.forwards: dict[str, CompiledForward] = {
+            "eager": CompiledForward(self.model, buckets, False, cpu)
+        }
         self._precompiled = tempfile.TemporaryDirectory(prefix="bench-decode-")
         for mode in modes:
             self.forwards[mode] = CompiledForward(self.model, buckets, True, cpu, compile_mode=mode)
@@ -51,12 +66,17 @@ class Setup:
     def rows(self, lengths: list[int]) -> None:
         """Give row b a fresh run of `lengths[b]` KV slots in its page-table row."""
         for b, n in enumerate(lengths):
-            self.runner.tables.page_table[b, :n] = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
+            self.runner.tables.page_table[b, :n] = torch.arange(
+                self.next_slot, self.next_slot + n, dtype=torch.int32
+            )
             self.next_slot += n
 
     def decode(self, positions: list[int], bucket: int) -> StepInputs:
         t = self.runner.tables
-        reqs = tuple(ReqStep(f"r{b}", b, p, 1, (int(t.page_table[b, p]),), True) for b, p in enumerate(positions))
+        reqs = tuple(
+            ReqStep(f"r{b}", b, p, 1, (int(t.page_table[b, p]),), True)
+            for b, p in enumerate(positions)
+        )
         return build_step_inputs(StepPlan(0, reqs, (), (), True), t, bucket, self.runner.staging)
 
     def extend(self, length: int) -> StepInputs:
@@ -65,8 +85,11 @@ class Setup:
         return build_step_inputs(StepPlan(0, reqs, (), (), False), t, None, self.runner.staging)
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (wall s, CPU s): each the mean of the fastest fifth, the variants run call by call in turn."""
+def _interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int
+) -> dict[str, tuple[float, float]]:
+    """name -> (wall s, CPU s): each the mean of the fastest fifth, the variants run call by call in
+    turn."""
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
@@ -99,26 +122,38 @@ def demo_decode(modes: list[str], batches: list[int], context: int, repeats: int
     setup = Setup(str(demo_model_dir()), "auto", batches, max(batches) * context + 16, modes)
     setup.rows([context] * max(batches))
     print(f"\n## demo model (fp32), decode step latency, context {context} per row")
-    print(f"{'batch':>5} {'variant':>22} {'compile s':>9} {'wall ms':>8} {'cpu ms':>8} {'x eager (wall)':>14} "
-          f"{'x eager (cpu)':>13}")
+    print(
+        f"{'batch':>5} {'variant':>22} {'compile s':>9} {'wall ms':>8} {'cpu ms':>8} "
+        f"{'x eager (wall)':>14} {'x eager (cpu)':>13}"
+    )
     with torch.inference_mode():
         for batch in batches:
             inputs = setup.decode([context - 1] * batch, batch)
             compile_s = {name: _compile(fwd, inputs) for name, fwd in setup.forwards.items()}
-            res = _interleaved({name: (lambda f=fwd, x=inputs: _step(f, x)) for name, fwd in setup.forwards.items()},
-                               repeats)
+            res = _interleaved(
+                {
+                    name: (lambda f=fwd, x=inputs: _step(f, x))
+                    for name, fwd in setup.forwards.items()
+                },
+                repeats,
+            )
             ew, ec = res["eager"]
             for name, (w, c) in res.items():
                 cs = "" if name == "eager" else f"{compile_s[name]:.1f}"
-                print(f"{batch:>5} {name:>22} {cs:>9} {w * 1e3:8.2f} {c * 1e3:8.2f} {ew / w:14.2f} {ec / c:13.2f}",
-                      flush=True)
+                print(
+                    f"{batch:>5} {name:>22} {cs:>9} {w * 1e3:8.2f} {c * 1e3:8.2f} {ew / w:14.2f} "
+                    f"{ec / c:13.2f}",
+                    flush=True,
+                )
 
 
 def bench_model(modes: list[str], prompt: int, new_tokens: int, prefill: int, rounds: int) -> None:
     model_dir = str(bench_model_dir())
     setup = Setup(model_dir, "auto", [1], 2 * (prompt + new_tokens) + 2 * prefill + 16, modes)
-    print(f"\n## bench model (bf16, {model_dir}): batch-1 decode (prompt {prompt}, {new_tokens} new tokens) "
-          f"and a {prefill}-token prefill, tokens/s")
+    print(
+        f"\n## bench model (bf16, {model_dir}): batch-1 decode (prompt {prompt}, {new_tokens} new "
+        f"tokens) and a {prefill}-token prefill, tokens/s"
+    )
     with torch.inference_mode():
         setup.rows([prompt + new_tokens])
         decode_steps = [setup.decode([p], 1) for p in range(prompt, prompt + new_tokens)]
@@ -136,43 +171,69 @@ def bench_model(modes: list[str], prompt: int, new_tokens: int, prefill: int, ro
                     _step(fwd, step).argmax(-1)
             return run
 
-        # Decode: whole 256-step generations, variants in turn; the per-step estimate is the total over steps.
+        # Decode: whole 256-step generations, variants in turn; the per-step estimate is the total
+        # over steps.
         gen = _interleaved({name: generate(fwd) for name, fwd in setup.forwards.items()}, rounds)
-        pre_only = _interleaved({name: (lambda f=fwd: _step(f, prompt_inputs)) for name, fwd in setup.forwards.items()},
-                                3)
-        pre = _interleaved({name: (lambda f=fwd: _step(f, prefill_inputs)) for name, fwd in setup.forwards.items()},
-                           max(3, rounds))
+        pre_only = _interleaved(
+            {name: (lambda f=fwd: _step(f, prompt_inputs)) for name, fwd in setup.forwards.items()},
+            3,
+        )
+        pre = _interleaved(
+            {
+                name: (lambda f=fwd: _step(f, prefill_inputs))
+                for name, fwd in setup.forwards.items()
+            },
+            max(3, rounds),
+        )
     print(f"{'variant':>22} {'compile s (decode/extend)':>25} {'decode tok/s wall':>17} {'cpu':>7} "
           f"{'x eager':>7} {'prefill tok/s wall':>18} {'cpu':>7} {'x eager':>7}")
-    dec = {k: (new_tokens / max(1e-9, g[0] - pre_only[k][0]), new_tokens / max(1e-9, g[1] - pre_only[k][1]))
-           for k, g in gen.items()}
+    dec = {
+        k: (
+            new_tokens / max(1e-9, g[0] - pre_only[k][0]),
+            new_tokens / max(1e-9, g[1] - pre_only[k][1]),
+        )
+        for k, g in gen.items()
+    }
     pf = {k: (prefill / v[0], prefill / v[1]) for k, v in pre.items()}
     for name in setup.forwards:
         cs = "" if name == "eager" else f"{compile_s[name][0]:.1f} / {compile_s[name][1]:.1f}"
-        print(f"{name:>22} {cs:>25} {dec[name][0]:17.1f} {dec[name][1]:7.1f} {dec[name][1] / dec['eager'][1]:7.2f} "
-              f"{pf[name][0]:18.1f} {pf[name][1]:7.1f} {pf[name][1] / pf['eager'][1]:7.2f}", flush=True)
+        print(
+            f"{name:>22} {cs:>25} {dec[name][0]:17.1f} {dec[name][1]:7.1f} "
+            f"{dec[name][1] / dec['eager'][1]:7.2f} {pf[name][0]:18.1f} {pf[name][1]:7.1f} "
+            f"{pf[name][1] / pf['eager'][1]:7.2f}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--modes", default="default,freezing",
                     help=f"compile modes to compare ({', '.join(COMPILE_MODES)})")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=60, help="decode steps timed per variant and batch (demo)")
+    ap.add_argument(
+        "--repeats", type=int, default=60, help="decode steps timed per variant and batch (demo)"
+    )
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3, help="timed generations per variant (bench model)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="timed generations per variant (bench model)"
+    )
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; modes: " + ", ".join(f"{m}={COMPILE_MODES[m]}" for m in modes))
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; modes: "
+        + ", ".join(f"{m}={COMPILE_MODES[m]}" for m in modes)
+    )
     if not args.skip_demo:
         demo_decode(modes, [int(b) for b in args.batches.split(",")], args.context, args.repeats)
     if not args.skip_bench:

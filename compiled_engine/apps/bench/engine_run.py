@@ -1,9 +1,9 @@
 """Driving our engine over a workload, timing every token.
 
-The loop is `LLM.generate`'s (add requests, `engine.step()` until idle) on token-id prompts, without the
-detokenizer: the bench model's vocabulary (32000) is larger than its demo tokenizer's, and the field's
-throughput benchmarks count tokens, not text. Each round of the workload starts when the previous one
-finished (turn t+1 of a chat after turn t).
+The loop is `LLM.generate`'s (add requests, `engine.step()` until idle) on token-id prompts, without
+the detokenizer: the bench model's vocabulary (32000) is larger than its demo tokenizer's, and the
+field's throughput benchmarks count tokens, not text. Each round of the workload starts when the
+previous one finished (turn t+1 of a chat after turn t).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ class EngineTimings:
     outputs: dict[int, list[int]]  # index in `all_requests(sessions)` -> its generated tokens
 
 
-# KV pool of every CPU bench engine unless --num-pages says otherwise: one fixed size (768 MiB on the bench
-# model), because the pool's shape is part of the compile-cache key and varying it would recompile. On a GPU
-# the pool is sized from its free memory (the same size on every run of one machine).
+# KV pool of every CPU bench engine unless --num-pages says otherwise: one fixed size (768 MiB on
+# the bench model), because the pool's shape is part of the compile-cache key and varying it would
+# recompile. On a GPU the pool is sized from its free memory (the same size on every run of one
+# machine).
 BENCH_PAGES = 65536
 _rids = itertools.count()  # request ids unique within the process, across runs on one engine
 
@@ -48,7 +49,8 @@ def build_llm(model_dir: str, **engine_kwargs) -> LLM:
 
 
 def close_llm(llm: LLM) -> None:
-    """Shut the engine down and give its memory back (a GPU's too: the baseline that runs next needs it)."""
+    """Shut the engine down and give its memory back (a GPU's too: the baseline that runs next needs
+    it)."""
     device = llm.engine.runner.device if hasattr(llm.engine, "runner") else None
     llm.engine.shutdown()
     del llm

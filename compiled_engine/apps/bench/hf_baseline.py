@@ -1,7 +1,8 @@
 """The transformers baseline: its best `generate` variant measured on this machine (plain eager
-generate; its static-cache + compile path was slower). Requests are sorted by output length and run in
-groups, left-padded, greedy, every row generating the group's longest output (`min_new_tokens` =
-`max_new_tokens`). Only the requested output tokens are counted, so the token counts match our engine's.
+generate; its static-cache + compile path was slower). Requests are sorted by output length and run
+in groups, left-padded, greedy, every row generating the group's longest output (`min_new_tokens` =
+`max_new_tokens`). Only the requested output tokens are counted, so the token counts match our
+engine's.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ PAD_ID = 0
 
 
 def load_hf_model(model_path: str, dtype: str = "auto", device: str = "auto") -> torch.nn.Module:
-    """transformers' model of a checkpoint directory, or of a GGUF file (`auto`: the dtype our engine picks),
-    on `device` (`auto`: cuda when available, as our engine)."""
+    """transformers' model of a checkpoint directory, or of a GGUF file (`auto`: the dtype our
+    engine picks), on `device` (`auto`: cuda when available, as our engine)."""
     from transformers import AutoModelForCausalLM
 
     if device == "auto":
@@ -28,7 +29,9 @@ def load_hf_model(model_path: str, dtype: str = "auto", device: str = "auto") ->
     if is_gguf(model_path):
         where = Path(model_path)
         dtype = open_gguf(where).config_dict["torch_dtype"] if dtype == "auto" else dtype
-        model = AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(where.parent), gguf_file=where.name, dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()
@@ -49,15 +52,18 @@ def _generate(model: torch.nn.Module, group: list[BenchRequest]) -> list[list[in
     return [row[width:width + r.output_len] for row, r in zip(out.tolist(), group, strict=True)]
 
 
-def run_hf(model: torch.nn.Module, sessions: list[Session],
-           group_size: int | None = None) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
-    """Timings (latency only: `generate` does not stream), the total duration, and each request's tokens (by
-    index in `all_requests(sessions)`). Groups of 16 rows on the CPU, 64 on a GPU (wider batches feed it
-    better; the padding a group wastes grows with its width)."""
+def run_hf(
+    model: torch.nn.Module, sessions: list[Session], group_size: int | None = None
+) -> tuple[list[RequestTiming], float, dict[int, list[int]]]:
+    """Timings (latency only: `generate` does not stream), the total duration, and each request's
+    tokens (by index in `all_requests(sessions)`). Groups of 16 rows on the CPU, 64 on a GPU (wider
+    batches feed it better; the padding a group wastes grows with its width)."""
     if group_size is None:
         group_size = 64 if model.device.type == "cuda" else 16
     ordered = all_requests(sessions)
-    order = sorted(range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids)))
+    order = sorted(
+        range(len(ordered)), key=lambda i: (ordered[i].output_len, len(ordered[i].prompt_ids))
+    )
     reqs = [ordered[i] for i in order]
     timings = []
     outputs: dict[int, list[int]] = {}
@@ -68,5 +74,8 @@ def run_hf(model: torch.nn.Module, sessions: list[Session],
             group = reqs[i:i + group_size]
             outputs.update(zip(order[i:i + group_size], _generate(model, group), strict=True))
             done = time.perf_counter() - start
-            timings.extend(RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True) for r in group)
+            timings.extend(
+                RequestTiming(len(r.prompt_ids), r.output_len, latency=done, success=True)
+                for r in group
+            )
     return timings, time.perf_counter() - start, outputs

@@ -1,10 +1,10 @@
-"""`python -m compiled_engine.apps.bench.host_time`: the host's time per decode step against the device's,
-at one batch size (#15's target on a GPU: host under 10% of the GPU step at batch 64).
+"""`python -m compiled_engine.apps.bench.host_time`: the host's time per decode step against the
+device's, at one batch size (#15's target on a GPU: host under 10% of the GPU step at batch 64).
 
-The host's part of a step is `Engine.step` minus its wait for the previous step's tokens (under overlap the
-device runs the next step meanwhile); the device's part is the kernel time the profiler records over the
-same number of steps, per step. Both are measured over `--steps` steady decode steps of a full batch: first
-unprofiled (host and wall time), then profiled (kernel time).
+The host's part of a step is `Engine.step` minus its wait for the previous step's tokens (under
+overlap the device runs the next step meanwhile); the device's part is the kernel time the profiler
+records over the same number of steps, per step. Both are measured over `--steps` steady decode
+steps of a full batch: first unprofiled (host and wall time), then profiled (kernel time).
 """
 
 from __future__ import annotations
@@ -68,9 +68,12 @@ def measure(model: str, device: str, batch: int, steps: int, input_len: int) -> 
     rng = random.Random(0)
     params = SamplingParams(max_tokens=2 * steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"host-time-{i}", [rng.randrange(3, 1000) for _ in range(input_len)], params)
+        engine.add_request(
+            f"host-time-{i}", [rng.randrange(3, 1000) for _ in range(input_len)], params
+        )
     try:
-        while engine.scheduler.stats().num_waiting or engine.steps < 8:  # prefill done, decode steady
+        # prefill done, decode steady
+        while engine.scheduler.stats().num_waiting or engine.steps < 8:
             engine.step()
         with _WaitClock() as wait:
             t0 = time.perf_counter()
@@ -87,8 +90,15 @@ def measure(model: str, device: str, batch: int, steps: int, input_len: int) -> 
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / steps
         ms = 1e3 / steps
-        return HostTime(str(engine.runner.device), batch, steps, wall * ms, (wall - wait.seconds) * ms,
-                        wait.seconds * ms, kernel_ms)
+        return HostTime(
+            str(engine.runner.device),
+            batch,
+            steps,
+            wall * ms,
+            (wall - wait.seconds) * ms,
+            wait.seconds * ms,
+            kernel_ms,
+        )
     finally:
         close_llm(llm)
 
@@ -104,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     result = measure(args.model, args.device, args.batch, args.steps, args.input_len)
     share = result.host_share
-    print(f"{result.device}, batch {result.batch}, {result.steps} decode steps: wall {result.wall_ms:.3f} ms/step, "
-          f"host {result.host_ms:.3f} ms/step (waiting {result.wait_ms:.3f}), kernels "
-          + ("n/a" if result.kernel_ms is None else f"{result.kernel_ms:.3f} ms/step")
-          + ("" if share is None else f"; host / kernels = {share:.1%}"))
+    print(
+        f"{result.device}, batch {result.batch}, {result.steps} decode steps: wall "
+        f"{result.wall_ms:.3f} ms/step, host {result.host_ms:.3f} ms/step (waiting "
+        f"{result.wait_ms:.3f}), kernels "
+        + ("n/a" if result.kernel_ms is None else f"{result.kernel_ms:.3f} ms/step")
+        + ("" if share is None else f"; host / kernels = {share:.1%}")
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(result) | {"host_share": share}, f, indent=2)

@@ -1,9 +1,10 @@
-"""`python -m compiled_engine.apps.bench.jax_bridge`: what a JAX logits processor costs per decode step, at
-batch 1 and 32 on the bench model, against the same rule built in (torch: `repetition_penalty`) and against
-no processing, in one process, variants alternating.
+"""`python -m compiled_engine.apps.bench.jax_bridge`: what a JAX logits processor costs per decode
+step, at batch 1 and 32 on the bench model, against the same rule built in (torch:
+`repetition_penalty`) and against no processing, in one process, variants alternating.
 
-Each measurement queues a batch of fresh 128-token prompts on the engine, steps until every request decodes,
-then times `--steps` decode steps one by one; a variant's figure is the median step of its best run.
+Each measurement queues a batch of fresh 128-token prompts on the engine, steps until every request
+decodes, then times `--steps` decode steps one by one; a variant's figure is the median step of its
+best run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def _step_ms(engine, batch: int, rng: random.Random, steps: int, extra: dict, ta
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True, **extra)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [rng.randrange(3, 1000) for _ in range(128)], params)
-    while engine.scheduler.stats().num_waiting or engine.last_plan is None or not engine.last_plan.is_decode:
+    while (
+        engine.scheduler.stats().num_waiting
+        or engine.last_plan is None
+        or not engine.last_plan.is_decode
+    ):
         engine.step()
     times = []
     for _ in range(steps):
@@ -62,10 +67,19 @@ def measure(model: str, batches: list[int], steps: int, repeats: int) -> list[di
             best: dict[str, float] = {}
             for r in range(repeats):
                 for name, extra in VARIANTS.items():
-                    ms = _step_ms(llm.engine, batch, rng, steps, extra, f"{batch}-{r}-{len(best)}-{name[:5]}")
+                    ms = _step_ms(
+                        llm.engine, batch, rng, steps, extra, f"{batch}-{r}-{len(best)}-{name[:5]}"
+                    )
                     best[name] = min(best.get(name, float("inf")), ms)
             for name, ms in best.items():
-                rows.append({"batch": batch, "variant": name, "step_ms": ms, "over_none_ms": ms - best["none"]})
+                rows.append(
+                    {
+                        "batch": batch,
+                        "variant": name,
+                        "step_ms": ms,
+                        "over_none_ms": ms - best["none"],
+                    }
+                )
     finally:
         close_llm(llm)
     return rows

@@ -1,6 +1,6 @@
-"""Benchmark the kernel ops: `python -m compiled_engine.apps.bench.kernel_ops` (CPU ops vs their portable
-implementations and the reference), `--linear` (CPU bf16 linear: torch vs pre-packed oneDNN vs the op),
-`--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
+"""Benchmark the kernel ops: `python -m compiled_engine.apps.bench.kernel_ops` (CPU ops vs their
+portable implementations and the reference), `--linear` (CPU bf16 linear: torch vs pre-packed oneDNN
+vs the op), `--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
 
 import argparse
 import statistics
@@ -33,7 +33,8 @@ def _paged(
 
 
 def _time_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time after one warm-up call (the machine may be shared: the median resists noise)."""
+    """Median wall time after one warm-up call (the machine may be shared: the median resists
+    noise)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -45,16 +46,28 @@ def _time_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def bench_cpu(repeats: int) -> None:
     num_heads, num_kv, page_size = 8, 2, 16
-    print(f"CPU, {torch.get_num_threads()} threads, H={num_heads} Hkv={num_kv} page_size={page_size}, median ms")
+    print(
+        f"CPU, {torch.get_num_threads()} threads, H={num_heads} Hkv={num_kv} "
+        f"page_size={page_size}, median ms"
+    )
     for dtype in (torch.bfloat16, torch.float32):
         for head_dim in (128, 64):
             batch, context = 32, 1024
             seq_lens = [context] * batch
             k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cpu")
             q = torch.randn(batch, num_heads, head_dim, dtype=dtype)
-            args = (q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), head_dim**-0.5)
+            args = (
+                q,
+                k_cache,
+                v_cache,
+                table,
+                torch.tensor(seq_lens, dtype=torch.int32),
+                head_dim**-0.5,
+            )
             op = _time_ms(lambda args=args: ops.decode_attention(*args), repeats)
-            fallback = _time_ms(lambda args=args: torch.ops.kernels.decode_attention_portable(*args), repeats)
+            fallback = _time_ms(
+                lambda args=args: torch.ops.kernels.decode_attention_portable(*args), repeats
+            )
             ref = _time_ms(lambda args=args: reference.decode_attention_reference(*args), 1)
             print(
                 f"decode {str(dtype)[6:]:8} B={batch} ctx={context} D={head_dim}: "
@@ -85,24 +98,46 @@ def bench_linear(repeats: int) -> None:
     mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
     amx = ops.amx_available()
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    print(f"CPU bf16 linear, {torch.get_num_threads()} threads, the bench model's {mib:.0f} MiB of linears, median ms"
-          + ("" if amx else " (no AMX here: the op is oneDNN)"))
+    print(
+        f"CPU bf16 linear, {torch.get_num_threads()} threads, the bench model's {mib:.0f} MiB of "
+        "linears, median ms"
+        + ("" if amx else " (no AMX here: the op is oneDNN)")
+    )
     for rows in (1, 8, 32, 64, 512):
         xs = {k: torch.randn(rows, k).bfloat16() for k in (768, 2048)}
         plain = _time_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], repeats)
-        packed = _time_ms(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                         for w, p in zip(weights, onednn)], repeats)
+        packed = _time_ms(
+            lambda xs=xs: [
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, onednn)
+            ],
+            repeats,
+        )
         op = _time_ms(lambda xs=xs: [ops.linear(xs[w.shape[1]], w) for w in weights], repeats)
-        print(f"rows {rows:4}: torch F.linear {plain:8.2f}  packed oneDNN {packed:8.2f}  op {op:8.2f} "
-              f"({mib / 1024 / op * 1e3:5.1f} GiB/s of weights; {packed / op:.2f}x oneDNN, {plain / op:.2f}x torch)")
+        print(
+            f"rows {rows:4}: torch F.linear {plain:8.2f}  packed oneDNN {packed:8.2f}  op "
+            f"{op:8.2f} ({mib / 1024 / op * 1e3:5.1f} GiB/s of weights; {packed / op:.2f}x oneDNN, "
+            f"{plain / op:.2f}x torch)"
+        )
 
 
 def bench_cuda() -> None:
     from triton.testing import do_bench
 
     num_heads, num_kv, head_dim, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
-    print(f"CUDA {torch.cuda.get_device_name()}, bf16, H={num_heads} Hkv={num_kv} D={head_dim} page_size={page_size}")
-    for batch, context in ((1, 4096), (1, 32768), (8, 4096), (32, 1024), (32, 8192), (128, 2048), (256, 4096)):
+    print(
+        f"CUDA {torch.cuda.get_device_name()}, bf16, H={num_heads} Hkv={num_kv} D={head_dim} "
+        f"page_size={page_size}"
+    )
+    for batch, context in (
+        (1, 4096),
+        (1, 32768),
+        (8, 4096),
+        (32, 1024),
+        (32, 8192),
+        (128, 2048),
+        (256, 4096),
+    ):
         seq_lens = [context] * batch
         k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cuda")
         q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
@@ -110,7 +145,10 @@ def bench_cuda() -> None:
         args = (q, k_cache, v_cache, table, lens, 0.088)
         ms = do_bench(lambda args=args: ops.decode_attention(*args))
         kv_bytes = 2 * sum(seq_lens) * num_kv * head_dim * k_cache.element_size()
-        print(f"decode B={batch:4} ctx={context:6}: {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s of KV read")
+        print(
+            f"decode B={batch:4} ctx={context:6}: {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} "
+            "GB/s of KV read"
+        )
     for requests, new, prefix in ((4, 512, 0), (4, 512, 512), (1, 8192, 0), (16, 1024, 2048)):
         seq_lens = [prefix + new] * requests
         k_cache, v_cache, table = _paged(seq_lens, num_kv, head_dim, page_size, dtype, "cuda")
@@ -120,12 +158,17 @@ def bench_cuda() -> None:
         args = (q, k_cache, v_cache, table, cu, lens, 0.088)
         ms = do_bench(lambda args=args: ops.extend_attention(*args))
         flops = 4 * requests * num_heads * head_dim * new * (prefix + (new + 1) / 2)
-        print(f"extend {requests}x{new} prefix={prefix}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s")
+        print(
+            f"extend {requests}x{new} prefix={prefix}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} "
+            "TFLOP/s"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cuda", action="store_true", help="benchmark the Triton kernels on the GPU")
+    parser.add_argument(
+        "--cuda", action="store_true", help="benchmark the Triton kernels on the GPU"
+    )
     parser.add_argument("--linear", action="store_true", help="benchmark the CPU bf16 linear")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -1,4 +1,5 @@
-"""`bench latency`: decode step time at fixed batch sizes, and prefill throughput of one long prompt.
+"""`bench latency`: decode step time at fixed batch sizes, and prefill throughput of one long
+prompt.
 
 A decode step's time is the median gap between a request's successive tokens while the whole batch
 decodes together (every step emits one token per request); tokens/s = batch / step time.
@@ -32,11 +33,21 @@ class LatencyRun:
 PREFILL_REPEATS = 3
 
 
-def latency_workloads(batches: list[int], input_len: int, output_len: int, prefill_len: int, vocab: int,
-                      seed: int) -> tuple[list[list[Session]], list[Session]]:
-    """One workload per batch size (all prompts distinct), and the prefill probes (one prompt each)."""
-    decode = [random_dataset(b, LengthRange(input_len, input_len), LengthRange(output_len, output_len), vocab,
-                             seed + b) for b in batches]
+def latency_workloads(
+    batches: list[int], input_len: int, output_len: int, prefill_len: int, vocab: int, seed: int
+) -> tuple[list[list[Session]], list[Session]]:
+    """One workload per batch size (all prompts distinct), and the prefill probes (one prompt
+    each)."""
+    decode = [
+        random_dataset(
+            b,
+            LengthRange(input_len, input_len),
+            LengthRange(output_len, output_len),
+            vocab,
+            seed + b,
+        )
+        for b in batches
+    ]
     rng = random.Random(seed - 1)
     prefill = [[BenchRequest([rng.randrange(3, vocab) for _ in range(prefill_len)], 1)]
                for _ in range(PREFILL_REPEATS)]

@@ -1,8 +1,8 @@
 """Latency and throughput math, shared by the offline and online benchmarks.
 
-Definitions (as vLLM's `bench serve`): TTFT = first token time - send time; TPOT = (latency - TTFT) /
-(output tokens - 1) per request (requests with one token have none); ITL = the gaps between successive
-streamed chunks, pooled over all requests; E2E = last token time - send time.
+Definitions (as vLLM's `bench serve`): TTFT = first token time - send time; TPOT = (latency - TTFT)
+/ (output tokens - 1) per request (requests with one token have none); ITL = the gaps between
+successive streamed chunks, pooled over all requests; E2E = last token time - send time.
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ class Stats:
     def of(cls, values: list[float]) -> Stats:
         if not values:
             return cls(math.nan, math.nan, math.nan, math.nan)
-        return cls(sum(values) / len(values), percentile(values, 50), percentile(values, 90), percentile(values, 99))
+        return cls(
+            sum(values) / len(values),
+            percentile(values, 50),
+            percentile(values, 90),
+            percentile(values, 99),
+        )
 
 
 def percentile(values: list[float], q: float) -> float:

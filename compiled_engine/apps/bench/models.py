@@ -1,10 +1,11 @@
-"""The bench checkpoints, random weights that every benchmark loads, our engine and transformers alike:
-`bench`, a larger Llama (hidden 768, 12 layers, vocab 32000, bf16), and `qwen3-0.6b`, Qwen3-0.6B's shape
-(28 layers, hidden 1024, GQA 16/8, head dim 128, vocab 151936, bf16: nano-vllm's GPU benchmark model).
+"""The bench checkpoints, random weights that every benchmark loads, our engine and transformers
+alike: `bench`, a larger Llama (hidden 768, 12 layers, vocab 32000, bf16), and `qwen3-0.6b`,
+Qwen3-0.6B's shape (28 layers, hidden 1024, GQA 16/8, head dim 128, vocab 151936, bf16: nano-vllm's
+GPU benchmark model).
 
-Created deterministically on first use under `cache_root()` in Hugging Face layout. The tokenizer is the
-demo one (8000 pieces) whatever the model's vocabulary: benchmarks use random token ids, so only the
-embedding and LM-head sizes matter.
+Created deterministically on first use under `cache_root()` in Hugging Face layout. The tokenizer is
+the demo one (8000 pieces) whatever the model's vocabulary: benchmarks use random token ids, so only
+the embedding and LM-head sizes matter.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ QWEN3_CONFIG = {
     "eos_token_id": 2,
     "torch_dtype": "bfloat16",
 }
-BENCH_MODELS = {BENCH_NAME: (BENCH_DIR_NAME, BENCH_CONFIG), QWEN3_NAME: ("bench-qwen3-0.6b", QWEN3_CONFIG)}
+BENCH_MODELS = {
+    BENCH_NAME: (BENCH_DIR_NAME, BENCH_CONFIG),
+    QWEN3_NAME: ("bench-qwen3-0.6b", QWEN3_CONFIG),
+}
 
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "README.md")
 
@@ -66,7 +70,9 @@ _CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors
 def bench_model_dir(root: Path | None = None, name: str = BENCH_NAME) -> Path:
     """Path of a bench checkpoint, creating it on first use."""
     folder, config = BENCH_MODELS[name]
-    return cached_folder((root or cache_root()) / folder, lambda out: write_bench_model(out, config))
+    return cached_folder(
+        (root or cache_root()) / folder, lambda out: write_bench_model(out, config)
+    )
 
 
 def resolve_bench_model(model: str) -> str:
@@ -89,8 +95,15 @@ def write_bench_model(out: Path, config: dict = BENCH_CONFIG) -> None:
         data["model_max_length"] = config["max_position_embeddings"]
         dump_json(tok_config, data)
     dump_json(out / "config.json", config)
-    dump_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2], "do_sample": False})
-    save_file(random_llama_weights(config, "bfloat16"), str(out / "model.safetensors"), metadata={"format": "pt"})
+    dump_json(
+        out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2], "do_sample": False}
+    )
+    save_file(
+        random_llama_weights(config, "bfloat16"),
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "README.md").write_text(
-        "# compiled-engine bench model (random weights)\n\nCreated by compiled_engine/apps/bench/models.py.\n"
+        "# compiled-engine bench model (random weights)\n\nCreated by "
+        "compiled_engine/apps/bench/models.py.\n"
     )

@@ -1,5 +1,5 @@
-"""`bench offline`: one workload through our engine, and through the baselines it is compared with, in
-one process run, one after the other."""
+"""`bench offline`: one workload through our engine, and through the baselines it is compared with,
+in one process run, one after the other."""
 
 from __future__ import annotations
 
@@ -26,13 +26,15 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
         return "eager", {"enforce_eager": True}
     if name == "nondeterministic":
         return "not deterministic", {"deterministic": False}
-    raise ValueError(f"unknown comparison {name!r}; use hf, naive, overlap, eager or nondeterministic")
+    raise ValueError(
+        f"unknown comparison {name!r}; use hf, naive, overlap, eager or nondeterministic"
+    )
 
 
 @dataclass
 class TokenAgreement:
-    """A run's greedy tokens against the base run's (ours): requests with identical outputs, and the mean
-    fraction of each output before the first difference (bf16 near ties make some differ)."""
+    """A run's greedy tokens against the base run's (ours): requests with identical outputs, and the
+    mean fraction of each output before the first difference (bf16 near ties make some differ)."""
 
     identical: int
     requests: int
@@ -51,10 +53,14 @@ def token_agreement(base: dict[int, list[int]], other: dict[int, list[int]]) -> 
     fractions = []
     for i, ours in base.items():
         theirs = other.get(i, [])
-        same = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        same = next(
+            (k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+        )
         fractions.append(same / len(ours) if ours else 1.0)
     identical = sum(base[i] == other.get(i) for i in base)
-    return TokenAgreement(identical, len(base), sum(fractions) / len(fractions) if fractions else 1.0)
+    return TokenAgreement(
+        identical, len(base), sum(fractions) / len(fractions) if fractions else 1.0
+    )
 
 
 @dataclass
@@ -66,13 +72,16 @@ class OfflineResult:
     runs: list[OfflineRun] = field(default_factory=list)
 
     def ratios(self) -> dict[str, dict[str, float]]:
-        """Base run over each other run: output throughput ratio and median-TTFT ratio (theirs / ours)."""
+        """Base run over each other run: output throughput ratio and median-TTFT ratio (theirs /
+        ours)."""
         base = self.runs[0].summary
         out = {}
         for run in self.runs[1:]:
             s = run.summary
             out[run.label] = {
-                "throughput": base.output_throughput / s.output_throughput if s.output_throughput else float("nan"),
+                "throughput": base.output_throughput / s.output_throughput
+                if s.output_throughput
+                else float("nan"),
                 "ttft_p50": s.ttft_s.p50 / base.ttft_s.p50 if base.ttft_s.p50 else float("nan"),
             }
         return out
@@ -99,8 +108,9 @@ def hf_run(model_dir: str, sessions: list[Session], dtype: str = "auto",
 
 def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare: list[str],
                 log=print, repeats: int = 1) -> list[OfflineRun]:
-    """Our engine, then each comparison, `repeats` times over in that order (so that a slow spell of a
-    shared machine hits every variant alike); each variant keeps its fastest run (best of `repeats`)."""
+    """Our engine, then each comparison, `repeats` times over in that order (so that a slow spell of
+    a shared machine hits every variant alike); each variant keeps its fastest run (best of
+    `repeats`)."""
     base_label = "compiled-engine" + (" (eager)" if settings.get("enforce_eager") else "")
     best: dict[str, OfflineRun] = {}
     base_outputs: dict[int, list[int]] = {}
@@ -118,8 +128,15 @@ def run_offline(model_dir: str, sessions: list[Session], settings: dict, compare
             if name is not None:
                 run.tokens_vs_base = token_agreement(base_outputs, outputs)
             agree = run.tokens_vs_base
-            same = f"; tokens identical to ours in {agree.identical}/{agree.requests} requests" if agree else ""
+            same = (
+                f"; tokens identical to ours in {agree.identical}/{agree.requests} requests"
+                if agree
+                else ""
+            )
             log(f"{run.label}: {run.summary.output_throughput:.1f} output tok/s{same}")
-            if run.label not in best or run.summary.output_throughput > best[run.label].summary.output_throughput:
+            if (
+                run.label not in best
+                or run.summary.output_throughput > best[run.label].summary.output_throughput
+            ):
                 best[run.label] = run
     return list(best.values())

@@ -1,5 +1,6 @@
-"""One streaming `/v1/completions` request against any OpenAI-compatible server, timed per chunk
-(as vLLM's `bench serve`: every SSE chunk with `choices` is a token arrival; `usage` gives the count)."""
+"""One streaming `/v1/completions` request against any OpenAI-compatible server, timed per chunk (as
+vLLM's `bench serve`: every SSE chunk with `choices` is a token arrival; `usage` gives the
+count)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def completion_body(model: str, prompt: list[int] | str, max_tokens: int) -> dic
     }
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> RequestTiming:
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict, prompt_len: int
+) -> RequestTiming:
     """POST `body` to `url` and time the stream; failures are recorded, never raised."""
     timing = RequestTiming(prompt_len=prompt_len)
     chunks = 0
@@ -33,7 +36,10 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, pro
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
-                timing.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
+                timing.error = (
+                    f"HTTP {resp.status_code}: "
+                    f"{(await resp.aread())[:200].decode(errors='replace')}"
+                )
                 return timing
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):

@@ -28,16 +28,24 @@ def _save(fig, path: Path) -> Path:
 def plot_offline(runs: list[OfflineRun], title: str, path: Path) -> Path:
     """Output tokens/s per run, and median TTFT where the run has one."""
     with_ttft = [r for r in runs if not math.isnan(r.summary.ttft_s.p50)]
-    fig, axes = plt.subplots(1, 2 if with_ttft else 1, figsize=(10 if with_ttft else 6, 3.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if with_ttft else 1, figsize=(10 if with_ttft else 6, 3.2), squeeze=False
+    )
     ax = axes[0][0]
-    bars = ax.barh([r.label for r in runs], [r.summary.output_throughput for r in runs], color="tab:blue")
+    bars = ax.barh(
+        [r.label for r in runs], [r.summary.output_throughput for r in runs], color="tab:blue"
+    )
     ax.bar_label(bars, fmt="%.0f", padding=3)
     ax.set_xlabel("output tokens/s (higher is better)")
     ax.invert_yaxis()
     ax.margins(x=0.2)
     if with_ttft:
         ax = axes[0][1]
-        bars = ax.barh([r.label for r in with_ttft], [r.summary.ttft_s.p50 for r in with_ttft], color="tab:orange")
+        bars = ax.barh(
+            [r.label for r in with_ttft],
+            [r.summary.ttft_s.p50 for r in with_ttft],
+            color="tab:orange",
+        )
         ax.bar_label(bars, fmt="%.2f s", padding=3)
         ax.set_xlabel("median TTFT, s (lower is better)")
         ax.invert_yaxis()
@@ -49,7 +57,12 @@ def plot_offline(runs: list[OfflineRun], title: str, path: Path) -> Path:
 def plot_latency(runs: list[LatencyRun], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for run in runs:
-        ax.plot([p.batch for p in run.decode], [p.tokens_per_s for p in run.decode], marker="o", label=run.label)
+        ax.plot(
+            [p.batch for p in run.decode],
+            [p.tokens_per_s for p in run.decode],
+            marker="o",
+            label=run.label,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("decode tokens/s")
@@ -64,7 +77,8 @@ def _rate_label(rate: float) -> str:
 
 
 def plot_serve(runs: list[ServeRun], out_dir: Path) -> list[Path]:
-    """Throughput and latency vs request rate, one line per server label (rates on a categorical axis)."""
+    """Throughput and latency vs request rate, one line per server label (rates on a categorical
+    axis)."""
     rates = sorted({r.request_rate for r in runs})
     x = {rate: i for i, rate in enumerate(rates)}
     labels = list(dict.fromkeys(r.label for r in runs))
@@ -73,8 +87,12 @@ def plot_serve(runs: list[ServeRun], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label in labels:
         mine = sorted((r for r in runs if r.label == label), key=lambda r: r.request_rate)
-        ax.plot([x[r.request_rate] for r in mine], [r.summary.output_throughput for r in mine], marker="o",
-                label=label)
+        ax.plot(
+            [x[r.request_rate] for r in mine],
+            [r.summary.output_throughput for r in mine],
+            marker="o",
+            label=label,
+        )
     ax.set_xticks(range(len(rates)), [_rate_label(r) for r in rates])
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("output tokens/s")
@@ -91,8 +109,14 @@ def plot_serve(runs: list[ServeRun], out_dir: Path) -> list[Path]:
             xs = [x[r.request_rate] for r in mine]
             line, = ax.plot(xs, [getattr(r.summary, metric).p50 * 1e3 for r in mine], marker="o",
                             label=f"{label} p50")
-            ax.plot(xs, [getattr(r.summary, metric).p99 * 1e3 for r in mine], marker="x", linestyle="--",
-                    color=line.get_color(), label=f"{label} p99")
+            ax.plot(
+                xs,
+                [getattr(r.summary, metric).p99 * 1e3 for r in mine],
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{label} p99",
+            )
         ax.set_xticks(range(len(rates)), [_rate_label(r) for r in rates])
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{name}, ms")

@@ -1,8 +1,9 @@
-"""CPU cost of `schedule()` + `commit()` per decode step: `python -m compiled_engine.apps.bench.scheduler_step`.
+"""CPU cost of `schedule()` + `commit()` per decode step:
+`python -m compiled_engine.apps.bench.scheduler_step`.
 
-The model is left out: each step "samples" a constant token, so only the ledger is timed. Two pools: one
-with room to spare, and a full one (`--full-pool`: the prefix cache holds every page, as in a warm server,
-so each new page of a decode comes from evicting a cached prefix).
+The model is left out: each step "samples" a constant token, so only the ledger is timed. Two pools:
+one with room to spare, and a full one (`--full-pool`: the prefix cache holds every page, as in a
+warm server, so each new page of a decode comes from evicting a cached prefix).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.scheduler import Scheduler
 
 
-def bench_decode(running: int, page_size: int, steps: int, prompt_len: int = 128, full_pool: bool = False) -> float:
+def bench_decode(
+    running: int, page_size: int, steps: int, prompt_len: int = 128, full_pool: bool = False
+) -> float:
     """Mean seconds of schedule() + commit() per decode step with `running` requests."""
     cfg = SchedulerConfig(
         num_pages=2 + running * (prompt_len + steps + 2 * page_size) // page_size,
@@ -47,12 +50,15 @@ def bench_decode(running: int, page_size: int, steps: int, prompt_len: int = 128
 
 
 def _fill_cache(sched: Scheduler, cfg: SchedulerConfig, prompt_len: int = 16) -> None:
-    """Run short distinct requests until the prefix cache holds every page (the free list is empty)."""
+    """Run short distinct requests until the prefix cache holds every page (the free list is
+    empty)."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     i = 0
     while sched.allocator.num_free >= prompt_len // cfg.page_size + 2:
         for _ in range(cfg.max_running):
-            sched.add_request(f"fill{i}", [1000 + i % 50_000, i // 50_000 + 1] + [9] * (prompt_len - 2), params)
+            sched.add_request(
+                f"fill{i}", [1000 + i % 50_000, i // 50_000 + 1] + [9] * (prompt_len - 2), params
+            )
             i += 1
         while sched.has_work():
             batch = sched.schedule()
@@ -62,7 +68,9 @@ def _fill_cache(sched: Scheduler, cfg: SchedulerConfig, prompt_len: int = 16) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--full-pool", action="store_true", help="the cache holds every page: decodes evict")
+    parser.add_argument(
+        "--full-pool", action="store_true", help="the cache holds every page: decodes evict"
+    )
     args = parser.parse_args()
     bench_decode(8, 1, 50)  # warm up
     pool = "  (full pool)" if args.full_pool else ""

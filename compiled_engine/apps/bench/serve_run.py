@@ -1,8 +1,8 @@
 """`bench serve`: a bounded workload against an OpenAI-compatible server.
 
-Sessions start at Poisson arrival times (or all at once for rate `inf`); a session's requests are sent one
-after the other. Every run has a fixed number of requests, a per-request timeout and an overall
-deadline, after which unfinished requests count as failures.
+Sessions start at Poisson arrival times (or all at once for rate `inf`); a session's requests are
+sent one after the other. Every run has a fixed number of requests, a per-request timeout and an
+overall deadline, after which unfinished requests count as failures.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ import httpx
 
 from compiled_engine.apps.bench.datasets import BenchRequest, Session
 from compiled_engine.apps.bench.metrics import RequestTiming, Summary, summarize
-from compiled_engine.apps.bench.openai_client import completion_body, fetch_metrics, metric_value, stream_completion
+from compiled_engine.apps.bench.openai_client import (
+    completion_body,
+    fetch_metrics,
+    metric_value,
+    stream_completion,
+)
 
 PromptOf = Callable[[BenchRequest], "list[int] | str"]
 
@@ -30,7 +35,8 @@ class ServeRun:
     request_rate: float  # requests/s; inf: all at once
     max_concurrency: int | None
     summary: Summary
-    cache_hit_rate: float | None  # the server's own since it started (its /metrics), when it reports one
+    # the server's own since it started (its /metrics), when it reports one
+    cache_hit_rate: float | None
     errors: list[str]  # the first few failure messages
 
 
@@ -56,11 +62,14 @@ class ServeOptions:
     deadline_s: float = 1800.0
 
 
-async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOptions, prompt_of: PromptOf) -> ServeRun:
+async def run_serve(
+    url: str, label: str, sessions: list[Session], opts: ServeOptions, prompt_of: PromptOf
+) -> ServeRun:
     base = url.rstrip("/")
     endpoint = base + "/v1/completions"
     slots: list[list[RequestTiming]] = [
-        [RequestTiming(len(r.prompt_ids), error="not sent before the deadline") for r in s] for s in sessions
+        [RequestTiming(len(r.prompt_ids), error="not sent before the deadline") for r in s]
+        for s in sessions
     ]
     limit = asyncio.Semaphore(opts.max_concurrency or len(slots) or 1)
     timeout = httpx.Timeout(opts.request_timeout_s, connect=10.0)
@@ -73,7 +82,9 @@ async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOp
             for j, req in enumerate(sessions[i]):
                 async with limit:
                     body = completion_body(opts.model, prompt_of(req), req.output_len)
-                    slots[i][j] = await stream_completion(client, endpoint, body, len(req.prompt_ids))
+                    slots[i][j] = await stream_completion(
+                        client, endpoint, body, len(req.prompt_ids)
+                    )
                 if not slots[i][j].success:
                     for rest in slots[i][j + 1:]:
                         rest.error = "not sent: an earlier turn of its session failed"
@@ -86,10 +97,18 @@ async def run_serve(url: str, label: str, sessions: list[Session], opts: ServeOp
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         for task in done:
-            task.result()  # a bug in the client surfaces here; server failures are recorded, not raised
+            # a bug in the client surfaces here; server failures are recorded, not raised
+            task.result()
         duration = time.perf_counter() - start
         hit_rate = metric_value(await fetch_metrics(client, base), "prefix_cache_hit_rate")
     timings = [t for s in slots for t in s]
     errors = [t.error for t in timings if not t.success][:5]
-    return ServeRun(label, url, opts.request_rate, opts.max_concurrency, summarize(timings, duration), hit_rate,
-                    errors)
+    return ServeRun(
+        label,
+        url,
+        opts.request_rate,
+        opts.max_concurrency,
+        summarize(timings, duration),
+        hit_rate,
+        errors,
+    )

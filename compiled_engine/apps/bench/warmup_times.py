@@ -1,10 +1,12 @@
-"""Eager vs cold vs warm start-up, side by side: `python -m compiled_engine.apps.bench.warmup_times [--models smollm2]`.
+"""Eager vs cold vs warm start-up, side by side: `python -m compiled_engine.apps.bench.warmup_times
+[--models smollm2]`.
 
-Each start is a fresh process that builds `LLM(...)` with the engine's defaults and generates one token.
-The eager start compiles nothing (`enforce_eager`); a cold start has fresh caches (an empty compile cache
-folder and an empty `$COMPILED_ENGINE_CACHE`, so a GGUF file's tokenizer is converted again too); the warm
-start reuses what the cold one filled. Reports seconds from process spawn to ready (engine built) and to
-the first token, the cache status of each start, and cold and warm as multiples of eager."""
+Each start is a fresh process that builds `LLM(...)` with the engine's defaults and generates one
+token. The eager start compiles nothing (`enforce_eager`); a cold start has fresh caches (an empty
+compile cache folder and an empty `$COMPILED_ENGINE_CACHE`, so a GGUF file's tokenizer is converted
+again too); the warm start reuses what the cold one filled. Reports seconds from process spawn to
+ready (engine built) and to the first token, the cache status of each start, and cold and warm as
+multiples of eager."""
 
 from __future__ import annotations
 
@@ -37,8 +39,13 @@ print(json.dumps({"ready_s": ready, "first_token_s": time.time() - spawned}))
 
 def start(kwargs: dict, cache_root: Path | None = None) -> dict:
     env = os.environ | ({"COMPILED_ENGINE_CACHE": str(cache_root)} if cache_root else {})
-    out = subprocess.run([sys.executable, "-c", CHILD, str(time.time()), json.dumps(kwargs)], capture_output=True,
-                         text=True, check=False, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(time.time()), json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -56,17 +63,31 @@ def bench(name: str, kwargs: dict, tmp: Path) -> None:
     cold = start(compiled, fresh)
     warm = start(compiled, fresh)
     if warm["status"] != "hit":  # the traced source was edited meanwhile: that start was cold again
-        print(f"{name:10s} second start was a cache {warm['status']}: source edited meanwhile; once more", flush=True)
+        print(
+            f"{name:10s} second start was a cache {warm['status']}: source edited meanwhile; once "
+            "more",
+            flush=True,
+        )
         warm = start(compiled, fresh)
     for label, r in (("eager", eager), ("cold", cold), ("warm", warm)):
-        print(f"{name:10s} {label:5s}: ready {r['ready_s']:6.1f}s  first token {r['first_token_s']:6.1f}s  "
-              f"({r['first_token_s'] / eager['first_token_s']:.1f}x eager)  cache {r['status']}", flush=True)
+        print(
+            f"{name:10s} {label:5s}: ready {r['ready_s']:6.1f}s  first token "
+            f"{r['first_token_s']:6.1f}s  ({r['first_token_s'] / eager['first_token_s']:.1f}x "
+            f"eager)  cache {r['status']}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m compiled_engine.apps.bench.warmup_times", description=__doc__)
-    p.add_argument("--models", default=SMOLLM2_NAME, help=f"comma-separated: smollm2, demo, {BENCH_NAME}")
-    p.add_argument("--buckets", type=parse_buckets, default=None, help="decode buckets (default: the engine's)")
+    p = argparse.ArgumentParser(
+        prog="python -m compiled_engine.apps.bench.warmup_times", description=__doc__
+    )
+    p.add_argument(
+        "--models", default=SMOLLM2_NAME, help=f"comma-separated: smollm2, demo, {BENCH_NAME}"
+    )
+    p.add_argument(
+        "--buckets", type=parse_buckets, default=None, help="decode buckets (default: the engine's)"
+    )
     p.add_argument("--max-context", type=int, default=2048)
     args = p.parse_args(argv)
     shape = {"max_running": 8, "max_context": args.max_context, "num_pages": 4096}
