@@ -99,16 +99,24 @@ class LLM:
             raise
         show = use_tqdm if use_tqdm is not None else len(streams) >= 32
         bar = tqdm(total=len(streams), desc="generate", disable=not show)
-        while self.engine.has_work():
-            for ev in self.engine.step():
-                stream = streams[ev.rid]
-                was_open = stream.finish_reason is None
-                _, stopped = stream.apply(ev)
-                if stopped:
-                    self.engine.finish(ev.rid, "stop")
-                if was_open and stream.finish_reason is not None:
-                    bar.update()
-        bar.close()
+        try:
+            while self.engine.has_work():
+                for ev in self.engine.step():
+                    stream = streams[ev.rid]
+                    was_open = stream.finish_reason is None
+                    _, stopped = stream.apply(ev)
+                    if stopped:
+                        self.engine.finish(ev.rid, "stop")
+                    if was_open and stream.finish_reason is not None:
+                        bar.update()
+        except Exception:
+            # A request the ranks rejected (tp > 1): the call fails, and leaves nothing running.
+            for rid, stream in streams.items():
+                if stream.finish_reason is None:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
         ordered = iter(streams.values())
         for result, p in zip(results, params_list):
             for i in range(p.n):

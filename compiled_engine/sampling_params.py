@@ -1,5 +1,7 @@
-"""Per-request sampling parameters and finish rules (plain data, stdlib only, validated once: by the
-engine that admits the request). The ledger keeps only what it schedules by (`ledger_params`)."""
+"""Per-request sampling parameters and finish rules (plain data, stdlib only), validated by the
+engine that admits the request (`Engine.add_request`; at tp > 1 also by `RemoteEngine`, which must
+answer before the request leaves the process). The ledger keeps only what it schedules by
+(`ledger_params`)."""
 
 from __future__ import annotations
 

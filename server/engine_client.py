@@ -1,8 +1,9 @@
 """The asyncio side of the channel to engine rank 0.
 
-A reader thread receives event lists and hands each event to its request's asyncio queue on the
-event loop. Requests are opened in groups (the `n` choices of one HTTP request); a group's exit
-always removes its queues and aborts whatever is still running in the engine (client gone, error,
+A reader thread receives event lists and hands each event to its request group's asyncio queue
+on the event loop. Requests are opened in groups (the `n` choices of one HTTP request); the routing
+entry of each (rid -> its group's queue) is the server's only registry of requests, and a group's
+exit always removes them and aborts whatever is still running in the engine (client gone, error,
 cancellation).
 """
 

@@ -23,13 +23,13 @@ def debug_enabled(config_flag: bool) -> bool:
     return config_flag or os.environ.get(ENV_FLAG, "") not in ("", "0")
 
 
-def ledger_digest(step: int, batch: StepPlan | None, events: list) -> int:
+def ledger_digest(step: int, plan: StepPlan | None, events: list) -> int:
     """A 63-bit hash of the plan (request order, positions, KV slots, page-table writes) and the
     tokens."""
     tokens = [
         (e.rid, e.token, e.finished, e.finish_reason) for e in events if isinstance(e, TokenEvent)
     ]
-    text = repr((step, batch, tokens)).encode()
+    text = repr((step, plan, tokens)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 

@@ -133,8 +133,8 @@ def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool)
         if stepped:
             events.extend(engine.step())
         if debug:
-            batch = engine.last_plan if stepped else None
-            compare_across_ranks(engine.steps, ledger_digest(engine.steps, batch, events), control)
+            plan = engine.last_plan if stepped else None
+            compare_across_ranks(engine.steps, ledger_digest(engine.steps, plan, events), control)
         for req in local:
             events.append(_stats(engine, req))
         if conn is not None and events:

@@ -79,11 +79,24 @@ class RemoteEngine:
         return bool(self._live)
 
     def step(self) -> list[TokenEvent]:
-        """The next events of live requests (blocks until there are some, or nothing is live)."""
+        """The next events of live requests (blocks until there are some, or nothing is live). A
+        request the engine rejected (a constraint it cannot compile) raises ValueError, after the
+        events that came before the rejection were returned; the events after it wait for the next
+        call."""
         while self._live:
-            batch = self._backlog or self._recv()
+            received = self._backlog or self._recv()
             self._backlog = []
-            out = [ev for ev in batch if self._accept(ev)]
+            out: list[TokenEvent] = []
+            for i, ev in enumerate(received):
+                if isinstance(ev, RequestError) and ev.rid in self._live:
+                    if out:  # delivered first: the rejection is raised by the next call
+                        self._backlog = received[i:]
+                        return out
+                    del self._live[ev.rid]
+                    self._backlog = received[i + 1:]
+                    raise ValueError(ev.message)
+                if self._accept(ev):
+                    out.append(ev)
             if out:
                 return out
         return []
@@ -108,9 +121,6 @@ class RemoteEngine:
     def _accept(self, ev: object) -> bool:
         if isinstance(ev, Fatal):
             raise EngineFailure(self.handle.explain(ev.message))
-        if isinstance(ev, RequestError) and ev.rid in self._live:
-            del self._live[ev.rid]
-            raise ValueError(ev.message)
         if not isinstance(ev, TokenEvent) or ev.rid not in self._live:
             return False  # a late event of a request that was finished or aborted here
         if ev.finished:

@@ -254,8 +254,8 @@ def _args(inputs: StepInputs) -> tuple:
 
 
 class _CapturedDecode:
-    """Static input buffers + a CUDA graph of one decode bucket; replay copies the step's inputs
-    in."""
+    """Static input buffers + a CUDA graph of one decode bucket: a step builds its inputs into the
+    buffers (`DecodeGraph.inputs`), then replays."""
 
     def __init__(self, fn, inputs: StepInputs, pool) -> None:
         self.inputs = inputs

@@ -230,8 +230,7 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int
     error."""
     errors: dict[int, str] = {}
     for i, r in enumerate(rows):
-        # None: its request ended while planned
-        if not r.params.logits_processors or r.prompt_ids is None:
+        if not r.params.logits_processors:
             continue
         from compiled_engine.jax import bridge
 

@@ -123,7 +123,7 @@ def test_retraction_keeps_the_constraint() -> None:
 
 
 def test_a_bad_constraint_is_rejected_and_nothing_else_is_disturbed(eager: LLM) -> None:
-    with pytest.raises(ValueError, match="invalid regex"):
+    with pytest.raises(ValueError, match="invalid regex constraint"):
         eager.generate(
             ["fine", "also fine"],
             [
@@ -191,6 +191,14 @@ def test_tp2_compiled_serves_the_same_constrained_outputs(eager: LLM) -> None:
         assert [o.text for o in outs] == [o.text for o in eager.generate(PROMPTS, params)]
         for out in outs:
             jsonschema.validate(json.loads(out.text), SCHEMA)
+        # A constraint the ranks cannot compile fails the call (after the others were queued) and
+        # leaves nothing running: the next call is served.
+        bad = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "(unclosed"))
+        with pytest.raises(ValueError, match="invalid regex constraint"):
+            tp.generate(PROMPTS, [params, bad, params, params])
+        assert not tp.engine.has_work()
+        assert [o.text for o in tp.generate(PROMPTS, params)] == [o.text for o in outs]
+        assert tp.engine.stats()["num_running"] == 0
     finally:
         tp.engine.shutdown()
 

@@ -14,14 +14,22 @@ CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 PROBE = f"""
 import json, os, sys
+import torch
+environ = dict(os.environ)
 import kernels, kernels.ops as ops
 from kernels.cpu import build
+changed = sorted(k for k in set(environ) | set(os.environ) if environ.get(k) != os.environ.get(k))
 before = {{v: os.environ.get(v) for v in {CAPS!r}}}
 loaded = build.load.cache_info().currsize
 native = ops.load_cpu_kernels.cache_info().currsize
+def registered():  # the native library registers the CPU kernels when it loads
+    return torch._C._dispatch_has_kernel_for_dispatch_key("kernels::decode_attention", "CPU")
+registered_at_import = registered()
 ready = kernels.init("cpu") if sys.argv[1] == "init" else None
 after = {{v: os.environ.get(v) for v in {CAPS!r}}}
-print(json.dumps(dict(before=before, loaded=loaded, native=native, ready=ready, after=after)))
+print(json.dumps(dict(changed=changed, before=before, loaded=loaded, native=native, ready=ready,
+                      after=after, registered_at_import=registered_at_import,
+                      registered=registered())))
 """
 
 
@@ -42,8 +50,10 @@ def _probe(mode: str) -> dict:
 
 def test_importing_the_kernels_sets_nothing_and_builds_nothing() -> None:
     seen = _probe("import")
+    assert seen["changed"] == []  # importing the kernels changed no environment variable
     assert seen["before"] == {v: None for v in CAPS}
     assert seen["loaded"] == 0 and seen["native"] == 0
+    assert not seen["registered_at_import"] and not seen["registered"]
     assert seen["after"] == {v: None for v in CAPS}
 
 
@@ -55,3 +65,4 @@ def test_init_applies_the_isa_caps_and_loads_the_native_kernels() -> None:
 
     # the native library serves the CPU wherever it builds here
     assert seen["ready"] == ops.load_cpu_kernels()
+    assert not seen["registered_at_import"] and seen["registered"] == seen["ready"]

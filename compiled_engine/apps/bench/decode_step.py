@@ -24,12 +24,16 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from compiled_engine.apps.bench.models import bench_model_dir
 from compiled_engine.models.loader import load_model
 from compiled_engine.runner.compiled_forward import COMPILE_MODES, CompiledForward
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.step_inputs import StepInputs, build_step_inputs
 from compiled_engine.scheduler.plan import ReqStep, StepPlan
+
+# A step's inputs, and its request count when it is a decode step (None: an extend).
+Step = tuple[StepInputs, int | None]
 
 
 class Setup:
@@ -39,6 +43,7 @@ class Setup:
     def __init__(
         self, model_dir: str, load_format: str, buckets: list[int], slots: int, modes: list[str]
     ) -> None:
+        kernels.init(torch.device("cpu"))  # as the engine builder does: the native kernels
         self.model, _ = load_model(model_dir, load_format=load_format)
         self.runner = ModelRunner(
             self.model,
@@ -71,18 +76,21 @@ class Setup:
             )
             self.next_slot += n
 
-    def decode(self, positions: list[int], bucket: int) -> StepInputs:
+    def decode(self, positions: list[int], bucket: int) -> Step:
+        """A decode step of one request per position, padded to `bucket` rows."""
         t = self.runner.tables
         reqs = tuple(
             ReqStep(f"r{b}", b, p, 1, (int(t.page_table[b, p]),), True)
             for b, p in enumerate(positions)
         )
-        return build_step_inputs(StepPlan(0, reqs, (), (), True), t, bucket, self.runner.staging)
+        plan = StepPlan(0, reqs, (), (), True)
+        return build_step_inputs(plan, t, bucket, self.runner.staging), len(reqs)
 
-    def extend(self, length: int) -> StepInputs:
+    def extend(self, length: int) -> Step:
         t = self.runner.tables
         reqs = (ReqStep("p", 0, 0, length, tuple(t.page_table[0, :length].tolist()), True),)
-        return build_step_inputs(StepPlan(0, reqs, (), (), False), t, None, self.runner.staging)
+        plan = StepPlan(0, reqs, (), (), False)
+        return build_step_inputs(plan, t, None, self.runner.staging), None
 
 
 def _interleaved(
@@ -105,12 +113,13 @@ def _interleaved(
     return {k: (est(wall[k]), est(cpu[k])) for k in fns}
 
 
-def _step(fwd: CompiledForward, inputs: StepInputs) -> torch.Tensor:
+def _step(fwd: CompiledForward, step: Step) -> torch.Tensor:
     """One forward, on the graph the engine would pick for it."""
-    return fwd(inputs, fwd.graph_for(inputs.table_rows.shape[0]) if inputs.meta.is_decode else None)
+    inputs, n_requests = step
+    return fwd(inputs, None if n_requests is None else fwd.graph_for(n_requests))
 
 
-def _compile(fwd: CompiledForward, inputs: StepInputs) -> float:
+def _compile(fwd: CompiledForward, inputs: Step) -> float:
     t0 = time.perf_counter()
     _step(fwd, inputs)
     return time.perf_counter() - t0

@@ -33,18 +33,18 @@ def bench_decode(
     params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
     for i in range(running):
         sched.add_request(f"r{i}", [i % 1000 + 1] + [7] * (prompt_len - 1), params)
-    batch = sched.schedule()  # one prefill step admits everyone
-    assert batch is not None and len(batch.reqs) == running
-    sched.commit(batch, [3] * running)
+    plan = sched.schedule()  # one prefill step admits everyone
+    assert plan is not None and len(plan.reqs) == running
+    sched.commit(plan, [3] * running)
     total = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
-        batch = sched.schedule()
-        assert batch is not None and batch.is_decode
+        plan = sched.schedule()
+        assert plan is not None and plan.is_decode
         t1 = time.perf_counter()
-        tokens = [3] * len(batch.reqs)  # the "model" (not timed)
+        tokens = [3] * len(plan.reqs)  # the "model" (not timed)
         t2 = time.perf_counter()
-        sched.commit(batch, tokens)
+        sched.commit(plan, tokens)
         total += (t1 - t0) + (time.perf_counter() - t2)
     return total / steps
 
@@ -61,8 +61,8 @@ def _fill_cache(sched: Scheduler, cfg: SchedulerConfig, prompt_len: int = 16) ->
             )
             i += 1
         while sched.has_work():
-            batch = sched.schedule()
-            sched.commit(batch, [3] * sum(r.sample for r in batch.reqs))
+            plan = sched.schedule()
+            sched.commit(plan, [3] * sum(r.sample for r in plan.reqs))
 
 
 def main() -> None:
