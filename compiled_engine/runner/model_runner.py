@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compiled_engine.runner.compiled_forward import CompiledForward
+from compiled_engine.runner.kv_cache import kv_caches
 from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.staging import DeviceEvent, Staging, event_factory
 from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs, sample_targets
@@ -78,12 +79,7 @@ class ModelRunner:
         self.model, self.config, self.device = model, config, device
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model.num_kv_heads, model.head_dim)
-        self.k_caches = [
-            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)
-        ]
-        self.v_caches = [
-            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)
-        ]
+        self.k_caches, self.v_caches = kv_caches(model.num_layers, shape, model.dtype, device)
         model.attach_kv_cache(self.k_caches, self.v_caches)
         self.tables = DeviceTables(config.max_rows, config.max_context, device)
         # the readback's (tests fake it)
