@@ -22,8 +22,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    # The tensor keeps the mapping alive; the mapping is page-aligned (the kernels want 64 bytes).
-    memory = mmap.mmap(-1, count * dtype.itemsize)
+    # Private, as malloc's large blocks are (Python's default, shared, is shmem); page-aligned (the
+    # kernels want 64 bytes); kept alive by the tensor.
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
 
 
