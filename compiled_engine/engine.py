@@ -104,13 +104,7 @@ class Engine:
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can
         never run. The sampling parameters are validated here, the ledger's own by the scheduler."""
-        try:
-            params.validate()
-            for processor in params.logits_processors:
-                # a name that cannot be imported fails now, before anything is queued
-                bridge.resolve(processor)
-        except ValueError as e:
-            raise RequestRejected(f"request {rid!r}: {e}") from None
+        check_sampling(rid, params)
         grammar = None
         if params.structured is not None:
             if self.grammars is None:
@@ -228,6 +222,17 @@ class Engine:
         it)."""
         self.scheduler.finish(rid, "error")
         return TokenEvent(rid, None, True, "error", error=message)
+
+
+def check_sampling(rid: str, params: SamplingParams) -> None:
+    """RequestRejected naming the first bad sampling parameter, or a logits processor name that
+    cannot be imported (before anything is queued). The ledger checks its own fields."""
+    try:
+        params.validate()
+        for processor in params.logits_processors:
+            bridge.resolve(processor)
+    except ValueError as e:
+        raise RequestRejected(f"request {rid!r}: {e}") from None
 
 
 def _sampling_row(step: ReqStep, req: Request) -> SamplingRow:

@@ -82,6 +82,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         results: list[RequestOutput] = []
         streams: dict[str, OutputStream] = {}
+        bar = None
+        # A bad prompt, or a request the ranks reject (tp > 1), fails the whole call, and leaves
+        # nothing queued or running.
         try:
             for prompt, p in zip(prompts, params_list):
                 ids = encode_prompt(self.tokenizer, prompt)
@@ -93,13 +96,8 @@ class LLM:
                     streams[rid] = OutputStream(
                         rid, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop))
                     )
-        except Exception:
-            for rid in streams:  # a bad prompt rejects the whole call, and leaves nothing queued
-                self.engine.abort(rid)
-            raise
-        show = use_tqdm if use_tqdm is not None else len(streams) >= 32
-        bar = tqdm(total=len(streams), desc="generate", disable=not show)
-        try:
+            show = use_tqdm if use_tqdm is not None else len(streams) >= 32
+            bar = tqdm(total=len(streams), desc="generate", disable=not show)
             while self.engine.has_work():
                 for ev in self.engine.step():
                     stream = streams[ev.rid]
@@ -110,13 +108,13 @@ class LLM:
                     if was_open and stream.finish_reason is not None:
                         bar.update()
         except Exception:
-            # A request the ranks rejected (tp > 1): the call fails, and leaves nothing running.
             for rid, stream in streams.items():
                 if stream.finish_reason is None:
                     self.engine.abort(rid)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         ordered = iter(streams.values())
         for result, p in zip(results, params_list):
             for i in range(p.n):

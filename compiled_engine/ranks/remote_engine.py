@@ -8,7 +8,7 @@ import itertools
 from dataclasses import fields
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.jax import bridge
+from compiled_engine.engine import check_sampling
 from compiled_engine.ranks.launcher import EngineFailure, launch
 from compiled_engine.ranks.messages import (
     Abort,
@@ -22,7 +22,7 @@ from compiled_engine.ranks.messages import (
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.scheduler.scheduler import SchedulerStats
-from compiled_engine.scheduler.validation import RequestRejected, check_request
+from compiled_engine.scheduler.validation import check_request
 
 
 class RemoteEngine:
@@ -42,10 +42,13 @@ class RemoteEngine:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank
         0."""
         ready = self.handle.ready
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestRejected(f"request {rid!r}: {e}") from None
+        if any(not isinstance(f, str) for f in params.logits_processors):
+            raise ValueError(
+                f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
+                "'package.module:function' (each rank imports it): a function cannot be sent to "
+                "the ranks"
+            )
+        check_sampling(rid, params)
         check_request(
             rid,
             prompt_ids,
@@ -54,14 +57,6 @@ class RemoteEngine:
             ready.capacity_tokens,
             ready.vocab_size,
         )
-        if any(not isinstance(f, str) for f in params.logits_processors):
-            raise ValueError(
-                f"request {rid!r}: at tp_size > 1 a logits processor is given by name, "
-                "'package.module:function' (each rank imports it): a function cannot be sent to "
-                "the ranks"
-            )
-        for name in params.logits_processors:
-            bridge.resolve(name)  # ValueError now if it cannot be imported
         self._outbox.append(Add(rid, list(prompt_ids), params))
         self._live[rid] = None
 
