@@ -3,8 +3,8 @@ aborted with a step in flight, failed (its logits processor raised), rejected at
 retracted then finished. The check is one over every registry that remains on a rank: the ledger's
 queues and in-flight steps, the engine's in-flight steps, the page books (integrity), and the
 engine's per-request state, which must be unreachable (a weak reference to it dies) once the request
-has ended. Compiled, overlap on, a pool small enough to retract (the configuration of
-test_deterministic's `tight` engine, sharing its graphs)."""
+has ended. Compiled bf16 with overlap on (the configuration of test_deterministic's `tight` engine,
+sharing its graphs), and eager fp32 without overlap; a pool small enough to retract."""
 
 from __future__ import annotations
 
@@ -23,19 +23,26 @@ MAX_STEPS = 2000
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(demo_dir):
+# The default (compiled, bf16, overlap), and eager fp32 without overlap (the other launch path).
+@pytest.fixture(
+    scope="module",
+    params=[("bfloat16", False, True), ("float32", True, False)],
+    ids=["compiled-bf16-overlap", "eager-fp32"],
+)
+def engine(demo_dir, request):
+    dtype, eager, overlap = request.param
     engine = build_engine(
         EngineConfig(
             model=demo_dir,
-            dtype="bfloat16",
+            dtype=dtype,
+            enforce_eager=eager,
             buckets=[1, 4],
             max_running=16,
             deterministic=True,
             num_pages=28,
             page_size=4,
             chunk_budget=8,
-            overlap=True,
+            overlap=overlap,
         )
     )
     yield engine
@@ -101,7 +108,8 @@ def test_a_request_stopped_from_outside_leaves_nothing(engine) -> None:
 def test_an_aborted_request_leaves_nothing_even_with_its_step_in_flight(engine) -> None:
     states = [_add(engine, "aborted", [1, 2, 3, 4]), _add(engine, "kept", [1, 6, 7])]
     _step_until(engine, lambda evs: sum(ev.rid == "aborted" for ev in evs) >= 2)
-    assert engine._inflight, "overlap keeps a step in flight between calls"
+    if engine.config.overlap:
+        assert engine._inflight, "overlap keeps a step in flight between calls"
     engine.abort("aborted")
     events = _step_until(engine, lambda _: False)
     assert not any(ev.rid == "aborted" for ev in events)  # no token after the abort
