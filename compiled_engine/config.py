@@ -15,6 +15,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto follows the checkpoint
     device: str = "auto"  # auto: cuda when available, else cpu
     load_format: str = "auto"  # auto | dummy (random weights)
+    # None: a GGUF file's quantized tensors stay packed; none: dequantized at load; int8 | int4:
+    # weight-only group-wise quantization of every linear (models.loader.load_model)
+    quantization: str | None = None
     page_size: int = 1
     num_pages: int | None = None  # KV pool size; None: sized from memory (mem_fraction)
     # cuda: of the memory free after loading weights (0.8); cpu: of all (0.25)

@@ -28,6 +28,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graphs")
     p.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4"],
+        default=None,
+        help="weights (default: a GGUF file's quantized tensors stay packed, others as stored): "
+        "none: dequantize a GGUF file at load; int8 | int4: weight-only, group-wise (32) "
+        "round-to-nearest with bf16 scales, of every linear",
+    )
+    p.add_argument(
         "--compile-mode",
         choices=COMPILE_MODE_NAMES,
         default="default",
@@ -74,6 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunk_budget=args.chunk_budget,
         prefix_cache=args.prefix_cache,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
         buckets=args.buckets,
         max_bucket=args.max_bucket,
         overlap=_overlap(args),

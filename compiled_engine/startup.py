@@ -125,7 +125,11 @@ def build_engine(
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
     model, hf_config = load_model(
-        model_dir, dtype=config.dtype, device=str(device), load_format=config.load_format
+        model_dir,
+        dtype=config.dtype,
+        device=str(device),
+        load_format=config.load_format,
+        quantization=config.quantization,
     )
     max_context = config.max_context or hf_config.max_position_embeddings
     eos = eos_token_ids(model_dir, hf_config)
@@ -173,7 +177,7 @@ def build_engine(
     )
     report = None
     if not config.enforce_eager:
-        key = cache_key(config, hf_config, model.dtype, device, runner.config)
+        key = cache_key(config, hf_config, model.dtype, device, runner.config, model)
         root = default_root(config.compile_cache_dir)
         folder = CacheEntry(root, key.digest).precompiled_dir
         bar = progress or (GraphBar() if ps.get_tp_rank() == 0 else None)

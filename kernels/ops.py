@@ -25,7 +25,9 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from kernels.cpu import build, isa
+from kernels.packed import PackedWeight
 from kernels.portable import attention as portable_attention
+from kernels.portable import dequantize as portable_dequantize
 from kernels.portable import linear as portable_linear
 
 _lib = torch.library.Library("kernels", "DEF")
@@ -39,6 +41,9 @@ _SCHEMAS = {
     "bool invariant=False) -> Tensor",
     "linear": "(Tensor x, Tensor weight, Tensor? bias=None, bool invariant=False) -> Tensor",
     "argmax": "(Tensor x) -> Tensor",
+    "linear_packed": "(Tensor x, Tensor blocks, int format, int in_features, Tensor? bias=None, "
+    "bool invariant=False) -> Tensor",
+    "dequantize": "(Tensor blocks, int format, int in_features) -> Tensor",
 }
 _PORTABLE = {
     "store_kv": portable_attention.store_kv,
@@ -46,6 +51,8 @@ _PORTABLE = {
     "extend_attention": portable_attention.extend_attention,
     "linear": portable_linear.linear,
     "argmax": lambda x: torch.argmax(x, dim=-1),
+    "linear_packed": portable_dequantize.linear_packed,
+    "dequantize": portable_dequantize.dequantize,
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
@@ -83,17 +90,34 @@ def _packed_linears() -> bool:
     return not inductor_config.freezing
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
            invariant: bool = False) -> torch.Tensor:
     """`F.linear`; CPU bf16 weights go through `kernels::linear` (a copy of the weight prepared once
     for the CPU's fastest GEMM: see native/torch_ops.cpp), everything else straight to torch.
     `invariant` (deterministic mode): every linear takes the op, and each row's result depends on
-    that row only, never on the batch, its size, chunking, cached prefixes or the step kind."""
+    that row only, never on the batch, its size, chunking, cached prefixes or the step kind.
+
+    A `PackedWeight` goes to `kernels::linear_packed`: on the CPU with bf16 activations the native
+    kernel (activations quantized per row in blocks of 32, as llama.cpp's dot does; batch-invariant
+    always), else the weight dequantized and multiplied in fp32."""
+    if isinstance(weight, PackedWeight):
+        return torch.ops.kernels.linear_packed.default(
+            x, weight.blocks, weight.code, weight.in_features, bias, invariant
+        )
     if invariant:
         return torch.ops.kernels.linear.default(x, weight, bias, True)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_linears():
         return torch.ops.kernels.linear.default(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """`F.embedding`; rows of a `PackedWeight` are dequantized (to fp32) as they are looked up."""
+    if isinstance(weight, PackedWeight):
+        return torch.ops.kernels.dequantize.default(
+            weight.blocks[ids], weight.code, weight.in_features
+        )
+    return F.embedding(ids, weight)
 
 
 def extend_request_counts(max_requests: int, device: torch.device) -> list[int]:
@@ -206,6 +230,16 @@ def _(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, sliding_windo
 @torch.library.register_fake("kernels::linear")
 def _(x, weight, bias=None, invariant=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("kernels::linear_packed")
+def _(x, blocks, format, in_features, bias=None, invariant=False):
+    return x.new_empty(*x.shape[:-1], blocks.shape[0])
+
+
+@torch.library.register_fake("kernels::dequantize")
+def _(blocks, format, in_features):
+    return blocks.new_empty(*blocks.shape[:-1], in_features, dtype=torch.float32)
 
 
 @torch.library.register_fake("kernels::argmax")

@@ -26,6 +26,8 @@ def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
+    p.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
+                   help="as serve's --quantization")
     p.add_argument(
         "--buckets", type=parse_buckets, default=None, help="decode batch sizes, e.g. 1,2,4,8"
     )
@@ -73,6 +75,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
+        quantization=args.quantization,
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_running=args.max_running,

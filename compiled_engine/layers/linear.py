@@ -2,14 +2,28 @@
 
 Column parallel splits the output features over the TP ranks (no communication); row parallel splits
 the input features and sums the partial products with one all-reduce.
+
+A weight that comes packed (`PackedSource`: a GGUF tensor in its block format) stays packed: each
+loader cuts this rank's rows (or block-aligned columns) of the blocks, and `finish_loading` puts
+the parts together as one `PackedWeight`, or one per run of rows of the same format where the
+checkpoint mixes formats in a fused weight (a K-quant file's Q6_K v beside Q4_K q and k). A part
+that cannot stay packed (columns off its blocks, a fused weight with a dense shard) is dequantized.
 """
 
 import torch
 from torch import nn
 
-from compiled_engine.layers.weight_utils import WeightSource, check_shape, narrow
+from compiled_engine.layers.weight_utils import (
+    PackedSource,
+    WeightSource,
+    check_shape,
+    dense,
+    narrow,
+    source_shape,
+)
 from compiled_engine.parallel import parallel_state as ps
 from kernels import ops
+from kernels.packed import FORMATS, PackedWeight, quantize
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -18,22 +32,82 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+Weight = nn.Parameter | PackedWeight | nn.ModuleList  # the last: packed runs of rows
+
+
+def packed_runs(parts: dict[int, PackedSource]) -> list[PackedWeight]:
+    """Parts keyed by their first row -> one PackedWeight per run of rows of one format."""
+    runs: list[list[PackedSource]] = []
+    for _, part in sorted(parts.items()):
+        if runs and runs[-1][0].format == part.format:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [
+        PackedWeight(torch.cat([p.blocks for p in run]), run[0].format, run[0].shape[1])
+        for run in runs
+    ]
+
+
 class _Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.get_tp_rank(), ps.get_tp_size()
         self.batch_invariant = False  # deterministic mode (layers/invariance.py)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight: Weight = nn.Parameter(
+            torch.empty(out_features, in_features), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self._packed_parts: dict[int, PackedSource] = {}  # first row -> part, until finish_loading
+
+    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+        """This rank's part of a checkpoint weight and the first row it fills."""
+        raise NotImplementedError
 
     def weight_loader(
         self, param: nn.Parameter, src: WeightSource, shard_id: object = None
     ) -> None:
-        raise NotImplementedError
+        if param is self.bias:
+            self.load_bias(src, shard_id)
+            return
+        row, part = self.shard(src, shard_id)
+        if isinstance(part, PackedSource):
+            self._packed_parts[row] = part
+        else:
+            param.data[row : row + source_shape_rows(part)].copy_(part[:])
+
+    def load_bias(self, src: WeightSource, shard_id: object) -> None:
+        row, part = self.shard(src, shard_id)
+        self.bias.data[row : row + source_shape_rows(part)].copy_(dense(part))
+
+    def finish_loading(self) -> None:
+        """Put the packed parts together (after every tensor of the checkpoint is in)."""
+        parts, self._packed_parts = self._packed_parts, {}
+        if not parts:
+            return
+        if sum(p.shape[0] for p in parts.values()) < self.weight.shape[0]:
+            for row, part in parts.items():  # a dense shard beside them: all dense
+                self.weight.data[row : row + part.shape[0]].copy_(part.dequantize())
+            return
+        runs = packed_runs(parts)
+        del self.weight
+        self.weight = runs[0] if len(runs) == 1 else nn.ModuleList(runs)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(self.weight, nn.ModuleList):
+            out = torch.cat(
+                [ops.linear(x, w, invariant=self.batch_invariant) for w in self.weight], dim=-1
+            )
+            return out if bias is None else out + bias
+        return ops.linear(x, self.weight, bias, self.batch_invariant)
+
+
+def source_shape_rows(src: WeightSource) -> int:
+    return source_shape(src)[0]
 
 
 class ColumnParallelLinear(_Linear):
@@ -41,15 +115,17 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, _divide(out_features, ps.get_tp_size(), "out_features"), bias)
         self.full_out = out_features
 
-    def weight_loader(
-        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
-    ) -> None:
-        check_shape(src, (self.full_out, *param.shape[1:]))
-        rows = param.shape[0]
-        param.data.copy_(narrow(src, 0, self.tp_rank * rows, rows))
+    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+        rows = self.full_out // self.tp_size
+        check_shape(src, (self.full_out, *self.in_shape(src)))
+        return 0, narrow(src, 0, self.tp_rank * rows, rows)
+
+    def in_shape(self, src: WeightSource) -> tuple[int, ...]:
+        """The input dims a source of this layer has (none for a bias)."""
+        return (self.weight.shape[1],) if len(source_shape(src)) == 2 else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, self.batch_invariant)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -60,15 +136,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(sizes), bias)
         self.sizes = sizes
 
-    def weight_loader(
-        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
-    ) -> None:
+    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
         assert isinstance(shard_id, int)
         full = self.sizes[shard_id]
-        check_shape(src, (full, *param.shape[1:]))
+        check_shape(src, (full, *self.in_shape(src)))
         rows = full // self.tp_size
         offset = sum(self.sizes[:shard_id]) // self.tp_size
-        param.data[offset : offset + rows].copy_(narrow(src, 0, self.tp_rank * rows, rows))
+        return offset, narrow(src, 0, self.tp_rank * rows, rows)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -99,16 +173,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias)
         self.kv_replicas = max(1, tp // num_kv_heads)
 
-    def weight_loader(
-        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
-    ) -> None:
-        check_shape(src, (self.full_sizes[shard_id], *param.shape[1:]))
+    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+        check_shape(src, (self.full_sizes[shard_id], *self.in_shape(src)))
         if shard_id == "q":
             offset, rows, head0 = 0, self.q_size, self.tp_rank * self.num_heads
         else:
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             rows, head0 = self.kv_size, (self.tp_rank // self.kv_replicas) * self.num_kv_heads
-        param.data[offset : offset + rows].copy_(narrow(src, 0, head0 * self.head_dim, rows))
+        return offset, narrow(src, 0, head0 * self.head_dim, rows)
 
 
 class RowParallelLinear(_Linear):
@@ -116,19 +188,35 @@ class RowParallelLinear(_Linear):
         super().__init__(_divide(in_features, ps.get_tp_size(), "in_features"), out_features, bias)
         self.full_in = in_features
 
-    def weight_loader(
-        self, param: nn.Parameter, src: WeightSource, shard_id: object = None
-    ) -> None:
-        if param.dim() == 1:  # bias: replicated, added once after the reduction
-            check_shape(src, tuple(param.shape))
-            param.data.copy_(src[:])
-            return
-        check_shape(src, (param.shape[0], self.full_in))
-        cols = param.shape[1]
-        param.data.copy_(narrow(src, 1, self.tp_rank * cols, cols))
+    def load_bias(self, src: WeightSource, shard_id: object) -> None:
+        # replicated, added once after the reduction
+        check_shape(src, tuple(self.bias.shape))
+        self.bias.data.copy_(dense(src))
+
+    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+        check_shape(src, (self.weight.shape[0], self.full_in))
+        cols = self.full_in // self.tp_size
+        if isinstance(src, PackedSource) and not src.splits_at(1, cols):
+            src = src.dequantize()  # this rank's columns would cut its blocks
+        return 0, narrow(src, 1, self.tp_rank * cols, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(
-            ops.linear(x, self.weight, invariant=self.batch_invariant), ordered=self.batch_invariant
-        )
+        y = ps.all_reduce(self.matmul(x, None), ordered=self.batch_invariant)
         return y if self.bias is None else y + self.bias
+
+
+# `--quantization` -> the block format its linears are quantized to
+QUANTIZATIONS = {"int8": "I8", "int4": "I4"}
+
+
+def quantize_linears(model: nn.Module, quantization: str) -> None:
+    """Weight-only `int8` / `int4` (group-wise round-to-nearest, groups of 32 along K, bf16
+    scales) of every dense linear weight of the model (this rank's shard), after loading. Packed
+    weights stay as they are; the embedding (and a tied LM head) stay dense."""
+    fmt = FORMATS[QUANTIZATIONS[quantization]]
+    for module in list(model.modules()):
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, _Linear) and isinstance(weight, nn.Parameter)
+                and weight.shape[1] % fmt.block == 0):
+            del module.weight
+            module.weight = quantize(weight.data, fmt)

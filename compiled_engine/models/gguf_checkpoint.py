@@ -1,6 +1,6 @@
 """A GGUF file (what llama.cpp and Ollama hold) read as a checkpoint: a Hugging Face config built
-from its metadata, and its tensors under Hugging Face names, dequantized by the `gguf` package's own
-routines.
+from its metadata, and its tensors under Hugging Face names, block-quantized ones kept packed (the
+file's bytes, `kernels.packed`) and the rest dequantized by the `gguf` package's own routines.
 
 llama.cpp's converter permutes the rows of the Q and K projections of `llama` models (its rotary
 pairs adjacent dimensions; Hugging Face's rotates halves); `tensors()` undoes that, as transformers
@@ -24,6 +24,8 @@ from compiled_engine.models.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
+
+    from compiled_engine.layers.weight_utils import PackedSource
 
 # GGUF `general.architecture` -> (Hugging Face architecture, model_type)
 ARCHITECTURES = {
@@ -157,12 +159,18 @@ class GGUFCheckpoint:
     def num_tensors(self) -> int:
         return len(self._reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a
-        time."""
+    def tensors(
+        self, keep_packed: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
+        """(Hugging Face name, tensor) for every tensor of the file, one at a time: a tensor in a
+        block format the kernels know (`kernels.packed`) as a `PackedSource` of the file's bytes
+        (`keep_packed`), every other one dequantized to fp32 by the `gguf` package."""
         import gguf
         import numpy as np
         import torch
+
+        from compiled_engine.layers.weight_utils import PackedSource
+        from kernels.packed import FORMATS
 
         names = _hf_names(self.arch, int(self.metadata(f"{self.arch}.block_count")))
         c = self.config_dict
@@ -172,19 +180,26 @@ class GGUFCheckpoint:
                 raise CheckpointError(
                     f"{self.path}: unexpected tensor {t.name!r} for GGUF architecture {self.arch!r}"
                 )
-            try:
-                values = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise CheckpointError(
-                    f"{self.path}: tensor {t.name!r}: quantization type {t.tensor_type.name} "
-                    f"is not supported ({e})"
-                ) from e
-            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
-                tuple(reversed(t.shape))
-            )
+            shape = tuple(int(n) for n in reversed(t.shape))
+            fmt = FORMATS.get(t.tensor_type.name)
+            if keep_packed and fmt is not None and fmt.name[0] == "Q" and len(shape) == 2:
+                blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shape[0], -1)
+                w: torch.Tensor | PackedSource = PackedSource(blocks, fmt, shape)
+            else:
+                try:
+                    values = gguf.quants.dequantize(t.data, t.tensor_type)
+                except NotImplementedError as e:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {t.name!r}: quantization type "
+                        f"{t.tensor_type.name} is not supported ({e})"
+                    ) from e
+                w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
             if self.arch in _PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = c["num_attention_heads"] if "q_proj" in hf else c["num_key_value_heads"]
-                w = unpermute_rotary_rows(w, heads)
+                if isinstance(w, PackedSource):  # whole rows move: the blocks move with them
+                    w = PackedSource(unpermute_rotary_rows(w.blocks, heads), w.format, w.shape)
+                else:
+                    w = unpermute_rotary_rows(w, heads)
             yield hf, w
 
 

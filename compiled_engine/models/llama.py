@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.lm_head.compute_dtype
 
     def attach_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """One [num_slots, num_kv_heads, head_dim] K and V tensor per layer."""

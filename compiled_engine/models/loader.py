@@ -21,12 +21,14 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from compiled_engine.layers.linear import QUANTIZATIONS, quantize_linears
 from compiled_engine.layers.weight_utils import WeightSource, default_weight_loader
 from compiled_engine.models.errors import CheckpointError
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 from compiled_engine.models.registry import UnsupportedArchitectureError, get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATION_CHOICES = (None, "none", *QUANTIZATIONS)
 # Checkpoint entries that are derived buffers, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -61,11 +63,20 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Model (eval mode, this TP rank's shard) and its Hugging Face config. `load_format="dummy"`
-    gives deterministic random weights (from `seed`) instead of reading the checkpoint."""
+    gives deterministic random weights (from `seed`) instead of reading the checkpoint.
+    `quantization`: None keeps a GGUF file's block-quantized tensors packed (and any other weight
+    as it is); "none" dequantizes them at load; "int8" / "int4" also quantize every dense linear
+    weight (`layers.linear.quantize_linears`)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}; use auto, safetensors or dummy")
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unsupported quantization {quantization!r}; use one of "
+            f"{', '.join(c for c in QUANTIZATION_CHOICES if c)}"
+        )
     config = load_config(model_dir)
     try:
         model_cls = get_model_class(getattr(config, "architectures", None))
@@ -76,7 +87,14 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, model_dir, tied=getattr(config, "tie_word_embeddings", False))
+        load_weights(
+            model,
+            model_dir,
+            tied=getattr(config, "tie_word_embeddings", False),
+            keep_packed=quantization != "none",
+        )
+    if quantization in QUANTIZATIONS:
+        quantize_linears(model, quantization)
     return model.eval(), config
 
 
@@ -150,12 +168,18 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
-def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, str, WeightSource]]:
-    """(file, tensor name, tensor or lazy slice) for every tensor of the checkpoint."""
+def checkpoint_tensors(
+    model_path: str, keep_packed: bool = True
+) -> Iterator[tuple[str, str, WeightSource]]:
+    """(file, tensor name, tensor, lazy slice or packed source) for every tensor of the
+    checkpoint."""
     if is_gguf(model_path):
         checkpoint = open_gguf(model_path)
         for name, tensor in tqdm(
-            checkpoint.tensors(), total=checkpoint.num_tensors, desc="Loading GGUF", unit="tensor"
+            checkpoint.tensors(keep_packed),
+            total=checkpoint.num_tensors,
+            desc="Loading GGUF",
+            unit="tensor",
         ):
             yield model_path, name, tensor
         return
@@ -169,12 +193,14 @@ def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, str, WeightSource
                 yield path, name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, model_path: str, tied: bool = False) -> None:
+def load_weights(
+    model: nn.Module, model_path: str, tied: bool = False, keep_packed: bool = True
+) -> None:
     packed = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     expected = expected_checkpoint_names(model)
     loaded: set[str] = set()
-    for path, name, src in checkpoint_tensors(model_path):
+    for path, name, src in checkpoint_tensors(model_path, keep_packed):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         pname, shard_id = _target(name, packed)
@@ -187,6 +213,9 @@ def load_weights(model: nn.Module, model_path: str, tied: bool = False) -> None:
         except Exception as e:
             raise CheckpointError(f"{path}: tensor {name!r}: {e}") from e
         loaded.add(name)
+    for module in list(model.modules()):
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (

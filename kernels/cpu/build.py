@@ -33,6 +33,7 @@ SOURCES = [
         "invariant_linear.cpp",
         "invariant_linear_dpbf16.cpp",
         "linear.cpp",
+        "packed_linear.cpp",
         "sampling.cpp",
         "torch_ops.cpp",
     )

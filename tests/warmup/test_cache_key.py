@@ -40,8 +40,25 @@ def digest(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.flo
 
 
 def key_of(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.float32,
-           runner: RunnerConfig = RUNNER) -> CacheKey:
-    return cache_key(config, load_config(str(model_dir)), dtype, CPU, runner)
+           runner: RunnerConfig = RUNNER, model: torch.nn.Module | None = None) -> CacheKey:
+    return cache_key(config, load_config(str(model_dir)), dtype, CPU, runner, model if model is not None else torch.nn.Module())
+
+
+def test_packed_weights_change_the_key(model_dir: Path) -> None:
+    """The graphs call another op for a packed weight, with its format as a constant."""
+    from kernels.packed import FORMATS, PackedWeight
+
+    def holding(fmt: str) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.weight = PackedWeight(torch.zeros(4, FORMATS[fmt].nbytes, dtype=torch.uint8),
+                                FORMATS[fmt], 32)
+        return m
+
+    config = EngineConfig()
+    dense = key_of(config, model_dir).digest
+    q4 = key_of(config, model_dir, model=holding("Q4_1")).digest
+    assert len({dense, q4, key_of(config, model_dir, model=holding("Q8_0")).digest}) == 3
+    assert key_of(config, model_dir, model=holding("Q4_1")).digest == q4
 
 
 def test_model_config_and_dtype_change_the_key(model_dir: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.model_runner import RunnerConfig
 from kernels import ops
+from kernels.packed import PackedWeight
 
 # Code that dynamo traces or inductor calls into (the attention kernels live in `kernels`), less the
 # files it never reaches, so that editing a benchmark or the sampler keeps the cache.
@@ -59,6 +60,8 @@ class CacheKey:
     # inductor options (freezing bypasses the FX graph cache: such starts always compile)
     compile_mode: str
     deterministic: bool  # the kernel ops' `invariant` argument, a constant of the graphs
+    # which weights are packed, in which block format (the graphs call other ops for them)
+    weight_layout: str
     torch: str
     triton: str
     python: str
@@ -79,6 +82,7 @@ def cache_key(
     dtype: torch.dtype,
     device: torch.device,
     runner: RunnerConfig,
+    model: torch.nn.Module,
 ) -> CacheKey:
     """The key of an engine about to compile, from its resolved settings (sizes, buckets, dtype);
     the rest of `config` (sampling, scheduling, overlap, seed) never reaches the graphs."""
@@ -95,11 +99,21 @@ def cache_key(
         num_pages=runner.num_pages,
         compile_mode=config.compile_mode,
         deterministic=runner.deterministic,
+        weight_layout=weight_layout(model),
         torch=torch.__version__,
         triton=_triton_version(),
         python=platform.python_version(),
         engine_source=source_hash(TRACED_SOURCES),
     )
+
+
+def weight_layout(model: torch.nn.Module) -> str:
+    """A hash of where the model holds packed weights and in which formats ("dense" for none)."""
+    packed = [f"{name}:{m.format.name}" for name, m in model.named_modules()
+              if isinstance(m, PackedWeight)]
+    if not packed:
+        return "dense"
+    return hashlib.sha256("\n".join(packed).encode()).hexdigest()[:16]
 
 
 def model_config_hash(config: PretrainedConfig) -> str:

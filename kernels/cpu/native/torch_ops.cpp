@@ -37,6 +37,8 @@ int64_t ce_dpbf16_packed_size(int64_t N, int64_t K);
 void ce_dpbf16_pack(const void* w, void* out, int64_t N, int64_t K);
 void ce_dpbf16_linear(const void* x, const void* packed, const float* bias, void* out, int64_t M, int64_t N, int64_t K);
 int ce_compiled_isa();
+int ce_packed_linear(int format, int x_dt, const void* x, const uint8_t* w, const float* bias, void* out, int64_t M,
+                     int64_t N, int64_t K);
 int ce_argmax(int dt, const void* x, int64_t rows, int64_t n, int64_t row_stride, int64_t* out);
 int ce_decode_attention(int dt, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                         const int32_t* table, int64_t table_stride, const int32_t* rows_req, const int32_t* seq_lens,
@@ -483,6 +485,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     }
 }
 
+// ---- packed (block-quantized) weights --------------------------------------------------------------------
+// bf16 activations: packed_linear.cpp (activations quantized per row and block of 32; batch-invariant, so
+// `invariant` changes nothing). Everything else (float32 activations: exact, in fp32) goes to the portable op.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t in_features,
+                         const std::optional<at::Tensor>& bias, bool invariant) {
+    const int64_t K = in_features;
+    const bool covered = x.scalar_type() == at::kBFloat16 && x.size(-1) == K && K % 32 == 0 &&
+                         blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous();
+    static const auto portable =
+        torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const std::optional<at::Tensor>&,
+                            bool)>("kernels::linear_packed_portable");
+    if (!covered) return portable.call(x, blocks, format, in_features, bias, invariant);
+    const int64_t N = blocks.size(0);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    const at::Tensor rows = x.reshape({-1, K}).contiguous();
+    const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor out = at::empty({rows.size(0), N}, x.options());
+    if (rows.size(0) > 0 &&
+        ce_packed_linear(static_cast<int>(format), 1, rows.data_ptr(), blocks.data_ptr<uint8_t>(),
+                         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), rows.size(0), N, K) != 0)
+        return portable.call(x, blocks, format, in_features, bias, invariant);
+    return out.view(shape);
+}
+
 // ---- greedy argmax ----------------------------------------------------------------------------------------
 at::Tensor argmax(const at::Tensor& x) {
     const int code = dtype_code(x.scalar_type());
@@ -515,4 +542,5 @@ TORCH_LIBRARY_IMPL(kernels, CPU, m) {
     m.impl("extend_attention", extend_attention);
     m.impl("linear", linear);
     m.impl("argmax", argmax);
+    m.impl("linear_packed", linear_packed);
 }

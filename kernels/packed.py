@@ -1,0 +1,116 @@
+"""Packed weights: a linear's weight kept in its checkpoint's block-quantized format.
+
+A `PackedWeight` holds the weight [N, K] as its N rows of blocks, byte for byte as a GGUF file
+stores them (llama.cpp's layouts), plus the two formats of `--quantization` (group-wise
+round-to-nearest with bf16 scales). `ops.linear` takes one wherever it takes a weight tensor, and
+`ops.embedding` looks rows up in one. Nothing is ever re-quantized: a row's bytes are the file's.
+
+Formats (weights per block, bytes per block):
+    Q8_0  32, 34    fp16 d, 32 x int8 q                      w = d q
+    Q4_0  32, 18    fp16 d, 16 bytes of nibbles              w = d (q - 8)
+    Q4_1  32, 20    fp16 d, fp16 m, nibbles                  w = d q + m
+    Q5_0  32, 22    fp16 d, 32 high bits, nibbles            w = d (q - 16)
+    Q5_1  32, 24    fp16 d, fp16 m, 32 high bits, nibbles    w = d q + m
+    Q4_K  256, 144  fp16 d, dmin; 8 x 6-bit (scale, min); nibbles    w = d s_j q - dmin m_j
+    Q5_K  256, 176  as Q4_K plus one high bit per weight
+    Q6_K  256, 210  low nibbles, 2 high bits, 16 x int8 scales, fp16 d    w = d s_j (q - 32)
+    I8    32, 34    bf16 d, 32 x int8 q (`--quantization int8`) w = d q
+    I4    32, 18    bf16 d, nibbles (`--quantization int4`)    w = d (q - 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    code: int  # the id the ops (and native/packed_linear.cpp) know the format by
+    block: int  # weights per block
+    nbytes: int  # bytes per block
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block * self.nbytes
+
+
+FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("Q8_0", 0, 32, 34),
+        BlockFormat("Q4_0", 1, 32, 18),
+        BlockFormat("Q4_1", 2, 32, 20),
+        BlockFormat("Q5_0", 3, 32, 22),
+        BlockFormat("Q5_1", 4, 32, 24),
+        BlockFormat("Q4_K", 5, 256, 144),
+        BlockFormat("Q5_K", 6, 256, 176),
+        BlockFormat("Q6_K", 7, 256, 210),
+        BlockFormat("I8", 8, 32, 34),
+        BlockFormat("I4", 9, 32, 18),
+    )
+}
+BY_CODE: dict[int, BlockFormat] = {f.code: f for f in FORMATS.values()}
+
+
+class PackedWeight(nn.Module):
+    """A weight [out_features, in_features] as rows of `format`'s blocks: `blocks` [N, row_bytes]
+    uint8. A module, so that its bytes are a buffer (moved, counted and seen by torch.compile as
+    the model's other tensors are)."""
+
+    def __init__(self, blocks: torch.Tensor, format: BlockFormat, in_features: int) -> None:
+        super().__init__()
+        if in_features % format.block:
+            raise ValueError(
+                f"{format.name}: in_features={in_features} is not a multiple of its block "
+                f"{format.block}"
+            )
+        if blocks.dtype != torch.uint8 or blocks.shape[-1] != format.row_bytes(in_features):
+            raise ValueError(
+                f"{format.name}: blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of "
+                f"{in_features} weights"
+            )
+        self.register_buffer("blocks", blocks.contiguous())
+        self.format = format
+        self.code = format.code
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in fp32 [N, K]."""
+        return torch.ops.kernels.dequantize.default(self.blocks, self.code, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.format.name}, out_features={self.out_features}, in={self.in_features}"
+
+
+def quantize(weight: torch.Tensor, format: BlockFormat) -> PackedWeight:
+    """`--quantization`: weight [N, K] -> I8 or I4 blocks by round-to-nearest per group of 32 with a
+    bf16 scale d = max|w| / qmax (qmax 127 or 7; the scale is rounded to bf16 first, and the
+    quants computed against the rounded scale)."""
+    if format.name not in ("I8", "I4"):
+        raise ValueError(f"quantize makes I8 or I4 blocks, not {format.name}")
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // 32, 32)
+    qmax = 127 if format.name == "I8" else 7
+    d = (groups.abs().amax(-1, keepdim=True) / qmax).to(torch.bfloat16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1.0 / d.float())
+    q = torch.round(groups * inv).clamp(-qmax, qmax).to(torch.int32)
+    scale_bytes = d.view(torch.uint8).reshape(n, k // 32, 2)
+    if format.name == "I8":
+        quants = q.to(torch.int8).view(torch.uint8)
+    else:
+        u = (q + 8).to(torch.uint8)
+        quants = u[..., :16] | (u[..., 16:] << 4)
+    blocks = torch.cat([scale_bytes, quants], dim=-1).reshape(n, -1)
+    return PackedWeight(blocks, format, k)
