@@ -98,8 +98,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     that row only, never on the batch, its size, chunking, cached prefixes or the step kind.
 
     A `PackedWeight` goes to `kernels::linear_packed`: on the CPU with bf16 activations the native
-    kernel (activations quantized per row in blocks of 32, as llama.cpp's dot does; batch-invariant
-    always), else the weight dequantized and multiplied in fp32."""
+    kernel (activations quantized to int16 per row in blocks of 32; batch-invariant always), else
+    the weight dequantized and multiplied in fp32."""
     if isinstance(weight, PackedWeight):
         return torch.ops.kernels.linear_packed.default(
             x, weight.blocks, weight.code, weight.in_features, bias, invariant

@@ -54,8 +54,11 @@ def create_app(config: ServerConfig) -> Starlette:
         tokenizer, limits, handle = await asyncio.to_thread(_start_engine, config)
         client = EngineClient(handle, config.max_queue)
         client.start()
+        metrics = Metrics()
+        metrics.weight_bytes.set(handle.ready.weight_bytes)
+        metrics.kv_pool_bytes.set(handle.ready.kv_pool_bytes)
         app.state.server = ServerState(
-            config, client, tokenizer, limits, Metrics(), config.engine.model
+            config, client, tokenizer, limits, metrics, config.engine.model
         )
         try:
             yield

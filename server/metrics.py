@@ -53,6 +53,13 @@ class Metrics:
             p + "prefix_cache_hit_rate", "prefix tokens reused / prompt tokens", registry=r
         )
         self.retractions = Gauge(p + "num_retractions", "requests retracted so far", registry=r)
+        self.weight_bytes = Gauge(
+            p + "weight_bytes",
+            "bytes of the model's weights in rank 0 (packed GGUF / --quantization weights as "
+            "packed)",
+            registry=r,
+        )
+        self.kv_pool_bytes = Gauge(p + "kv_pool_bytes", "bytes of rank 0's KV pool", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram(

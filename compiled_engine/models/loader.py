@@ -26,6 +26,7 @@ from compiled_engine.layers.weight_utils import WeightSource, default_weight_loa
 from compiled_engine.models.errors import CheckpointError
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 from compiled_engine.models.registry import UnsupportedArchitectureError, get_model_class
+from kernels.packed import PackedWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATION_CHOICES = (None, "none", *QUANTIZATIONS)
@@ -222,3 +223,14 @@ def load_weights(
             f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         )
         raise CheckpointError(f"{model_path}: missing tensors {shown}")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as this rank holds them: parameters and packed blocks, each
+    tensor once (a tied LM head shares the embedding's)."""
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *(m.blocks for m in model.modules()
+                                      if isinstance(m, PackedWeight))]
+    for t in tensors:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())

@@ -52,6 +52,8 @@ class Ready:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     compile_summaries: tuple[str, ...]  # each rank's compile-cache report, in rank order
+    weight_bytes: int = 0  # rank 0's weights as held (packed weights as packed)
+    kv_pool_bytes: int = 0  # rank 0's KV pool (address space; CPU pages come in as written)
 
 
 @dataclass(slots=True)

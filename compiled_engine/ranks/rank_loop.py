@@ -52,6 +52,8 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
     try:
         kernels.apply_isa_caps()  # before the process group's first tensor
         config, control = _init_distributed(spec)
+        from compiled_engine.models.loader import weight_bytes
+        from compiled_engine.runner.kv_cache import kv_pool_bytes
         from compiled_engine.startup import build_engine
 
         engine = build_engine(config)
@@ -67,6 +69,8 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
                         engine.eos_token_ids,
                         engine.vocab_size,
                         summaries,
+                        weight_bytes(engine.model),
+                        kv_pool_bytes(engine.runner),
                     )
                 ]
             )

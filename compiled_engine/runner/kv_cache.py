@@ -33,3 +33,8 @@ def kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
     """The K and the V tensor of every layer."""
     return ([zeroed(shape, dtype, device) for _ in range(num_layers)],
             [zeroed(shape, dtype, device) for _ in range(num_layers)])
+
+
+def kv_pool_bytes(runner) -> int:
+    """Bytes of a runner's K and V caches (every layer's)."""
+    return sum(t.numel() * t.element_size() for t in (*runner.k_caches, *runner.v_caches))

@@ -41,7 +41,8 @@ def digest(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.flo
 
 def key_of(config: EngineConfig, model_dir: Path, dtype: torch.dtype = torch.float32,
            runner: RunnerConfig = RUNNER, model: torch.nn.Module | None = None) -> CacheKey:
-    return cache_key(config, load_config(str(model_dir)), dtype, CPU, runner, model if model is not None else torch.nn.Module())
+    held = model if model is not None else torch.nn.Module()
+    return cache_key(config, load_config(str(model_dir)), dtype, CPU, runner, held)
 
 
 def test_packed_weights_change_the_key(model_dir: Path) -> None:

@@ -2,14 +2,15 @@
 // the formats; the layouts are llama.cpp's). The kernel behind kernels::linear_packed for bf16 activations
 // (torch_ops.cpp).
 //
-// Each row of x is quantized to int8 in blocks of 32 with one fp32 scale per block (as llama.cpp's Q8 dot
-// quantizes activations, per 32 values here rather than per 256): row by row, so a row's int8 values never
-// depend on the other rows. A weight block's sub-blocks of 32 are unpacked to bytes in registers; each
-// sub-block's integer dot with the activations' block (u8 x s8 pairs summed to int16, then to int32 with
-// the sub-block's integer scales) is converted to float and accumulated with one FMA by (weight scale x
-// activation scale), in eight float lanes, in order over k; offsets and mins (w = d q + m) add one FMA by the
-// activations' block sum. Every output element is that same instruction sequence whatever M, the tile it
-// falls in or the thread count: the kernel is batch-invariant by construction.
+// Each row of x is quantized to int16 in blocks of 32 with one fp32 scale per block (max |x| / 32767): row by
+// row, so a row's values never depend on the other rows, and 16 bits keep the rounding far below bf16's
+// (llama.cpp's dot quantizes activations to int8, whose rounding shows in the log-probs: docs/benchmarks.md).
+// A weight block's sub-blocks of 32 are unpacked to int16 in registers; each sub-block's integer dot with the
+// activations' block (pairs summed to int32, with Q6_K's per-16 integer scales folded into the weights) is
+// converted to float and accumulated with one FMA by (weight scale x activation scale), in eight float lanes,
+// in order over k; offsets and mins (w = d q + m) add one FMA by the activations' block sum. Every output
+// element is that same instruction sequence whatever M, the tile it falls in or the thread count: the kernel
+// is batch-invariant by construction.
 
 #include <omp.h>
 
@@ -25,6 +26,9 @@
 #endif
 
 namespace {
+
+// Activations are quantized to int16: |q| <= kActMax.
+constexpr float kActMax = 32767.0f;
 
 enum Format { Q8_0 = 0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, I8, I4 };
 
@@ -209,7 +213,7 @@ struct Fmt<Q6_K> {
 // The activations, quantized: row r's block j is q[r K + 32 j ..], with scale d[r nb + j] and s[r nb + j] =
 // d * (sum of its 32 quants).
 struct Acts {
-    std::vector<int8_t> q;
+    std::vector<int16_t> q;
     std::vector<float> d, s;
     int64_t K, nb;
 };
@@ -299,16 +303,20 @@ inline void dot_rows(const uint8_t* w, int64_t nblocks, const Acts& x, int64_t r
             const int64_t xb = blk * T::subs + j;
             const SubBlock sb = T::sub(p, j);
             const __m256i q = quants_avx2<F>(p, j);
-            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sb.s_hi), _mm_set1_epi16(sb.s_lo));
-            const __m256i q_abs = T::is_signed ? _mm256_sign_epi8(q, q) : q;
+            const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
+            __m256i w_lo = T::is_signed ? _mm256_cvtepi8_epi16(q_lo) : _mm256_cvtepu8_epi16(q_lo);
+            __m256i w_hi = T::is_signed ? _mm256_cvtepi8_epi16(q_hi) : _mm256_cvtepu8_epi16(q_hi);
+            if constexpr (F == Q6_K) {  // |q s| <= 32 * 128: still an int16
+                w_lo = _mm256_mullo_epi16(w_lo, _mm256_set1_epi16(sb.s_lo));
+                w_hi = _mm256_mullo_epi16(w_hi, _mm256_set1_epi16(sb.s_hi));
+            }
             for (int r = 0; r < R; ++r) {
                 const int64_t row = r0 + r;
-                const __m256i a =
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * x.K + 32 * xb));
-                const __m256i pairs =
-                    T::is_signed ? _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(a, q)) : _mm256_maddubs_epi16(q, a);
-                const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
-                acc[r] = _mm256_fmadd_ps(dots, _mm256_set1_ps(sb.a * x.d[row * x.nb + xb]), acc[r]);
+                const int16_t* a = x.q.data() + row * x.K + 32 * xb;
+                const __m256i dot = _mm256_add_epi32(
+                    _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                    _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16))));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sb.a * x.d[row * x.nb + xb]), acc[r]);
                 if (!T::is_signed) acc_b[r] = std::fma(sb.b, x.s[row * x.nb + xb], acc_b[r]);
             }
         }
@@ -325,7 +333,7 @@ inline void dot_rows(const uint8_t* w, int64_t nblocks, const Acts& x, int64_t r
             T::quants(p, j, q);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = r0 + r;
-                const int8_t* a = x.q.data() + row * x.K + 32 * xb;
+                const int16_t* a = x.q.data() + row * x.K + 32 * xb;
                 int32_t lo = 0, hi = 0;
                 for (int i = 0; i < 16; ++i) lo += q[i] * a[i];
                 for (int i = 16; i < 32; ++i) hi += q[i] * a[i];
@@ -339,9 +347,9 @@ inline void dot_rows(const uint8_t* w, int64_t nblocks, const Acts& x, int64_t r
 #endif
 }
 
-// Row m of x (K values) -> int8 blocks of 32, d = max|x| / 127 per block, q = round-to-nearest-even(x / d).
+// Row m of x (K values) -> int16 blocks of 32, d = max|x| / 32767 per block, q = round-to-nearest-even(x / d).
 template <typename E>
-void quantize_row(const typename E::T* x, int64_t K, int8_t* q, float* d, float* s) {
+void quantize_row(const typename E::T* x, int64_t K, int16_t* q, float* d, float* s) {
     for (int64_t j = 0; j < K / 32; ++j) {
 #if defined(CE_PACKED_AVX2)
         __m256 v[4];
@@ -355,23 +363,23 @@ void quantize_row(const typename E::T* x, int64_t K, int8_t* q, float* d, float*
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float max_abs = _mm_cvtss_f32(m4);
-        const float scale = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+        const float scale = max_abs / kActMax, inv = max_abs > 0.0f ? kActMax / max_abs : 0.0f;
         __m256i i32[4];
         for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
         const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3])));
-        // packs interleave 128-bit lanes: the permute puts the 32 bytes back in order
-        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-        const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
-                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j), i8);
+        // packs interleave 128-bit lanes: the permute puts the 16 values back in order
+        for (int h = 0; h < 2; ++h) {
+            const __m256i i16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[2 * h], i32[2 * h + 1]), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j + 16 * h), i16);
+        }
 #else
         float max_abs = 0.0f;
         for (int i = 0; i < 32; ++i) max_abs = std::max(max_abs, std::fabs(E::load(x[32 * j + i])));
-        const float scale = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+        const float scale = max_abs / kActMax, inv = max_abs > 0.0f ? kActMax / max_abs : 0.0f;
         int sum = 0;
         for (int i = 0; i < 32; ++i) {
             const int v = static_cast<int>(std::nearbyint(E::load(x[32 * j + i]) * inv));
-            q[32 * j + i] = static_cast<int8_t>(v);
+            q[32 * j + i] = static_cast<int16_t>(v);
             sum += v;
         }
 #endif
@@ -384,7 +392,7 @@ template <int F, typename E>
 void packed_linear(const typename E::T* x, const uint8_t* w, const float* bias, typename E::T* out, int64_t M,
                    int64_t N, int64_t K) {
     using T = Fmt<F>;
-    Acts a{std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 32)), K, K / 32};
+    Acts a{std::vector<int16_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 32)), K, K / 32};
 #pragma omp parallel for schedule(static) if (M > 8)
     for (int64_t m = 0; m < M; ++m)
         quantize_row<E>(x + m * K, K, a.q.data() + m * K, a.d.data() + m * a.nb, a.s.data() + m * a.nb);
