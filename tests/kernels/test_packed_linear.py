@@ -3,8 +3,9 @@
   blocks (random quants, scales and mins: every bit pattern a file may hold);
 - fp32 activations (the exact path) equal fp32 `F.linear` on the dequantized weight;
 - bf16 activations through the native kernel (int16 activations per row and block of 32): within
-  a measured relative bound of the exact product (the bf16 output's rounding), and batch-invariant:
-  each row's bits equal the row alone, for every M around the kernel's row tiles and with or without `invariant`;
+  a measured relative bound of the exact product (the bf16 output's rounding), and
+  batch-invariant: each row's bits equal the row alone, for every M around the kernel's row tiles
+  and with or without `invariant`;
 - `--quantization`'s I8 / I4 round trip within half a step of their scales;
 - packed sources narrow by rows and by whole blocks only."""
 
