@@ -33,6 +33,7 @@ KEY = CacheKey(
     num_pages=64,
     compile_mode="default",
     deterministic=True,
+    weight_layout="dense",
     torch="t",
     triton="tr",
     python="p",
