@@ -7,7 +7,7 @@ load with their linears and embedding packed, and answer as transformers fp32 do
 - bf16 compute, eager and compiled (the native kernel, which quantizes activations to int16 per
   row and block of 32): greedy tokens equal up to near ties, log-probs within the parity bound of
   transformers' own bf16 run (`tests.parity.oracle`), the error printed;
-- TP=2 (columns and rows of blocks split over two ranks) equal to TP=1.
+- TP=2 (columns and rows of blocks split over two ranks): TP=1's tokens, within the same bound.
 `--quantization int8` on a safetensors checkpoint is held to the same bound (against fp32 on the
 original weights)."""
 
@@ -122,24 +122,23 @@ def test_bf16_compiled_within_the_parity_bound(files, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_compiled_equals_tp1(files) -> None:
+def test_tp2_compiled_agrees_with_tp1_and_transformers(files) -> None:
     """Column-parallel layers split rows of blocks, row-parallel ones split each row's blocks (K/2
-    = 128: whole Q4_1 blocks); deterministic mode's ordered all-reduce gives TP=1's bits."""
+    = 128: whole Q4_1 blocks): TP=2 compiled gives TP=1's greedy tokens and stays within the parity
+    bound of transformers fp32 (its log-probs are not TP=1's bits: each rank's partial sums are
+    rounded to bf16 before the all-reduce; measured up to 0.03 apart)."""
     path = str(files["Q4_1"])
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     one = LLM(path, deterministic=True, **ENGINE)
-    expected = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
-                for o in one.generate(PROMPTS, params)]
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
     one.engine.shutdown()
+    refs = hf_fp32_greedy(path, PROMPTS, NEW_TOKENS)
     two = LLM(path, deterministic=True, tp_size=2, **ENGINE)
     try:
-        got = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
-               for o in two.generate(PROMPTS, params)]
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
+        check(two, PROMPTS, refs, bf16_bound(path, refs), "Q4_1 TP=2 compiled bf16")
     finally:
         two.engine.shutdown()
-    assert [t for t, _ in got] == [t for t, _ in expected]
-    for (_, ours), (_, theirs) in zip(got, expected, strict=True):
-        assert ours == pytest.approx(theirs, abs=2e-2)
 
 
 @pytest.fixture(scope="module")
