@@ -120,3 +120,48 @@ def test_a_packed_weight_refuses_rows_that_do_not_fit() -> None:
         PackedWeight(torch.zeros(2, 144, dtype=torch.uint8), FORMATS["Q4_K"], 300)
     with pytest.raises(ValueError, match="do not hold rows of 512"):
         PackedWeight(torch.zeros(2, 144, dtype=torch.uint8), FORMATS["Q4_K"], 512)
+
+
+@pytest.fixture(scope="module")
+def scalar_kernel(tmp_path_factory):
+    """packed_linear.cpp built without AVX2, FMA or F16C: the C++ path that ARM and older x86 run,
+    called through ctypes (its C entry point, float32 activations)."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from kernels.cpu import build, isa
+
+    compiler = shutil.which("g++")
+    if compiler is None or not isa._x86():
+        pytest.skip("needs g++ on x86 to build the portable C++ path with the vector ISA off")
+    lib = tmp_path_factory.mktemp("scalar") / "packed_scalar.so"
+    source = Path(build.NATIVE) / "packed_linear.cpp"
+    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-march=x86-64",
+                    "-mno-avx2", "-mno-fma", "-mno-f16c", str(source), "-o", str(lib)], check=True)
+    fn = ctypes.CDLL(str(lib)).ce_packed_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+
+    def run(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        out = torch.empty(x.shape[0], w.out_features)
+        rc = fn(w.code, 0, x.data_ptr(), w.blocks.data_ptr(), None, out.data_ptr(), x.shape[0],
+                w.out_features, w.in_features)
+        assert rc == 0
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("name", GGUF_FORMATS)
+def test_the_portable_cpp_path_is_close_and_batch_invariant(scalar_kernel, name: str) -> None:
+    w = PackedWeight(random_blocks(name, 24, 512), FORMATS[name], 512)
+    x = torch.randn(6, 512)
+    exact = F.linear(x, w.dequantize())
+    got = scalar_kernel(w, x)
+    # int16 activations, fp32 output: about 1e-4 of the largest output
+    assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-3
+    assert torch.equal(torch.cat([scalar_kernel(w, x[i : i + 1]) for i in range(6)]), got)
