@@ -16,6 +16,10 @@ Formats (weights per block, bytes per block):
     Q6_K  256, 210  low nibbles, 2 high bits, 16 x int8 scales, fp16 d    w = d s_j (q - 32)
     I8    32, 34    bf16 d, 32 x int8 q (`--quantization int8`) w = d q
     I4    32, 18    bf16 d, nibbles (`--quantization int4`)    w = d (q - 8)
+
+Q8_0, Q4_0, Q4_1, I8 and I4 also come as `<name>x16`: the same blocks with 16 rows interleaved
+(`kernels.interleave`: the same bytes in another order; blocks [N / 16, 16 row_bytes]), the layout
+the CPU kernel reads a vector of 16 output columns from. `ops.prepare_packed` chooses it at load.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ class BlockFormat:
     name: str
     code: int  # the id the ops (and native/packed_linear.cpp) know the format by
     block: int  # weights per block
-    nbytes: int  # bytes per block
+    nbytes: int  # bytes per block (of one row)
+    rows: int = 1  # weight rows per group: 16 in an interleaved layout
+    base: str = ""  # an interleaved format's base format
 
     def row_bytes(self, in_features: int) -> int:
         return in_features // self.block * self.nbytes
@@ -52,31 +58,55 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("I4", 9, 32, 18),
     )
 }
+INTERLEAVE_ROWS = 16
+INTERLEAVED_CODE = 16  # an interleaved format's code: its base format's + 16
+for _base in ("Q8_0", "Q4_0", "Q4_1", "I8", "I4"):
+    _f = FORMATS[_base]
+    FORMATS[f"{_base}x16"] = BlockFormat(f"{_base}x16", _f.code + INTERLEAVED_CODE, _f.block,
+                                         _f.nbytes, INTERLEAVE_ROWS, _base)
 BY_CODE: dict[int, BlockFormat] = {f.code: f for f in FORMATS.values()}
 
 
 class PackedWeight(nn.Module):
     """A weight [out_features, in_features] as rows of `format`'s blocks: `blocks` [N, row_bytes]
-    uint8. A module, so that its bytes are a buffer (moved, counted and seen by torch.compile as
-    the model's other tensors are)."""
+    uint8 ([N / 16, 16 row_bytes] in an interleaved format). A module, so that its bytes are a
+    buffer (moved, counted and seen by torch.compile as the model's other tensors are)."""
 
     def __init__(self, blocks: torch.Tensor, format: BlockFormat, in_features: int) -> None:
         super().__init__()
+        self.register_buffer("blocks", self._checked(blocks, format, in_features))
+        self.in_features = in_features
+        self._set_format(format)
+
+    @staticmethod
+    def _checked(blocks: torch.Tensor, format: BlockFormat, in_features: int) -> torch.Tensor:
         if in_features % format.block:
             raise ValueError(
                 f"{format.name}: in_features={in_features} is not a multiple of its block "
                 f"{format.block}"
             )
-        if blocks.dtype != torch.uint8 or blocks.shape[-1] != format.row_bytes(in_features):
+        if blocks.dtype != torch.uint8 or blocks.shape[-1] != format.rows * format.row_bytes(
+            in_features
+        ):
             raise ValueError(
                 f"{format.name}: blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of "
                 f"{in_features} weights"
             )
-        self.register_buffer("blocks", blocks.contiguous())
+        return blocks.contiguous()
+
+    def _set_format(self, format: BlockFormat) -> None:
         self.format = format
         self.code = format.code
-        self.in_features = in_features
-        self.out_features = blocks.shape[0]
+        self.out_features = self.blocks.shape[0] * format.rows
+
+    def relayout(self, blocks: torch.Tensor, format: BlockFormat) -> None:
+        """Hold the same weight in another layout (`ops.prepare_packed`), in place: a tied LM head
+        shares this module with the embedding."""
+        out_features = self.out_features
+        self.blocks = self._checked(blocks, format, self.in_features)
+        self._set_format(format)
+        if self.out_features != out_features:
+            raise ValueError(f"{format.name}: {self.out_features} rows, not {out_features}")
 
     @property
     def shape(self) -> torch.Size:
@@ -87,7 +117,7 @@ class PackedWeight(nn.Module):
         return self.blocks.numel()
 
     def dequantize(self) -> torch.Tensor:
-        """The weight in fp32 [N, K]."""
+        """The weight in fp32 [N, K] (in row order, whatever the layout)."""
         return torch.ops.kernels.dequantize.default(self.blocks, self.code, self.in_features)
 
     def extra_repr(self) -> str:

@@ -26,6 +26,7 @@ from compiled_engine.layers.weight_utils import WeightSource, default_weight_loa
 from compiled_engine.models.errors import CheckpointError
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 from compiled_engine.models.registry import UnsupportedArchitectureError, get_model_class
+from kernels import ops
 from kernels.packed import PackedWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +97,9 @@ def load_model(
         )
     if quantization in QUANTIZATIONS:
         quantize_linears(model, quantization)
+    for module in list(model.modules()):
+        if isinstance(module, PackedWeight):
+            ops.prepare_packed(module, model.dtype)
     return model.eval(), config
 
 

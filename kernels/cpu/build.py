@@ -34,11 +34,12 @@ SOURCES = [
         "invariant_linear_dpbf16.cpp",
         "linear.cpp",
         "packed_linear.cpp",
+        "packed_linear_x16.cpp",
         "sampling.cpp",
         "torch_ops.cpp",
     )
 ]
-HEADERS = [NATIVE / "common.h"]
+HEADERS = [NATIVE / "common.h", NATIVE / "packed_acts.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # + cpu_isa.compiler_flags()
 
 

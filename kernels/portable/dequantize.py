@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.packed import BY_CODE, BlockFormat
+from kernels.interleave import deinterleave
+from kernels.packed import BY_CODE, FORMATS, BlockFormat
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -117,8 +118,12 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: BlockFormat, in_features: int) 
 
 
 def dequantize(blocks: torch.Tensor, code: int, in_features: int) -> torch.Tensor:
-    """`kernels::dequantize`: blocks [..., row_bytes] uint8 -> fp32 [..., in_features]."""
-    return dequantize_blocks(blocks, BY_CODE[code], in_features)
+    """`kernels::dequantize`: blocks [..., row_bytes] uint8 -> fp32 [..., in_features]; an
+    interleaved format's groups [G, 16 row_bytes] -> [16 G, in_features] in row order."""
+    fmt = BY_CODE[code]
+    if fmt.rows > 1:
+        return dequantize_blocks(deinterleave(blocks, fmt), FORMATS[fmt.base], in_features)
+    return dequantize_blocks(blocks, fmt, in_features)
 
 
 def linear_packed(x, blocks, code, in_features, bias=None, invariant=False):

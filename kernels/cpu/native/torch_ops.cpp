@@ -497,7 +497,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
         torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const std::optional<at::Tensor>&,
                             bool)>("kernels::linear_packed_portable");
     if (!covered) return portable.call(x, blocks, format, in_features, bias, invariant);
-    const int64_t N = blocks.size(0);
+    const int64_t N = blocks.size(0) * (format >= 16 ? 16 : 1);  // an interleaved format: groups of 16 rows
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = N;
     const at::Tensor rows = x.reshape({-1, K}).contiguous();
