@@ -2,10 +2,15 @@
 - dequantize equals the `gguf` package's dequantizer bit for bit, in every GGUF format, on random
   blocks (random quants, scales and mins: every bit pattern a file may hold);
 - fp32 activations (the exact path) equal fp32 `F.linear` on the dequantized weight;
-- bf16 activations through the native kernel (int16 activations per row and block of 32): within
-  a measured relative bound of the exact product (the bf16 output's rounding), and
-  batch-invariant: each row's bits equal the row alone, for every M around the kernel's row tiles
-  and with or without `invariant`;
+- bf16 activations through the native kernels (int16 activations per row and block of 32), in the
+  file's layout and 16 rows interleaved: within a measured relative bound of the exact product
+  (the bf16 output's rounding), and batch-invariant: each row's bits equal the row alone, for
+  every M around the kernel's row tiles and with or without `invariant`;
+- interleaving keeps every byte (the file's blocks come back, rows and embeddings read the same),
+  and happens only where the interleaved kernel reads the weight;
+- the kernels' C++ built without AVX512 (the AVX2 path) and without AVX2 (the portable path, what
+  ARM runs) give the interleaved kernel's native bits exactly, and the file-layout kernel's
+  results within its bound;
 - `--quantization`'s I8 / I4 round trip within half a step of their scales;
 - packed sources narrow by rows and by whole blocks only."""
 
@@ -19,9 +24,11 @@ import torch.nn.functional as F
 
 from compiled_engine.layers.weight_utils import PackedSource
 from kernels import ops
+from kernels.interleave import deinterleave, interleave, rows_of
 from kernels.packed import FORMATS, PackedWeight, quantize
 
 GGUF_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+INTERLEAVED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8", "I4"]  # the formats with a 16-row interleaved layout
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 # max |bf16 kernel - exact| / max |exact| over these shapes, measured 0.002-0.003: the bf16 output's
@@ -40,6 +47,19 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(b.reshape(n, -1))
 
 
+def packed(name: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    """A random weight in format `name` (a `<base>x16` name: interleaved)."""
+    base = name.removesuffix("x16")
+    if base in ("I8", "I4"):
+        gen = torch.Generator().manual_seed(seed)
+        w = quantize(torch.randn(n, k, generator=gen) * 0.05, FORMATS[base])
+    else:
+        w = PackedWeight(random_blocks(base, n, k, seed), FORMATS[base], k)
+    if name != base:
+        w.relayout(interleave(w.blocks, w.format), FORMATS[name])
+    return w
+
+
 @pytest.mark.parametrize("name", GGUF_FORMATS)
 def test_dequantize_equals_the_gguf_package(name: str) -> None:
     blocks = random_blocks(name, 5, 512)
@@ -56,18 +76,15 @@ def test_fp32_activations_are_exact(name: str) -> None:
     torch.testing.assert_close(ops.linear(x, w, bias), F.linear(x, w.dequantize(), bias))
 
 
-@pytest.mark.parametrize("name", GGUF_FORMATS + ["I8", "I4"])
+@pytest.mark.parametrize("name", GGUF_FORMATS + ["I8", "I4"] + [f"{n}x16" for n in INTERLEAVED])
 def test_bf16_native_kernel_is_close_and_batch_invariant(name: str) -> None:
     k = 768  # three K-quant super-blocks
-    if name in ("I8", "I4"):
-        w = quantize(torch.randn(70, k) * 0.05, FORMATS[name])
-    else:
-        w = PackedWeight(random_blocks(name, 70, k), FORMATS[name], k)
+    w = packed(name, 80 if name.endswith("x16") else 70, k)
     x = torch.randn(11, k).bfloat16()
-    bias = torch.randn(70).bfloat16()
+    bias = torch.randn(w.out_features).bfloat16()
     exact = F.linear(x.float(), w.dequantize(), bias.float())
     got = ops.linear(x, w, bias)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16 and got.shape == (11, w.out_features)
     err = ((got.float() - exact).abs().max() / exact.abs().max()).item()
     print(f"{name}: bf16 kernel relative error {err:.4f}")
     assert err < NATIVE_TOLERANCE
@@ -77,14 +94,46 @@ def test_bf16_native_kernel_is_close_and_batch_invariant(name: str) -> None:
         assert torch.equal(ops.linear(x[:m], w, bias, True), got[:m])
 
 
+@pytest.mark.parametrize("name", INTERLEAVED)
+def test_interleaving_keeps_every_byte(name: str) -> None:
+    w = packed(name, 48, 256)
+    fmt = FORMATS[f"{name}x16"]
+    groups = interleave(w.blocks, w.format)
+    assert groups.shape == (3, 16 * w.format.row_bytes(256))
+    assert torch.equal(deinterleave(groups, fmt), w.blocks)
+    ids = torch.tensor([[0, 17, 47], [31, 16, 15]])
+    assert torch.equal(rows_of(groups, fmt, ids), w.blocks[ids])
+    held = PackedWeight(groups, fmt, 256)
+    assert held.shape == w.shape
+    assert torch.equal(held.dequantize(), w.dequantize())
+    assert torch.equal(ops.embedding(ids, held), ops.embedding(ids, w))
+    x = torch.randn(5, 256)  # fp32 activations: the portable path on the file's blocks, exact
+    assert torch.equal(ops.linear(x, held), ops.linear(x, w))
+
+
+def test_weights_are_interleaved_only_where_the_interleaved_kernel_reads_them() -> None:
+    def held_as(name: str, rows: int, dtype: torch.dtype) -> str:
+        w = packed(name, rows, 256)
+        ops.prepare_packed(w, dtype)
+        return w.format.name
+
+    assert held_as("Q4_1", 48, torch.bfloat16) == "Q4_1x16"  # the CPU's native kernels loaded
+    assert held_as("I8", 48, torch.bfloat16) == "I8x16"
+    assert held_as("Q4_1", 48, torch.float32) == "Q4_1"  # fp32: dequantized, exact
+    assert held_as("Q4_1", 40, torch.bfloat16) == "Q4_1"  # rows not a multiple of 16
+    assert held_as("Q6_K", 48, torch.bfloat16) == "Q6_K"  # no interleaved layout
+
+
 def test_a_zero_block_and_a_zero_row_give_zeros() -> None:
     """Padding rows of a vocab-parallel LM head are zero bytes: zeros in every format."""
-    for name in GGUF_FORMATS:
-        w = PackedWeight(torch.zeros(3, FORMATS[name].row_bytes(256), dtype=torch.uint8),
-                         FORMATS[name], 256)
+    for name in GGUF_FORMATS + [f"{n}x16" for n in INTERLEAVED]:
+        rows = 1 if name.endswith("x16") else 3
+        w = PackedWeight(torch.zeros(rows, FORMATS[name].rows * FORMATS[name].row_bytes(256),
+                                     dtype=torch.uint8), FORMATS[name], 256)
         x = torch.randn(2, 256).bfloat16()
         x[1] = 0
-        assert torch.equal(ops.linear(x, w), torch.zeros(2, 3, dtype=torch.bfloat16)), name
+        assert torch.equal(ops.linear(x, w), torch.zeros(2, w.out_features,
+                                                         dtype=torch.bfloat16)), name
 
 
 @pytest.mark.parametrize(("name", "qmax"), [("I8", 127), ("I4", 7)])
@@ -122,10 +171,18 @@ def test_a_packed_weight_refuses_rows_that_do_not_fit() -> None:
         PackedWeight(torch.zeros(2, 144, dtype=torch.uint8), FORMATS["Q4_K"], 512)
 
 
-@pytest.fixture(scope="module")
-def scalar_kernel(tmp_path_factory):
-    """packed_linear.cpp built without AVX2, FMA or F16C: the C++ path that ARM and older x86 run,
-    called through ctypes (its C entry point, float32 activations)."""
+CPP_BUILDS = {
+    # without AVX512: the AVX2 path (older x86, and this CPU capped at COMPILED_ENGINE_CPU_ISA=avx2)
+    "avx2": ["-march=native", "-mno-avx512f"],
+    # without AVX2, FMA or F16C: the C++ path that ARM and the oldest x86 run
+    "portable": ["-march=x86-64", "-mno-avx2", "-mno-fma", "-mno-f16c"],
+}
+
+
+@pytest.fixture(scope="module", params=list(CPP_BUILDS))
+def cpp_kernel(request, tmp_path_factory):
+    """The packed kernels' C++ (packed_linear.cpp, packed_linear_x16.cpp) built for a lesser
+    ISA, called through ctypes (their C entry point): run(w, x) -> out in x's dtype."""
     import ctypes
     import shutil
     import subprocess
@@ -135,21 +192,25 @@ def scalar_kernel(tmp_path_factory):
 
     compiler = shutil.which("g++")
     if compiler is None or not isa._x86():
-        pytest.skip("needs g++ on x86 to build the portable C++ path with the vector ISA off")
-    lib = tmp_path_factory.mktemp("scalar") / "packed_scalar.so"
-    source = Path(build.NATIVE) / "packed_linear.cpp"
-    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-march=x86-64",
-                    "-mno-avx2", "-mno-fma", "-mno-f16c", str(source), "-o", str(lib)], check=True)
+        pytest.skip("needs g++ on x86 to build the C++ with the vector ISA off (elsewhere the "
+                    "native build is the portable path, tested above)")
+    if request.param == "avx2" and "avx2" not in isa.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    lib = tmp_path_factory.mktemp(request.param) / "packed.so"
+    sources = [str(Path(build.NATIVE) / f) for f in ("packed_linear.cpp", "packed_linear_x16.cpp")]
+    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC",
+                    *CPP_BUILDS[request.param], *sources, "-o", str(lib)], check=True)
     fn = ctypes.CDLL(str(lib)).ce_packed_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
 
     def run(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
-        out = torch.empty(x.shape[0], w.out_features)
-        rc = fn(w.code, 0, x.data_ptr(), w.blocks.data_ptr(), None, out.data_ptr(), x.shape[0],
-                w.out_features, w.in_features)
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        rc = fn(w.code, {torch.float32: 0, torch.bfloat16: 1}[x.dtype], x.data_ptr(),
+                w.blocks.data_ptr(), None, out.data_ptr(), x.shape[0], w.out_features,
+                w.in_features)
         assert rc == 0
         return out
 
@@ -157,11 +218,19 @@ def scalar_kernel(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", GGUF_FORMATS)
-def test_the_portable_cpp_path_is_close_and_batch_invariant(scalar_kernel, name: str) -> None:
+def test_the_cpp_paths_are_close_and_batch_invariant(cpp_kernel, name: str) -> None:
     w = PackedWeight(random_blocks(name, 24, 512), FORMATS[name], 512)
     x = torch.randn(6, 512)
     exact = F.linear(x, w.dequantize())
-    got = scalar_kernel(w, x)
+    got = cpp_kernel(w, x)
     # int16 activations, fp32 output: about 1e-4 of the largest output
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-3
-    assert torch.equal(torch.cat([scalar_kernel(w, x[i : i + 1]) for i in range(6)]), got)
+    assert torch.equal(torch.cat([cpp_kernel(w, x[i : i + 1]) for i in range(6)]), got)
+
+
+@pytest.mark.parametrize("name", INTERLEAVED)
+def test_the_cpp_paths_give_the_interleaved_kernels_native_bits(cpp_kernel, name: str) -> None:
+    """Each lane runs the same float operations in the AVX512, AVX2 and scalar code."""
+    w = packed(f"{name}x16", 48, 512)
+    x = torch.randn(6, 512).bfloat16()
+    assert torch.equal(cpp_kernel(w, x), ops.linear(x, w))
