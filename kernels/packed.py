@@ -17,9 +17,10 @@ Formats (weights per block, bytes per block):
     I8    32, 34    bf16 d, 32 x int8 q (`--quantization int8`) w = d q
     I4    32, 18    bf16 d, nibbles (`--quantization int4`)    w = d (q - 8)
 
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, I8 and I4 also come as `<name>x16`: the same blocks with 16 rows interleaved
-(`kernels.interleave`: the same bytes in another order; blocks [N / 16, 16 row_bytes]), the layout
-the CPU kernel reads a vector of 16 output columns from. `ops.prepare_packed` chooses it at load.
+The formats with blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, I8, I4) also come as `<name>x16`: the
+same blocks with 16 rows interleaved (`kernels.interleave`: the same bits in another order; blocks
+[N / 16, 16 row_bytes]), the layout the CPU kernel reads a vector of 16 output columns from.
+`ops.prepare_packed` chooses it at load.
 """
 
 from __future__ import annotations

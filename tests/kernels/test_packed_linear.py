@@ -28,7 +28,8 @@ from kernels.interleave import deinterleave, interleave, rows_of
 from kernels.packed import FORMATS, PackedWeight, quantize
 
 GGUF_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-INTERLEAVED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8", "I4"]  # the formats with a 16-row interleaved layout
+# the formats with a 16-row interleaved layout
+INTERLEAVED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8", "I4"]
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 # max |bf16 kernel - exact| / max |exact| over these shapes, measured 0.002-0.003: the bf16 output's
