@@ -17,8 +17,7 @@ Formats (weights per block, bytes per block):
     I8    32, 34    bf16 d, 32 x int8 q (`--quantization int8`) w = d q
     I4    32, 18    bf16 d, nibbles (`--quantization int4`)    w = d (q - 8)
 
-The formats with blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, I8, I4) also come as `<name>x16`: the
-same blocks with 16 rows interleaved (`kernels.interleave`: the same bits in another order; blocks
+Every format also comes as `<name>x16`: the same blocks with 16 rows interleaved (`kernels.interleave`: the same bits in another order; blocks
 [N / 16, 16 row_bytes]), the layout the CPU kernel reads a vector of 16 output columns from.
 `ops.prepare_packed` chooses it at load.
 """
@@ -61,7 +60,7 @@ FORMATS: dict[str, BlockFormat] = {
 }
 INTERLEAVE_ROWS = 16
 INTERLEAVED_CODE = 16  # an interleaved format's code: its base format's + 16
-for _base in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8", "I4"):
+for _base in FORMATS.copy():
     _f = FORMATS[_base]
     FORMATS[f"{_base}x16"] = BlockFormat(f"{_base}x16", _f.code + INTERLEAVED_CODE, _f.block,
                                          _f.nbytes, INTERLEAVE_ROWS, _base)

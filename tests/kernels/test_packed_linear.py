@@ -28,8 +28,7 @@ from kernels.interleave import deinterleave, interleave, rows_of
 from kernels.packed import FORMATS, PackedWeight, quantize
 
 GGUF_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-# the formats with a 16-row interleaved layout
-INTERLEAVED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8", "I4"]
+INTERLEAVED = GGUF_FORMATS + ["I8", "I4"]  # every format has a 16-row interleaved layout
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 # max |bf16 kernel - exact| / max |exact| over these shapes, measured 0.002-0.003: the bf16 output's
@@ -97,18 +96,18 @@ def test_bf16_native_kernel_is_close_and_batch_invariant(name: str) -> None:
 
 @pytest.mark.parametrize("name", INTERLEAVED)
 def test_interleaving_keeps_every_byte(name: str) -> None:
-    w = packed(name, 48, 256)
+    w = packed(name, 48, 512)
     fmt = FORMATS[f"{name}x16"]
     groups = interleave(w.blocks, w.format)
-    assert groups.shape == (3, 16 * w.format.row_bytes(256))
+    assert groups.shape == (3, 16 * w.format.row_bytes(512))
     assert torch.equal(deinterleave(groups, fmt), w.blocks)
     ids = torch.tensor([[0, 17, 47], [31, 16, 15]])
     assert torch.equal(rows_of(groups, fmt, ids), w.blocks[ids])
-    held = PackedWeight(groups, fmt, 256)
+    held = PackedWeight(groups, fmt, 512)
     assert held.shape == w.shape
     assert torch.equal(held.dequantize(), w.dequantize())
     assert torch.equal(ops.embedding(ids, held), ops.embedding(ids, w))
-    x = torch.randn(5, 256)  # fp32 activations: the portable path on the file's blocks, exact
+    x = torch.randn(5, 512)  # fp32 activations: the portable path on the file's blocks, exact
     assert torch.equal(ops.linear(x, held), ops.linear(x, w))
 
 
@@ -121,8 +120,8 @@ def test_weights_are_interleaved_only_where_the_interleaved_kernel_reads_them() 
     assert held_as("Q4_1", 48, torch.bfloat16) == "Q4_1x16"  # the CPU's native kernels loaded
     assert held_as("I8", 48, torch.bfloat16) == "I8x16"
     assert held_as("Q4_1", 48, torch.float32) == "Q4_1"  # fp32: dequantized, exact
+    assert held_as("Q6_K", 48, torch.bfloat16) == "Q6_Kx16"
     assert held_as("Q4_1", 40, torch.bfloat16) == "Q4_1"  # rows not a multiple of 16
-    assert held_as("Q6_K", 48, torch.bfloat16) == "Q6_K"  # no interleaved layout
 
 
 def test_a_zero_block_and_a_zero_row_give_zeros() -> None:

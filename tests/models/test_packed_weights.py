@@ -5,8 +5,7 @@ load with their linears and embedding packed, and answer as transformers fp32 do
 - fp32 compute (the exact path: blocks dequantized, multiplied in fp32): greedy tokens equal and
   log-probs within 1e-4;
 - bf16 compute, eager and compiled (the native kernels, which quantize activations to int16 per
-  row and block of 32; formats with blocks of 32 held 16 rows interleaved, K-quants as the file
-  has them): greedy tokens equal up to near ties, log-probs within the parity bound of
+  row and block of 32, on the weights' rows interleaved 16 at a time): greedy tokens equal up to near ties, log-probs within the parity bound of
   transformers' own bf16 run (`tests.parity.oracle`), the error printed;
 - TP=2 (columns and rows of blocks split over two ranks): TP=1's tokens, within the same bound.
 `--quantization int8` on a safetensors checkpoint is held to the same bound (against fp32 on the
@@ -107,9 +106,7 @@ def test_bf16_native_kernel_within_the_parity_bound(files, name: str) -> None:
     refs = hf_fp32_greedy(path, PROMPTS, NEW_TOKENS)
     llm = LLM(path, enforce_eager=True, **ENGINE)
     assert llm.engine.model.dtype == torch.bfloat16
-    # bf16 on the CPU: blocks of 32 held 16 rows interleaved (the x16 kernel), K-quants as they are
-    held = name[:4] if "_K" in name else f"{name}x16"
-    assert held in packed_formats(llm)
+    assert f"{name[:4]}x16" in packed_formats(llm)  # bf16 on the CPU: 16 rows interleaved
     check(llm, PROMPTS, refs, bf16_bound(path, refs), f"{name} eager bf16")
 
 
