@@ -4,17 +4,17 @@ order, nothing re-quantized; `deinterleave` gives the file's blocks back.
 
 For each group of 16 rows and each block of the format (32 weights, or a K-quant's 256), in order:
 
-    halves   16 x 2 bytes a field     each fp16 / bf16 field of the block (d; then m, or dmin): row c's
-                                      at 2c
-    bytes    16 x 1 byte a field      each byte of Q4_K / Q5_K's packed six-bit scales and mins, or of
-                                      Q6_K's int8 scales: row c's at c
-    masks    per sub-block of 32, 16 x 4 bytes a bit plane (bit 4 of Q5_0, Q5_1, Q5_K; bits 4 and 5
-                                      of Q6_K): one 32-bit mask per half-chunk (t, h) at 8t + 4h, its
-                                      bit 2c + i row c's bit of quant 4t + 2h + i
+    halves   each fp16 / bf16 field of the block (d; then m, or dmin): 16 x 2 bytes, row c's at 2c
+    bytes    each byte of Q4_K / Q5_K's packed six-bit scales and mins, or of Q6_K's int8 scales:
+             16 bytes, row c's at c
+    masks    per sub-block of 32 and per high bit (bit 4 of Q5_0, Q5_1, Q5_K; bits 4 and 5 of
+             Q6_K), 64 bytes: one 32-bit mask per half-chunk (t, h) at 8t + 4h, its bit 2c + i row
+             c's bit of quant 4t + 2h + i
     quants   per sub-block of 32, 256 bytes (8-bit: 512):
-             4-bit (the low four bits of 5- and 6-bit quants): 8 chunks t of 32 bytes: byte 2c + i of
-             chunk t holds row c's quant 4t + i in its low nibble and quant 4t + 2 + i in its high one
-             8-bit: 16 chunks u of 32 bytes: byte 2c + i of chunk u is row c's quant 2u + i
+             4-bit (the low four bits of 5- and 6-bit quants): 8 chunks t of 32 bytes; byte 2c + i
+             of chunk t holds row c's quant 4t + i in its low nibble and quant 4t + 2 + i in its
+             high one
+             8-bit: 16 chunks u of 32 bytes; byte 2c + i of chunk u is row c's quant 2u + i
 
 so that a chunk widened to 16-bit words holds, for each of the 16 rows, one pair of neighbouring
 quants (the low nibbles one pair, the high nibbles the next; the masks set their high bits).
@@ -30,7 +30,8 @@ import torch
 from kernels.packed import FORMATS, INTERLEAVE_ROWS, BlockFormat
 
 ROWS = INTERLEAVE_ROWS
-Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # halves [.., H, 2], bytes [.., B], q [.., n]
+# a block's halves [.., H, 2], bytes [.., B] and quant values [.., n]
+Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _bits(b: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ Formats (weights per block, bytes per block):
     I8    32, 34    bf16 d, 32 x int8 q (`--quantization int8`) w = d q
     I4    32, 18    bf16 d, nibbles (`--quantization int4`)    w = d (q - 8)
 
-Every format also comes as `<name>x16`: the same blocks with 16 rows interleaved (`kernels.interleave`: the same bits in another order; blocks
-[N / 16, 16 row_bytes]), the layout the CPU kernel reads a vector of 16 output columns from.
-`ops.prepare_packed` chooses it at load.
+Every format also comes as `<name>x16`: the same blocks with 16 rows interleaved
+(`kernels.interleave`: the same bits in another order; blocks [N / 16, 16 row_bytes]), the layout
+the CPU kernel reads a vector of 16 output columns from. `ops.prepare_packed` chooses it at load.
 """
 
 from __future__ import annotations

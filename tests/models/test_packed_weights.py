@@ -5,7 +5,8 @@ load with their linears and embedding packed, and answer as transformers fp32 do
 - fp32 compute (the exact path: blocks dequantized, multiplied in fp32): greedy tokens equal and
   log-probs within 1e-4;
 - bf16 compute, eager and compiled (the native kernels, which quantize activations to int16 per
-  row and block of 32, on the weights' rows interleaved 16 at a time): greedy tokens equal up to near ties, log-probs within the parity bound of
+  row and block of 32, on the weights' rows interleaved 16 at a time): greedy tokens equal up to
+  near ties, log-probs within the parity bound of
   transformers' own bf16 run (`tests.parity.oracle`), the error printed;
 - TP=2 (columns and rows of blocks split over two ranks): TP=1's tokens, within the same bound.
 `--quantization int8` on a safetensors checkpoint is held to the same bound (against fp32 on the
