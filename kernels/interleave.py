@@ -67,6 +67,9 @@ class _Spec:
     value_bits: int  # 4, 5, 6 or 8
     split: Callable[[torch.Tensor], Parts]
     join: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    halves: int = 1  # 2-byte fields
+    bytes: int = 0  # 1-byte fields
+    subs: int = 1  # sub-blocks of 32
 
 
 def _legacy(halves: int, fifth: bool) -> _Spec:
@@ -83,7 +86,7 @@ def _legacy(halves: int, fifth: bool) -> _Spec:
         head = [h.flatten(-2), _pack(q >> 4)] if fifth else [h.flatten(-2)]
         return torch.cat([*head, _join_nibbles(q & 0xF)], dim=-1)
 
-    return _Spec(5 if fifth else 4, split, join)
+    return _Spec(5 if fifth else 4, split, join, halves=halves)
 
 
 def _eight_bit() -> _Spec:
@@ -120,7 +123,7 @@ def _k_quant(fifth: bool) -> _Spec:
         parts.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*lead, 128))
         return torch.cat(parts, dim=-1)
 
-    return _Spec(5 if fifth else 4, split, join)
+    return _Spec(5 if fifth else 4, split, join, halves=2, bytes=12, subs=8)
 
 
 def _q6_k() -> _Spec:
@@ -146,7 +149,7 @@ def _q6_k() -> _Spec:
         qh = ((q >> 4) << shifts).sum(-2, dtype=torch.uint8)  # [n, i]
         return torch.cat([ql.reshape(*lead, 128), qh.reshape(*lead, 64), by, h.flatten(-2)], dim=-1)
 
-    return _Spec(6, split, join)
+    return _Spec(6, split, join, halves=1, bytes=16, subs=8)
 
 
 _SPECS: dict[str, _Spec] = {
@@ -162,9 +165,15 @@ def interleaved_format(fmt: BlockFormat) -> BlockFormat | None:
     return FORMATS.get(f"{fmt.name}x16")
 
 
-def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+def interleave(blocks: torch.Tensor, fmt: BlockFormat, chunk_rows: int = 4096) -> torch.Tensor:
     """Rows [N, row_bytes] of `fmt` (N a multiple of 16) -> [N / 16, 16 row_bytes] of its
-    interleaved format."""
+    interleaved format (`chunk_rows` rows at a time: the work copies stay small beside the
+    weight)."""
+    return torch.cat([_interleave(blocks[i : i + chunk_rows], fmt)
+                      for i in range(0, blocks.shape[0], chunk_rows)])
+
+
+def _interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     spec = _SPECS[fmt.name]
     n, row_bytes = blocks.shape
     g, nb = n // ROWS, row_bytes // fmt.nbytes
@@ -192,8 +201,7 @@ def _rows(groups: torch.Tensor, fmt: BlockFormat, lane: torch.Tensor | None) -> 
     group [G, row_bytes] (lane [G]: the row's place in its group)."""
     base = FORMATS[fmt.base]
     spec = _SPECS[base.name]
-    probe = spec.split(torch.zeros(1, base.nbytes, dtype=torch.uint8))
-    n_halves, n_bytes, subs = probe[0].shape[-2], probe[1].shape[-1], probe[2].shape[-1] // 32
+    n_halves, n_bytes, subs = spec.halves, spec.bytes, spec.subs
     planes = max(spec.value_bits - 4, 0) if spec.value_bits < 8 else 0
     g = groups.shape[0]
     nb = groups.shape[1] // (ROWS * base.nbytes)

@@ -125,10 +125,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.T
 
 
 def prepare_packed(weight: PackedWeight, compute_dtype: torch.dtype) -> None:
-    """Put a packed weight, once loaded, in the layout its linear runs fastest on here: on the CPU
-    with bf16 activations and the native kernels, 16 rows interleaved (its rows a multiple of 16),
-    which native/packed_linear_x16.cpp reads a vector of 16 output columns from. Elsewhere it stays
-    as the file has it (the portable path dequantizes the file's blocks)."""
+    """Put a packed weight that a linear reads, once loaded, in the layout the linear runs fastest
+    on here: on the CPU with bf16 activations and the native kernels, 16 rows interleaved (its rows
+    a multiple of 16), which native/packed_linear_x16.cpp reads a vector of 16 output columns from.
+    Elsewhere it stays as the file has it (the portable path dequantizes the file's blocks). An
+    embedding that only looks rows up is better left as it is (the loader does)."""
     fmt = interleave.interleaved_format(weight.format)
     if (fmt is None or weight.out_features % interleave.ROWS
             or weight.blocks.device.type != "cpu" or compute_dtype != torch.bfloat16

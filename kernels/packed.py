@@ -2,8 +2,9 @@
 
 A `PackedWeight` holds the weight [N, K] as its N rows of blocks, byte for byte as a GGUF file
 stores them (llama.cpp's layouts), plus the two formats of `--quantization` (group-wise
-round-to-nearest with bf16 scales). `ops.linear` takes one wherever it takes a weight tensor, and
-`ops.embedding` looks rows up in one. Nothing is ever re-quantized: a row's bytes are the file's.
+round-to-nearest with bf16 scales), or the same bits with 16 rows interleaved (below).
+`ops.linear` takes one wherever it takes a weight tensor, and `ops.embedding` looks rows up in one.
+Nothing is ever re-quantized: a weight's bits are the file's.
 
 Formats (weights per block, bytes per block):
     Q8_0  32, 34    fp16 d, 32 x int8 q                      w = d q
@@ -102,11 +103,12 @@ class PackedWeight(nn.Module):
     def relayout(self, blocks: torch.Tensor, format: BlockFormat) -> None:
         """Hold the same weight in another layout (`ops.prepare_packed`), in place: a tied LM head
         shares this module with the embedding."""
-        out_features = self.out_features
-        self.blocks = self._checked(blocks, format, self.in_features)
+        checked = self._checked(blocks, format, self.in_features)
+        if checked.shape[0] * format.rows != self.out_features:
+            raise ValueError(f"{format.name}: {checked.shape[0] * format.rows} rows, not "
+                             f"{self.out_features}")
+        self.blocks = checked
         self._set_format(format)
-        if self.out_features != out_features:
-            raise ValueError(f"{format.name}: {self.out_features} rows, not {out_features}")
 
     @property
     def shape(self) -> torch.Size:

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from compiled_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from compiled_engine.layers.linear import QUANTIZATIONS, quantize_linears
 from compiled_engine.layers.weight_utils import WeightSource, default_weight_loader
 from compiled_engine.models.errors import CheckpointError
@@ -97,10 +98,18 @@ def load_model(
         )
     if quantization in QUANTIZATIONS:
         quantize_linears(model, quantization)
-    for module in list(model.modules()):
-        if isinstance(module, PackedWeight):
-            ops.prepare_packed(module, model.dtype)
+    for weight in _packed_linear_weights(model):
+        ops.prepare_packed(weight, model.dtype)
     return model.eval(), config
+
+
+def _packed_linear_weights(model: nn.Module) -> list[PackedWeight]:
+    """The packed weights a linear reads (a tied LM head's included), not those only looked up by
+    an embedding: those stay in the file's layout, whose rows read directly."""
+    lookups = {id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    return [m for m in model.modules()
+            if isinstance(m, PackedWeight) and (id(m) not in lookups or id(m) in heads)]
 
 
 def load_config(model_path: str) -> PretrainedConfig:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.layers.weight_utils import PackedSource
+import kernels
 from kernels import ops
 from kernels.interleave import deinterleave, interleave, rows_of
 from kernels.packed import FORMATS, PackedWeight, quantize
@@ -112,6 +113,7 @@ def test_interleaving_keeps_every_byte(name: str) -> None:
 
 
 def test_weights_are_interleaved_only_where_the_interleaved_kernel_reads_them() -> None:
+    kernels.init("cpu")  # the native CPU kernels, also on a machine whose tests serve CUDA
     def held_as(name: str, rows: int, dtype: torch.dtype) -> str:
         w = packed(name, rows, 256)
         ops.prepare_packed(w, dtype)
@@ -230,7 +232,9 @@ def test_the_cpp_paths_are_close_and_batch_invariant(cpp_kernel, name: str) -> N
 
 @pytest.mark.parametrize("name", INTERLEAVED)
 def test_the_cpp_paths_give_the_interleaved_kernels_native_bits(cpp_kernel, name: str) -> None:
-    """Each lane runs the same float operations in the AVX512, AVX2 and scalar code."""
+    """Each lane runs the same float operations in the AVX512, AVX2 and scalar code (this
+    machine's own build serves `ops.linear`), for every row tile."""
+    kernels.init("cpu")
     w = packed(f"{name}x16", 48, 512)
-    x = torch.randn(6, 512).bfloat16()
+    x = torch.randn(9, 512).bfloat16()
     assert torch.equal(cpp_kernel(w, x), ops.linear(x, w))

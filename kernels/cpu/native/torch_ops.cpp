@@ -486,8 +486,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 // ---- packed (block-quantized) weights --------------------------------------------------------------------
-// bf16 activations: packed_linear.cpp (activations quantized per row and block of 32; batch-invariant, so
-// `invariant` changes nothing). Everything else (float32 activations: exact, in fp32) goes to the portable op.
+// bf16 activations: packed_linear.cpp on the file's layout, packed_linear_x16.cpp on 16 rows interleaved
+// (activations quantized per row and block of 32; batch-invariant, so `invariant` changes nothing). Everything else (float32 activations: exact, in fp32) goes to the portable op.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t in_features,
                          const std::optional<at::Tensor>& bias, bool invariant) {
     const int64_t K = in_features;
