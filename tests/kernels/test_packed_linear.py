@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.layers.weight_utils import PackedSource
 import kernels
+from compiled_engine.layers.weight_utils import PackedSource
 from kernels import ops
 from kernels.interleave import deinterleave, interleave, rows_of
 from kernels.packed import FORMATS, PackedWeight, quantize
