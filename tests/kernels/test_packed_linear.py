@@ -174,8 +174,11 @@ def test_a_packed_weight_refuses_rows_that_do_not_fit() -> None:
 
 
 CPP_BUILDS = {
-    # without AVX512: the AVX2 path (older x86, and this CPU capped at COMPILED_ENGINE_CPU_ISA=avx2)
+    # without AVX512: the AVX2 path (older x86, and this CPU capped at COMPILED_ENGINE_CPU_ISA=avx2;
+    # with AVX-VNNI where the CPU has it: Intel Alder Lake, AMD Zen 5)
     "avx2": ["-march=native", "-mno-avx512f"],
+    # AVX2 without any VNNI: AMD Zen 2 / 3, Intel Haswell to Skylake
+    "avx2-no-vnni": ["-march=native", "-mno-avx512f", "-mno-avxvnni"],
     # without AVX2, FMA or F16C: the C++ path that ARM and the oldest x86 run
     "portable": ["-march=x86-64", "-mno-avx2", "-mno-fma", "-mno-f16c"],
 }
@@ -196,7 +199,7 @@ def cpp_kernel(request, tmp_path_factory):
     if compiler is None or not isa._x86():
         pytest.skip("needs g++ on x86 to build the C++ with the vector ISA off (elsewhere the "
                     "native build is the portable path, tested above)")
-    if request.param == "avx2" and "avx2" not in isa.cpu_flags():
+    if request.param.startswith("avx2") and "avx2" not in isa.cpu_flags():
         pytest.skip("this CPU has no AVX2")
     lib = tmp_path_factory.mktemp(request.param) / "packed.so"
     sources = [str(Path(build.NATIVE) / f) for f in ("packed_linear.cpp", "packed_linear_x16.cpp")]

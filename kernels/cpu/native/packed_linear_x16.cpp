@@ -6,7 +6,7 @@
 //
 // The activations are quantized as in packed_linear.cpp (int16 per row and block of 32, packed_acts.h). Each
 // lane of a vector is one output column (one weight row): the pair products of a sub-block of 32 columns are
-// summed exactly in int32 (VNNI's vpdpwssd, or vpmaddwd + vpaddd), converted to float once and accumulated with
+// summed exactly in int32 (VNNI's vpdpwssd, AVX512 or AVX-VNNI, or vpmaddwd + vpaddd), converted to float once and accumulated with
 // one FMA by (weight scale x activation scale) (Q6_K: one per half of 16, each with its own scale), then the
 // offset (a min, or -8 d / -16 d) with one FMA by the activations' block sum, in order over the blocks. That is
 // the same sequence of float operations in every lane, tile and thread, and in the AVX512, AVX2 and scalar
@@ -94,7 +94,11 @@ struct Lanes {
     static Words sub(Words w, int v) { return _mm256_sub_epi16(w, _mm256_set1_epi16(static_cast<int16_t>(v))); }
     static Int zero() { return _mm256_setzero_si256(); }
     static Int dot(Int acc, Words w, int32_t pair) {
+#if defined(__AVXVNNI__)
+        return _mm256_dpwssd_avx_epi32(acc, w, _mm256_set1_epi32(pair));
+#else
         return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));
+#endif
     }
     static Int add(Int a, Int b) { return _mm256_add_epi32(a, b); }
     static Int u8_int(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
