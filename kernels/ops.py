@@ -1,8 +1,8 @@
 """The kernel ops (`torch.ops.kernels.*`): the only way the engine reaches a kernel.
 
 Each op has one schema and, per device, one implementation:
-    CUDA  the Triton kernels of `kernels.triton` (attention, KV store, and deterministic mode's
-          linear); torch for linear and argmax otherwise
+    CUDA  the Triton kernels of `kernels.triton` (attention, KV store, deterministic mode's
+          linear, the packed linear on blocks of 32); torch for linear and argmax otherwise
     CPU   the native C++ kernels of `kernels.cpu` where they load, registered by the library itself
           (native/torch_ops.cpp); they hand what they decline to `kernels::<op>_portable`
     else  the portable torch implementations of `kernels.portable` (CompositeExplicitAutograd: every
@@ -213,7 +213,17 @@ def _linear_cuda(x, weight, bias=None, invariant=False):
     return matmul.invariant_linear_triton(x, weight, bias)
 
 
+def _linear_packed_cuda(x, blocks, format, in_features, bias=None, invariant=False):
+    from kernels.triton import packed
+
+    fmt = BY_CODE[format]
+    if not packed.supports(fmt):  # K-quants, interleaved layouts: dequantize, then fp32
+        return portable_dequantize.linear_packed(x, blocks, format, in_features, bias, invariant)
+    return packed.packed_linear_triton(x, blocks, fmt, in_features, bias)
+
+
 _lib.impl("store_kv", _store_kv_cuda, "CUDA")
+_lib.impl("linear_packed", _linear_packed_cuda, "CUDA")
 _lib.impl("linear", _linear_cuda, "CUDA")
 _lib.impl("decode_attention", _decode_attention_cuda, "CUDA")
 _lib.impl("extend_attention", _extend_attention_cuda, "CUDA")
