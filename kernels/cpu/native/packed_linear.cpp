@@ -164,7 +164,6 @@ struct Fmt<Q6_K> {
     }
 };
 
-
 #if defined(CE_PACKED_AVX2)
 inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
