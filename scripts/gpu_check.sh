@@ -85,7 +85,7 @@ step() {
   rm -f "$out/.step"
 }
 
-step kernels 60 "passed|failed|skipped" "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_cuda.py
+step kernels 90 "passed|failed|skipped" "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_cuda.py
 step engine 170 "passed|failed|skipped|logprob error" "$py" -m pytest -q -s -p no:cacheprovider \
   tests/engine/test_cuda_engine.py
 step latency 90 "faster" "$py" -m compiled_engine bench latency --model "$model" --device "$device" \
