@@ -185,12 +185,9 @@ def _interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         return torch.cat([p.reshape(g, nb, -1) for p in parts], dim=-1).reshape(g, -1)
     # quant k = 4t + 2h + i of sub-block s
     q = q.reshape(g, nb, ROWS, subs, 8, 2, 2).permute(0, 1, 3, 4, 5, 2, 6)  # [s, t, h, c, i]
-    for bit in range(4, spec.value_bits):  # [s, plane, t, h, (c, i)]
-        plane = (q >> bit) & 1
-        parts.append(_pack(plane.reshape(g, nb, subs, 1, 8, 2, 32)))
-    if spec.value_bits > 4:  # the planes of a sub-block together
-        planes = torch.cat(parts[2:], dim=3)
-        parts = [*parts[:2], planes]
+    if spec.value_bits > 4:  # a mask plane per high bit, a sub-block's planes together
+        planes = torch.stack([(q >> bit) & 1 for bit in range(4, spec.value_bits)], dim=3)
+        parts.append(_pack(planes.reshape(g, nb, subs, -1, 8, 2, 32)))  # [s, plane, t, h, (c, i)]
     low = (q & 0xF).permute(0, 1, 2, 3, 5, 6, 4)  # [s, t, c, i, h]
     parts.append(low[..., 0] | (low[..., 1] << 4))
     return torch.cat([p.reshape(g, nb, -1) for p in parts], dim=-1).reshape(g, -1)
@@ -202,7 +199,7 @@ def _rows(groups: torch.Tensor, fmt: BlockFormat, lane: torch.Tensor | None) -> 
     base = FORMATS[fmt.base]
     spec = _SPECS[base.name]
     n_halves, n_bytes, subs = spec.halves, spec.bytes, spec.subs
-    planes = max(spec.value_bits - 4, 0) if spec.value_bits < 8 else 0
+    planes = spec.value_bits - 4 if spec.value_bits < 8 else 0
     g = groups.shape[0]
     nb = groups.shape[1] // (ROWS * base.nbytes)
     b = groups.reshape(g, nb, ROWS * base.nbytes)
