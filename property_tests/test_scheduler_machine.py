@@ -1,10 +1,12 @@
-"""The whole scheduler driven by the fake executor: tiny pools, shared prefixes, abort, overlap.
+"""The whole scheduler driven by the fake executor: tiny pools, shared prefixes, abort, overlap,
+speculative decoding (a proposer whose drafts a rule makes right, right for j tokens then wrong,
+all wrong, or absent).
 
 After every rule the ledger invariants hold; every emitted token is the fake model's greedy token
 for that request run alone; finished requests end exactly as the model run alone would. Every step
 admits from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its
 token budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a
-shared prefix and the shared-prefix wait, and the run asserts that each of them was reached and
+shared prefix, the shared-prefix wait, accepted and rejected drafts, and the run asserts that each of them was reached and
 prints how often.
 """
 
@@ -29,13 +31,18 @@ from compiled_engine.scheduler import (
     RequestRejected,
     Scheduler,
     SchedulerConfig,
+    SpecConfig,
     StepPlan,
 )
 from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
 EOS = (0, 1)
-PATHS = ("retraction", "eviction", "dedup", "prefix wait")
+PATHS = ("retraction", "eviction", "dedup", "prefix wait", "draft accepted", "draft rejected")
+# reached in some runs only (a paused request's decode retracts one whose verify step is in flight,
+# under overlap): counted and printed; tests/scheduler/test_speculation.py builds it by hand
+RARE_PATHS = ("retracted mid-verify",)
+DRAFT_MODES = ("right", "partial", "wrong", "none")
 REACHED: collections.Counter[str] = collections.Counter()  # examples that reached each path
 
 
@@ -78,6 +85,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_cache=st.sampled_from(["radix", "naive"]),
         lag=st.sampled_from([0, 1]),
         share_wait=st.sampled_from([1, 2, 3, 32]),
+        spec_k=st.sampled_from([0, 0, 1, 2, 4]),
+        spec_window=st.integers(1, 4),
         bases=st.lists(
             st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2
         ),
@@ -93,6 +102,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_cache,
         lag,
         share_wait,
+        spec_k,
+        spec_window,
         bases,
     ):
         self.cfg = SchedulerConfig(
@@ -105,8 +116,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefix_cache=prefix_cache,
             eos_token_ids=EOS,
             share_wait_tokens=share_wait,
+            speculative=SpecConfig(spec_k, min_acceptance=0.5, window=spec_window, retry_after=2)
+            if spec_k
+            else None,
         )
-        self.sched = Scheduler(self.cfg)
+        self.sched = Scheduler(self.cfg, self.propose)
+        self.draft_mode, self.draft_right = "right", 0
+        self.retracted_mid_verify = 0
         self.exe = FakeExecutor(self.cfg, vocab_size=VOCAB)
         self.lag = lag
         self.bases = bases
@@ -174,6 +190,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort_unknown(self):
         self.sched.abort("no-such-request")
 
+    @rule(mode=st.sampled_from(DRAFT_MODES), right=st.integers(0, 3))
+    @guarded
+    def drafts(self, mode, right):
+        """How the proposer drafts from now on: the reference's next tokens, `right` of them then
+        wrong ones, wrong ones only, or nothing."""
+        self.draft_mode, self.draft_right = mode, right
+
+    def propose(self, req, k: int) -> tuple[int, ...]:
+        ref = self.expected[req.rid][len(req.output) :]
+        ref = ref + [(len(ref) + i) % VOCAB for i in range(k)]  # past the end: any token
+        n_right = {"right": k, "partial": self.draft_right, "wrong": 0, "none": 0}[self.draft_mode]
+        if self.draft_mode == "none":
+            return ()
+        return tuple(ref[i] if i < n_right else (ref[i] + 1) % VOCAB for i in range(k))
+
     # -- steps -----------------------------------------------------------------------------------
 
     @rule(n=st.integers(1, 4))
@@ -210,7 +241,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
             chunks = [rs for rs in batch.reqs if rs.start < self.sched.get_request(rs.rid).fill_to]
             prefill = sum(rs.length for rs in chunks)
-            decodes = len(batch.reqs) - len(chunks)
+            decodes = sum(rs.length for rs in batch.reqs) - prefill
+            if self.cfg.mixed:
+                assert sum(rs.length for rs in batch.reqs) <= max(
+                    self.cfg.chunk_budget, len(batch.reqs)
+                ), "drafts over the token budget"
             if self.cfg.mixed:
                 assert prefill <= max(0, self.cfg.chunk_budget - decodes), (
                     f"prefill {prefill} over the budget"
@@ -226,6 +261,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @guarded
     def commit(self):
         batch, tokens = self.pending.popleft()
+        self.retracted_mid_verify += sum(
+            1 for rs in batch.reqs
+            if rs.draft and (r := self.sched.get_request(rs.rid)) is not None and not r.pages
+        )
         for ev in self.sched.commit(batch, tokens):
             assert ev.rid not in self.reasons, f"{ev.rid}: event after its finish"
             assert ev.rid not in self.cut, f"{ev.rid}: event after abort / finish hook"
@@ -276,7 +315,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "eviction": self.sched.cache.num_evicted_pages,
                 "dedup": self.sched.book.num_dedup_pages,
                 "prefix wait": self.sched.num_prefix_waits,
+                "draft accepted": self.sched.spec.num_accepted_tokens,
+                "draft rejected": self.sched.spec.num_draft_tokens
+                - self.sched.spec.num_accepted_tokens,
+                "retracted mid-verify": self.retracted_mid_verify,
             }
+            assert set(counts) == set(PATHS + RARE_PATHS)
             for path, count in counts.items():
                 target(float(count), label=path)
                 if count:

@@ -7,6 +7,7 @@ from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import LedgerParams, Request, Status
 from compiled_engine.scheduler.scheduler import Scheduler, SchedulerStats
+from compiled_engine.scheduler.speculation import Proposer, SpecConfig
 from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "NaiveCache",
     "PageAllocator",
     "PrefixCache",
+    "Proposer",
     "RadixCache",
     "ReqStep",
     "Request",
@@ -24,6 +26,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStats",
     "SlotWrite",
+    "SpecConfig",
     "Status",
     "TokenEvent",
     "TokenWrite",

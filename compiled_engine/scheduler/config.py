@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compiled_engine.scheduler.speculation import SpecConfig
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -19,6 +21,8 @@ class SchedulerConfig:
     vocab_size: int | None = None
     # a waiting request defers admission one step to reuse this many tokens of a running prefill
     share_wait_tokens: int = 32
+    # speculative decoding: decode steps carry draft tokens (None: off)
+    speculative: SpecConfig | None = None
 
     @property
     def max_rows(self) -> int:
@@ -42,5 +46,7 @@ class SchedulerConfig:
             raise ValueError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
         if self.share_wait_tokens < 1:
             raise ValueError(f"share_wait_tokens must be >= 1, got {self.share_wait_tokens}")
+        if self.speculative is not None:
+            self.speculative.validate()
         if self.prefix_cache not in ("radix", "naive"):
             raise ValueError(f"prefix_cache must be 'radix' or 'naive', got {self.prefix_cache!r}")

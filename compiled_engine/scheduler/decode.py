@@ -1,14 +1,18 @@
 """Decode planning: one new token for every running request whose prompt is computed, a new page
 where its last one is full, and retraction of the latest-admitted requests when the pool runs dry.
 Under overlap a constrained request (structured output) skips a step while its previous token is in
-flight: its token mask is computed from that token. Unconstrained requests never wait for it."""
+flight: its token mask is computed from that token. Unconstrained requests never wait for it.
+
+Speculative decoding (`speculation.py`): a request's decode may carry up to k draft tokens, proposed
+from its known tokens (so a drafting request, too, waits for a token in flight), on pages taken
+without retracting anyone; the drafts count against the step's token budget."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from compiled_engine.scheduler.draft import StepDraft
-from compiled_engine.scheduler.plan import ReqStep, SlotWrite
+from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TokenWrite
 from compiled_engine.scheduler.request import Request, Status
 
 if TYPE_CHECKING:
@@ -17,23 +21,58 @@ if TYPE_CHECKING:
 
 def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
     ps = sched.book.page_size
+    spec = sched.config.speculative
+    speculating = (
+        spec is not None and sched.propose is not None and len(sched.running) <= spec.max_batch
+    )
+    spare = sched.config.chunk_budget - len(sched.running)  # budget left for draft tokens
     for req in list(sched.running):
         c = req.planned_len
         d = req.device_len
         if req.status is not Status.RUNNING or c < req.fill_to or d >= req.max_len:
             continue  # retracted in this loop, still prefilling, or finishing at a pending commit
-        if req.params.constrained and req.last_step > sched.book.committed:
+        in_flight = req.last_step > sched.book.committed
+        if req.params.constrained and in_flight:
             continue  # its mask needs the token still in flight: it waits one step (overlap only)
+        drafting = speculating and req.spec.paused_until < draft.step
+        if drafting and in_flight:
+            continue  # its drafts continue the token in flight: it waits one step (overlap only)
         pages = req.pages
         if c == len(pages) * ps:
             page = _page_for(sched, req)
             if page is None:
                 continue
             pages.append(page)
-        slots = (pages[c // ps] * ps + c % ps,)
-        draft.add(req, ReqStep(req.rid, req.row, c, 1, slots, True), SlotWrite(req.row, c, slots))
-        req.planned_len = c + 1
-        req.device_len = d + 1
+        drafts = _drafts(sched, req, spare) if drafting and spare > 0 else ()
+        spare -= len(drafts)
+        n = 1 + len(drafts)
+        slots = sched.book.slots(req, c, c + n)
+        step = ReqStep(req.rid, req.row, c, n, slots, True, drafts)
+        draft.add(req, step, SlotWrite(req.row, c, slots))
+        if drafts:
+            draft.token_writes.append(TokenWrite(req.row, c + 1, drafts))
+        req.planned_len = c + n
+        req.device_len = d + n
+
+
+def _drafts(sched: Scheduler, req: Request, spare: int) -> tuple[int, ...]:
+    """The draft tokens of `req`'s next step, as many as its limits, the budget and the free pages
+    allow; their pages are appended to the request's."""
+    book, ps = sched.book, sched.book.page_size
+    assert sched.config.speculative is not None and sched.propose is not None
+    c = req.planned_len
+    # every accepted draft and the bonus token must fit under max_len
+    k = min(sched.config.speculative.num_speculative_tokens, req.max_len - req.device_len - 1, spare)
+    if k <= 0:
+        return ()
+    drafts = tuple(sched.propose(req, k))[:k]
+    need = -(-(c + 1 + len(drafts)) // ps) - len(req.pages)
+    if need > 0:
+        pages = book.alloc(need) if need <= book.available_pages() else None
+        if pages is None:  # drafts never retract anyone: keep those that fit in the last page
+            return drafts[: len(req.pages) * ps - c - 1]
+        req.pages.extend(pages)
+    return drafts
 
 
 def _page_for(sched: Scheduler, req: Request) -> int | None:

@@ -106,6 +106,16 @@ class KvBook:
         if d.row >= 0:
             self.rows.free([d.row])
 
+    def truncate(self, req: Request, planned_len: int) -> None:
+        """Forget `req`'s positions from `planned_len` on (rejected drafts): pages past the last one
+        still used go back (their step has committed; nothing else references them)."""
+        keep = -(-planned_len // self.page_size)
+        extra = req.pages[keep:]
+        del req.pages[keep:]
+        req.planned_len = planned_len
+        if extra:
+            self._defer(DeferredRelease(req.last_step, None, extra, -1))
+
     # -- caching ---------------------------------------------------------------------------------
 
     def cache_prefix(self, req: Request, upto: int, live: bool = True) -> list[int]:

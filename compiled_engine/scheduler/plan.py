@@ -13,6 +13,15 @@ class ReqStep:
     length: int  # tokens computed: positions start .. start+length-1 (>= 1)
     out_slots: tuple[int, ...]  # KV slot written by each computed token (len == length)
     sample: bool  # sample a token from the logits of the last computed position
+    # Speculative decoding: the draft tokens at positions start+1 .. start+length-1 (a verify step:
+    # the request's last token and its drafts, length == 1 + len(draft)); a token is sampled at each
+    # of these positions (`scheduler.speculation`).
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled for this request in its step: one per verified position."""
+        return 1 + len(self.draft) if self.sample else 0
 
 
 @dataclass(frozen=True, slots=True)

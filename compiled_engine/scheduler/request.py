@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from compiled_engine.scheduler.speculation import SpecStats
+
 
 @dataclass(frozen=True, slots=True)
 class LedgerParams:
@@ -67,6 +69,7 @@ class Request:
     prefix_pages: int = 0  # pages[:prefix_pages] belong to the prefix cache; the rest are private
     last_step: int = -1  # last planned step that includes this request
     rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's acceptance
     # Everything the engine keeps about the request (its sampling parameters, generator, grammar):
     # opaque to the ledger, and gone with this entry however the request ends (one record, one
     # finish path).

@@ -21,10 +21,11 @@ from compiled_engine.scheduler.decode import plan_decodes
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.integrity import check_integrity
 from compiled_engine.scheduler.kv_book import KvBook
-from compiled_engine.scheduler.plan import StepPlan, TokenEvent
+from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
 from compiled_engine.scheduler.prefill import plan_prefills
 from compiled_engine.scheduler.prefix_cache import PrefixCache
 from compiled_engine.scheduler.request import LedgerParams, Request, Status
+from compiled_engine.scheduler.speculation import Proposer, SpecCounters, accepted_prefix
 from compiled_engine.scheduler.validation import RequestRejected, check_request
 
 MAX_IN_FLIGHT = 2
@@ -39,12 +40,19 @@ class SchedulerStats:
     kv_usage: float  # fraction of usable pages not on the free list
     cache_hit_rate: float  # prefix tokens reused / prompt tokens looked up at admission
     num_retractions: int
+    # speculative decoding, totals (vLLM's spec_decode_* counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, propose: Proposer | None = None) -> None:
+        """`propose`: the draft tokens of a request's next step (with `config.speculative`)."""
         config.validate()
         self.config = config
+        self.propose = propose
+        self.spec = SpecCounters()
         self.book = KvBook(config)
         self.live: dict[str, Request] = {}  # waiting or running
         self.waiting: deque[Request] = deque()
@@ -113,7 +121,7 @@ class Scheduler:
         budget = self.config.chunk_budget
         if self.config.mixed:
             plan_decodes(self, draft)
-            plan_prefills(self, draft, budget - len(draft.reqs))
+            plan_prefills(self, draft, budget - sum(r.length for r in draft.reqs))
         else:
             plan_prefills(self, draft, budget)
             if not draft.reqs:
@@ -155,16 +163,21 @@ class Scheduler:
         for rs, req in zip(plan.reqs, members, strict=True):
             status = req.status
             if rs.sample:
-                tok = next(tokens)
+                sampled = [next(tokens) for _ in range(rs.num_sampled)]
                 if status is Status.FINISHED or status is Status.ABORTED:
-                    continue  # planned before the request ended: the token is discarded
-                req.output.append(tok)
-                reason = self._finish_reason(req, tok)
-                events.append(TokenEvent(req.rid, tok, reason is not None, reason))
-                if reason is not None:
-                    self._end(req, Status.FINISHED, reason)
-                elif status is Status.RUNNING and rs.start < req.fill_to:
-                    self.book.cache_prefix(req, rs.start + rs.length)
+                    continue  # planned before the request ended: the tokens are discarded
+                if rs.draft:
+                    sampled = self._verified(plan.step, rs, req, sampled)
+                for tok in sampled:
+                    req.output.append(tok)
+                    reason = self._finish_reason(req, tok)
+                    events.append(TokenEvent(req.rid, tok, reason is not None, reason))
+                    if reason is not None:
+                        self._end(req, Status.FINISHED, reason)
+                        break
+                else:
+                    if status is Status.RUNNING and rs.start < req.fill_to:
+                        self.book.cache_prefix(req, rs.start + rs.length)
             elif status is Status.RUNNING:
                 if req.device_len == req.max_len and req.planned_len == req.device_len:
                     events.append(TokenEvent(req.rid, None, True, "length"))  # max_tokens == 0
@@ -175,6 +188,21 @@ class Scheduler:
             raise ValueError(f"step {plan.step}: more sampled tokens than sampling requests")
         self.book.commit_step(plan.step)
         return events
+
+    def _verified(self, step: int, rs: ReqStep, req: Request, sampled: list[int]) -> list[int]:
+        """The tokens a verify step keeps: the accepted drafts and the draw after them. A running
+        request gives back the positions of its rejected drafts (their KV slots, whole pages freed);
+        a retracted one only learns its tokens."""
+        j = accepted_prefix(rs.draft, sampled)
+        self.spec.num_drafts += 1
+        self.spec.num_draft_tokens += len(rs.draft)
+        self.spec.num_accepted_tokens += j
+        if self.config.speculative is not None:
+            req.spec.record(self.config.speculative, step, len(rs.draft), j)
+        if req.status is Status.RUNNING:
+            self.book.truncate(req, rs.start + 1 + j)
+        req.device_len = req.known_len + j + 1
+        return sampled[: j + 1]
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         n_out = len(req.output)
@@ -219,6 +247,9 @@ class Scheduler:
             kv_usage=(total - free) / total,
             cache_hit_rate=self.book.cache.hit_rate,
             num_retractions=self.num_retractions,
+            spec_num_drafts=self.spec.num_drafts,
+            spec_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec.num_accepted_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -90,6 +90,7 @@ class FakeExecutor:
                     )
                 slots_used.update((s, rs.rid) for s in table[: rs.start + rs.length])
                 rows_used[row] = rs.rid
+            chain = []  # the hash after each computed position
             for i in range(rs.length):
                 p = rs.start + i
                 slot = rs.out_slots[i]
@@ -103,10 +104,12 @@ class FakeExecutor:
                 assert tok >= 0, f"{rs.rid}: no token on the device at row {row} position {p}"
                 h = mix(h, tok, p)
                 self.kv[slot] = (p, tok, h)
-            if rs.sample:
-                tok = h % self.vocab_size
-                tokens[rs.start + rs.length] = tok
-                sampled.append(tok)
+                chain.append(h)
+            if rs.sample:  # at the last position, or at each verified one (the drafts')
+                for i in range(rs.length - rs.num_sampled, rs.length):
+                    tok = chain[i] % self.vocab_size
+                    tokens[rs.start + i + 1] = tok
+                    sampled.append(tok)
         self._pending.append((batch.step, slots_used, rows_used))
         return sampled
 

@@ -1,0 +1,173 @@
+"""Speculative decoding in the ledger, example by example: the paths the property machine reaches
+only now and then (a request retracted while its verify step is in flight), and the policy."""
+
+from __future__ import annotations
+
+from compiled_engine.scheduler import LedgerParams, Scheduler, SchedulerConfig, SpecConfig, Status
+from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
+
+VOCAB = 16
+
+
+class Oracle:
+    """Drafts from the fake model's own greedy output: `right` correct tokens, then wrong ones."""
+
+    def __init__(self, right: int = 99) -> None:
+        self.right = right
+        self.refs: dict[str, list[int]] = {}
+        self.calls: list[str] = []
+        self.silent: set[str] = set()  # requests that draft nothing
+
+    def expect(self, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+        self.refs[rid] = reference_output(
+            prompt, len(prompt) + max_tokens, frozenset(), 0, VOCAB
+        )
+        return self.refs[rid]
+
+    def __call__(self, req, k: int) -> tuple[int, ...]:
+        self.calls.append(req.rid)
+        if req.rid in self.silent:
+            return ()
+        ref = self.refs[req.rid][len(req.output) :] + [0] * k
+        return tuple(ref[i] if i < self.right else (ref[i] + 1) % VOCAB for i in range(k))
+
+
+def make(oracle: Oracle, **kw) -> tuple[Scheduler, FakeExecutor]:
+    spec = kw.pop("spec", SpecConfig(3))
+    cfg = SchedulerConfig(
+        **{"num_pages": 64, "max_running": 8, "max_context": 64, "speculative": spec, **kw}
+    )
+    return Scheduler(cfg, oracle), FakeExecutor(cfg, vocab_size=VOCAB)
+
+
+def run(sched: Scheduler, exe: FakeExecutor) -> tuple[list, list[int]]:
+    """Steps until idle (no overlap): the events, and the drafts each step carried."""
+    events, drafted = [], []
+    while sched.has_work():
+        plan = sched.schedule()
+        drafted.append(sum(len(rs.draft) for rs in plan.reqs))
+        events += sched.commit(plan, exe.execute(plan))
+        exe.retire(plan.step)
+    return events, drafted
+
+
+def tokens_of(events) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for ev in events:
+        if ev.token is not None:
+            out.setdefault(ev.rid, []).append(ev.token)
+    return out
+
+
+def test_accepted_drafts_give_the_same_tokens_in_fewer_steps() -> None:
+    oracle = Oracle()
+    sched, exe = make(oracle)
+    ref = oracle.expect("a", [3, 4, 5], 12)
+    sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=12, ignore_eos=True))
+    events, drafted = run(sched, exe)
+    assert tokens_of(events)["a"] == ref
+    # the prompt's step, then 11 tokens at up to 4 a step: max_len leaves room for 2 drafts last
+    assert drafted == [0, 3, 3, 2]
+    assert sched.spec.num_accepted_tokens == 8
+    sched.check_integrity()
+
+
+def test_rejected_drafts_give_back_their_pages() -> None:
+    oracle = Oracle(right=1)
+    sched, exe = make(oracle, page_size=2, spec=SpecConfig(4, min_acceptance=0.0))
+    ref = oracle.expect("a", [3, 4, 5], 9)
+    sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=9, ignore_eos=True))
+    free = sched.allocator.num_free
+    plan = sched.schedule()
+    sched.commit(plan, exe.execute(plan))
+    exe.retire(plan.step)
+    plan = sched.schedule()
+    (rs,) = plan.reqs
+    assert rs.draft and rs.length == 5  # the last token and 4 drafts: 8 positions, 4 pages
+    req = sched.get_request("a")
+    assert len(req.pages) == 4
+    events = sched.commit(plan, exe.execute(plan))
+    exe.retire(plan.step)
+    assert [ev.token for ev in events] == ref[1:3]  # one draft accepted, then the target's token
+    assert req.planned_len == 5 and len(req.pages) == 3  # positions 5..7 given back: one page
+    assert sched.allocator.num_free == free - 3
+    sched.check_integrity()
+    assert tokens_of(run_to_completion(sched, exe))["a"] == ref[3:]
+    sched.check_integrity()
+
+
+def test_the_prefix_cache_never_holds_a_draft() -> None:
+    """A finished request's rejected drafts were computed into its pages; a later request whose
+    prompt continues the real tokens reads only real KV (the executor checks every slot)."""
+    oracle = Oracle(right=0)
+    sched, exe = make(oracle, spec=SpecConfig(3, min_acceptance=0.0))
+    ref = oracle.expect("a", [3, 4, 5], 6)
+    sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=6, ignore_eos=True))
+    assert tokens_of(run_to_completion(sched, exe))["a"] == ref
+    assert sched.spec.num_draft_tokens and not sched.spec.num_accepted_tokens
+    prompt = [3, 4, 5, *ref, 7]
+    ref_b = oracle.expect("b", prompt, 2)
+    sched.add_request("b", prompt, LedgerParams(max_tokens=2, ignore_eos=True))
+    assert tokens_of(run_to_completion(sched, exe))["b"] == ref_b
+    assert sched.cache.hit_rate > 0.5  # it did read the first request's pages
+    sched.check_integrity()
+
+
+def test_a_request_retracted_while_its_verify_step_is_in_flight() -> None:
+    """Overlap: the verify step of `a` is in flight when planning the next step retracts it for
+    `b`'s page; `a` keeps the tokens the step accepted and recomputes later, with the same output."""
+    oracle = Oracle()
+    sched, exe = make(oracle, num_pages=10, max_running=2, spec=SpecConfig(3))
+    # the pool caps each request at 9 usable slots + 1: 7 generated tokens
+    refs = {rid: oracle.expect(rid, [2, 3, i], 7) for i, rid in ((5, "b"), (6, "a"))}
+    sched.add_request("b", [2, 3, 5], LedgerParams(max_tokens=8, ignore_eos=True))
+    # b does not speculate (as after a window of low acceptance): it decodes under overlap
+    sched.get_request("b").spec.paused_until = 1 << 30
+    sched.add_request("a", [2, 3, 6], LedgerParams(max_tokens=8, ignore_eos=True))
+    events = []
+    plan = sched.schedule()  # both prompts
+    events += sched.commit(plan, exe.execute(plan))
+    exe.retire(plan.step)
+    plan = sched.schedule()  # b decodes, a verifies 3 drafts: the pool is full
+    # (the prompts share 2 pages)
+    assert [len(rs.draft) for rs in plan.reqs] == [0, 3] and sched.allocator.num_free == 0
+    launched = (plan, exe.execute(plan))
+    nxt = sched.schedule()  # b needs a page: a is retracted with its verify in flight
+    a = sched.get_request("a")
+    assert a.status is Status.WAITING and not a.pages
+    events += sched.commit(*launched)
+    exe.retire(plan.step)
+    assert a.status is Status.WAITING and len(a.output) == 1 + 4  # the accepted run is kept
+    assert a.device_len == a.known_len
+    if nxt is not None:
+        events += sched.commit(nxt, exe.execute(nxt))
+        exe.retire(nxt.step)
+    events += run_to_completion(sched, exe, lag=1)
+    got = tokens_of(events)
+    assert got == refs, f"{got} vs {refs}"
+    assert sched.num_retractions >= 1
+    sched.check_integrity()
+
+
+def test_low_acceptance_pauses_speculation_then_retries() -> None:
+    oracle = Oracle(right=0)
+    spec = SpecConfig(2, min_acceptance=0.5, window=4, retry_after=3)
+    sched, exe = make(oracle, spec=spec)
+    ref = oracle.expect("a", [3, 4, 5], 20)
+    sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=20, ignore_eos=True))
+    events, drafted = run(sched, exe)
+    assert tokens_of(events)["a"] == ref
+    # prefill, two verify steps of 2 drafts (the window: 4 drafted, none accepted), 3 plain
+    # decodes, then drafting again
+    assert drafted[:8] == [0, 2, 2, 0, 0, 0, 2, 2]
+
+
+def test_no_drafts_in_a_batch_above_max_batch() -> None:
+    oracle = Oracle()
+    sched, exe = make(oracle, spec=SpecConfig(3, max_batch=2))
+    for i in range(3):
+        oracle.expect(f"r{i}", [3, 4, i], 6)
+        sched.add_request(f"r{i}", [3, 4, i], LedgerParams(max_tokens=6, ignore_eos=True))
+    events = run_to_completion(sched, exe)
+    assert {rid: toks for rid, toks in tokens_of(events).items()} == oracle.refs
+    assert not oracle.calls  # three running: nobody drafted
