@@ -49,4 +49,7 @@ class EngineConfig:
     # only, never on its batch, chunking, the prefix cache, overlap or the step kind (README,
     # "Deterministic inference"). None: the device's measured default (runner.device_defaults).
     deterministic: bool | None = None
+    # speculative decoding: vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens":
+    # k, ...}: `compiled_engine.speculative.config`); None: off
+    speculative: dict | None = None
     extra: dict = field(default_factory=dict)

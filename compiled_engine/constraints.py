@@ -131,6 +131,31 @@ class RequestGrammar:
             return True
         return bool(self._matcher.accept_token(token))
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The longest prefix of `tokens` (draft tokens) the grammar accepts from its state, up to a
+        complete document; the matcher is left as it was."""
+        n = 0
+        for token in tokens:
+            if self.complete or not self._matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return tuple(tokens[:n])
+
+    def masks_along(self, tokens: Sequence[int]) -> list[tuple[torch.Tensor, bool]]:
+        """(`next_mask()`, `complete`) now and after each of `tokens` (drafts from
+        `allowed_prefix`): one per position a verify step samples at; the matcher is left as it
+        was."""
+        out = [(self.next_mask(), self.complete)]
+        for token in tokens:
+            if not self._matcher.accept_token(token):
+                raise ValueError(f"draft token {token} is not allowed by the grammar")
+            out.append((self.next_mask(), self.complete))
+        if tokens:
+            self._matcher.rollback(len(tokens))
+        return out
+
     @property
     def complete(self) -> bool:
         """The output so far is a whole document: only a stop token may follow."""

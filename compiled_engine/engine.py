@@ -36,6 +36,8 @@ from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
 from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
+from compiled_engine.speculative.config import SpeculativeConfig
+from compiled_engine.speculative.ngram import NgramDrafter
 
 if TYPE_CHECKING:
     from compiled_engine.runner.compile_cache.session import CompileReport
@@ -52,12 +54,14 @@ class RequestState:
     generator: torch.Generator | None
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
     grammar: RequestGrammar | None = None  # structured output
+    drafter: NgramDrafter | None = None  # speculative decoding: proposes the request's drafts
 
 
 @dataclass(slots=True)
 class _Launched:
-    """A step in flight: its plan, the state of each request that samples in it (in plan order,
-    taken at launch: a request may end before the step commits), and its tokens on their way."""
+    """A step in flight: its plan, the state of the request of each token it samples (in plan
+    order, taken at launch: a request may end before the step commits), and its tokens on their
+    way."""
 
     plan: StepPlan
     sampled: list[RequestState]
@@ -78,12 +82,16 @@ class Engine:
         vocab_size: int,
         grammars: GrammarBook | None = None,
         compile_report: CompileReport | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.grammars = grammars  # structured output (None: no tokenizer, no constraints)
         self.compile_report = compile_report  # None: eager
+        self.speculative = speculative
+        if speculative is not None:
+            scheduler.propose = self._propose
         self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
         # overlap's forward thread, on a synchronous device
@@ -121,9 +129,28 @@ class Engine:
             if params.min_tokens
             else ()
         )
-        state = RequestState(params, generator, banned, grammar)
+        state = RequestState(params, generator, banned, grammar, self._drafter(params))
         # checks the rest
         self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
+
+    def _drafter(self, params: SamplingParams) -> NgramDrafter | None:
+        """A request's drafter; none with logits processors (a processor's error at a draft's
+        position would end a request that never reaches that position)."""
+        spec = self.speculative
+        if spec is None or params.logits_processors:
+            return None
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _propose(self, req: Request, k: int) -> tuple[int, ...]:
+        """The scheduler's `propose`: up to k drafts after the request's known tokens, cut where its
+        grammar would reject them."""
+        state: RequestState = req.engine_state
+        if state.drafter is None:
+            return ()
+        drafts = state.drafter.propose(req.tokens(), k)
+        if drafts and state.grammar is not None:
+            drafts = state.grammar.allowed_prefix(drafts)
+        return drafts
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -164,8 +191,8 @@ class Engine:
         ]
         # The sampler's rows (token masks included) now, on this thread: under overlap the previous
         # step's forward runs meanwhile.
-        sampling = [_sampling_row(step, req) for step, req in sampled]
-        states = [req.engine_state for _, req in sampled]
+        sampling = [row for step, req in sampled for row in _sampling_rows(step, req)]
+        states = [req.engine_state for step, req in sampled for _ in range(step.num_sampled)]
         if not self._overlap or self.runner.asynchronous:
             return _Launched(plan, states, self.runner.launch(plan, sampling))
         # a synchronous device computes in its launch: overlap runs it on a thread
@@ -175,10 +202,12 @@ class Engine:
 
     def _commit(self, launched: _Launched, output: StepOutput) -> list[TokenEvent]:
         plan = launched.plan
-        sampled = [r for r in plan.reqs if r.sample]
-        events = self._fail_rows(sampled, output.errors) if output.errors else []
-        by_rid: dict[str, tuple[RequestState, float | None, list | None]] = {}
-        for i, (req, state) in enumerate(zip(sampled, launched.sampled)):
+        rids = [r.rid for r in plan.reqs for _ in range(r.num_sampled)]  # of each sampled token
+        events = self._fail_rows(rids, output.errors) if output.errors else []
+        # a request's sampled tokens in order: its events take them one by one (a verify step
+        # keeps its accepted drafts and one more)
+        by_rid: dict[str, collections.deque[tuple[RequestState, float | None, list | None]]] = {}
+        for i, (rid, state) in enumerate(zip(rids, launched.sampled)):
             lp = top = None
             if output.logprobs is not None and state.params.logprobs is not None:
                 lp = output.logprobs[i]
@@ -187,12 +216,12 @@ class Engine:
                     if output.top_logprobs is not None
                     else []
                 )
-            by_rid[req.rid] = (state, lp, top)
+            by_rid.setdefault(rid, collections.deque()).append((state, lp, top))
         for ev in self.scheduler.commit(plan, output.tokens):
             if ev.token is None:
                 events.append(ev)
                 continue
-            state, lp, top = by_rid[ev.rid]
+            state, lp, top = by_rid[ev.rid].popleft()
             finished, reason = ev.finished, ev.finish_reason
             grammar = state.grammar
             # also a last token ("length", EOS)
@@ -206,14 +235,16 @@ class Engine:
             events.append(TokenEvent(ev.rid, ev.token, finished, reason, lp, top))
         return events
 
-    def _fail_rows(self, sampled: list[ReqStep], errors: dict[int, str]) -> list[TokenEvent]:
+    def _fail_rows(self, rids: list[str], errors: dict[int, str]) -> list[TokenEvent]:
         """End the requests whose row failed in the sampler (a logits processor, a mask that allows
-        nothing): their token of this step is dropped. One that ended meanwhile (aborted) gets no
+        nothing): their tokens of this step are dropped. One that ended meanwhile (aborted) gets no
         event."""
-        live = [(sampled[i].rid, message) for i, message in sorted(errors.items())]
+        live: dict[str, str] = {}
+        for i, message in sorted(errors.items()):
+            live.setdefault(rids[i], message)
         return [
             self._fail(rid, message)
-            for rid, message in live
+            for rid, message in live.items()
             if self.scheduler.get_request(rid) is not None
         ]
 
@@ -235,20 +266,28 @@ def check_sampling(rid: str, params: SamplingParams) -> None:
         raise RequestRejected(f"request {rid!r}: {e}") from None
 
 
-def _sampling_row(step: ReqStep, req: Request) -> SamplingRow:
-    """The sampler's view of one request in this step: bans until min_tokens, its grammar's token
-    mask, and where its token history lies in the token table (for penalties and logits
-    processors)."""
+def _sampling_rows(step: ReqStep, req: Request) -> list[SamplingRow]:
+    """The sampler's view of one request in this step, one row per token it draws (a verify step:
+    one per verified position): bans until min_tokens, its grammar's token mask, where its token
+    history lies in the token table (for penalties and logits processors), and the position of the
+    token drawn."""
     state: RequestState = req.engine_state
-    seq_len, prompt_len = step.start + step.length, len(req.prompt)
-    banned = state.banned if seq_len - prompt_len < state.params.min_tokens else ()
-    mask = None
-    if state.grammar is not None:
-        mask = state.grammar.next_mask()
-        if state.grammar.complete:
-            banned = ()  # a complete document ends now, min_tokens or not
-    history = (step.row, prompt_len, seq_len) if needs_history(state.params) else None
-    return SamplingRow(state.params, state.generator, banned, token_mask=mask, history=history)
+    params, prompt_len = state.params, len(req.prompt)
+    first = step.start + step.length - step.num_sampled  # position of the first sampling row
+    masks = state.grammar.masks_along(step.draft) if state.grammar is not None else None
+    rows = []
+    for j in range(step.num_sampled):
+        seq_len = first + j + 1
+        banned = state.banned if seq_len - prompt_len < params.min_tokens else ()
+        mask = None
+        if masks is not None:
+            mask, complete = masks[j]
+            if complete:
+                banned = ()  # a complete document ends now, min_tokens or not
+        history = (step.row, prompt_len, seq_len) if needs_history(params) else None
+        rows.append(SamplingRow(params, state.generator, banned, token_mask=mask, history=history,
+                                position=seq_len))
+    return rows
 
 
 def _rejected(state: RequestState, token: int) -> str:

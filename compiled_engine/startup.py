@@ -36,6 +36,7 @@ from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
 from compiled_engine.runner.warmup import warm_up
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.scheduler import Scheduler
+from compiled_engine.speculative.config import SpeculativeConfig
 from compiled_engine.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ def build_engine(
         max_bucket = config.max_bucket if config.max_bucket is not None else (
             config.max_running if device.type == "cuda" else 1)
         buckets = default_buckets(min(max_bucket, config.max_running))
+    speculative = SpeculativeConfig.parse(config.speculative)
     scheduler = Scheduler(
         SchedulerConfig(
             num_pages=num_pages,
@@ -151,6 +153,7 @@ def build_engine(
             prefix_cache=config.prefix_cache,
             eos_token_ids=eos,
             vocab_size=hf_config.vocab_size,
+            speculative=speculative.ledger() if speculative is not None else None,
         )
     )
     runner = ModelRunner(
@@ -189,7 +192,8 @@ def build_engine(
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
-    engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report)
+    engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report,
+                    speculative)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

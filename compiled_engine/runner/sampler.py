@@ -6,7 +6,10 @@ grammar does not allow next) last, so that no rule brings back a token the gramm
 masks first, and its processors can undo the mask); logprobs are taken from these processed logits,
 then temperature, top-k, top-p, min-p and the draw. A row whose mask allows nothing fails its
 request. Greedy rows (temperature 0, or top_k 1) take the argmax. A seeded request draws from its
-own generator, so its tokens do not depend on its batch neighbours.
+own generator, reseeded from its seed and the position of the token it draws, so its tokens depend
+neither on its batch neighbours nor on how many tokens a step draws for it: a speculative verify
+step draws each position's token with the random numbers a plain decode would use there
+(`scheduler.speculation`).
 Nothing here waits for the device: every per-row setting reaches it through pinned memory
 (`to_device`), and every decision that depends on the rows is taken on the host.
 """
@@ -38,6 +41,7 @@ class SamplingRow:
     # Where prompt_ids / output_ids lie in the token table, (table row, prompt length, sequence
     # length): the runner reads them there when it launches the step.
     history: tuple[int, int, int] | None = None
+    position: int = 0  # the sequence position of the token drawn (a seeded row's random numbers)
 
 
 @dataclass(slots=True)
@@ -179,8 +183,9 @@ class Sampler:
         temps = to_device([r.params.temperature or 1.0 for r in rows], torch.float32, logits.device)
         probs = self._filtered_probs(logits / temps[:, None], rows)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(rows):  # seeded requests draw from their own stream
+        for i, r in enumerate(rows):  # seeded requests: the random numbers of this position
             if r.generator is not None and not is_greedy(r.params):
+                r.generator.manual_seed(position_seed(r.params.seed or 0, r.position))
                 noise[i] = torch.empty_like(probs[i]).exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)  # exponential race == a draw from probs
         return torch.where(greedy, argmax, sampled)
@@ -207,6 +212,15 @@ class Sampler:
             m = to_device(min_p, probs.dtype, logits.device)
             probs = probs.masked_fill(probs < m[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A seeded request's generator seed for the token at `position` (splitmix64's mixing of both,
+    kept below 2**63 as torch's generators require)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
 
 
 def _allows_nothing(mask: torch.Tensor, vocab: int) -> bool:

@@ -94,8 +94,13 @@ class StepInputs:
 
 
 def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
-    """Where each sampled request's token lands in the (flattened) token table, in plan order."""
-    return [tables.flat(r.row, r.start + r.length) for r in plan.reqs if r.sample]
+    """Where each sampled token lands in the (flattened) token table, in plan order: after the
+    request's last computed position, or (a verify step) after each verified one."""
+    return [
+        tables.flat(r.row, r.start + r.length - r.num_sampled + 1 + j)
+        for r in plan.reqs
+        for j in range(r.num_sampled)
+    ]
 
 
 def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, staging: Staging,
@@ -128,12 +133,15 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    # Logits row j is the j-th sampled request's (plan order; any request of a step may skip
+    # Logits row j is the j-th sampled token's (plan order; any request of a step may skip
     # sampling, a 1-token non-final prefill chunk in a decode-shaped step included). The index is
     # padded with the last token to a fixed width: every (padded) row of a decode step, so that a
     # static graph keeps its shape, and >= 2 in an extend step, so that no dynamic dimension is 1.
-    sampled = [i for i, r in enumerate(reqs) if r.sample]
-    logits_index = [cu[i + 1] - 1 for i in sampled]
+    # A verify step samples at each of its positions (its last token's and its drafts').
+    logits_index = [
+        cu[i + 1] - r.num_sampled + j for i, r in enumerate(reqs) for j in range(r.num_sampled)
+    ]
+    num_sampled = len(logits_index)
     width = len(rows) if plan.is_decode else max(2, len(logits_index))
     logits_index += [cu[-1] - 1] * (width - len(logits_index))
     long, i32, width_t = torch.long, torch.int32, tables.width
@@ -153,5 +161,5 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         )
     meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode)
     return StepInputs(
-        input_ids, f["positions"], meta, f["logits_index"], len(sampled), f["table_rows"], staged
+        input_ids, f["positions"], meta, f["logits_index"], num_sampled, f["table_rows"], staged
     )

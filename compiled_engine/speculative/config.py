@@ -1,0 +1,83 @@
+"""`--speculative-config` / `LLM(speculative=...)`: vLLM's names, checked field by field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from compiled_engine.scheduler.speculation import SpecConfig
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram: the longest and shortest suffix n-grams looked up in the request's own tokens
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: a checkpoint with the target's tokenizer
+    # the per-request policy (`scheduler.speculation.SpecConfig`)
+    min_acceptance: float = 0.3
+    acceptance_window: int = 16
+    retry_after: int = 32
+    disable_by_batch_size: int = 4  # vLLM's name: no drafts while more requests run
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text; ValueError naming the first bad or unknown field."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be an object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative config: unknown field(s) {', '.join(unknown)} (known: "
+                f"{', '.join(sorted(known))})"
+            )
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
+        args = dict(value)
+        if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
+            args["prompt_lookup_min"] = min(cls.prompt_lookup_min, args["prompt_lookup_max"])
+        config = cls(**args)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def check(ok: bool, message: str, got: object) -> None:
+            if not ok:
+                raise ValueError(f"speculative config: {message}, got {got!r}")
+
+        check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}", self.method)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "acceptance_window", "retry_after", "disable_by_batch_size"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an "
+                  "integer", value)
+        check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1",
+              self.num_speculative_tokens)
+        check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              "prompt_lookup_min must be in [1, prompt_lookup_max]", self.prompt_lookup_min)
+        check(self.method != "draft_model" or isinstance(self.model, str),
+              "draft_model needs 'model': the path of a checkpoint", self.model)
+        check(self.method == "draft_model" or self.model is None,
+              f"'model' is for method draft_model, not {self.method}", self.model)
+        self.ledger().validate()
+
+    def ledger(self) -> SpecConfig:
+        return SpecConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            min_acceptance=self.min_acceptance,
+            window=self.acceptance_window,
+            retry_after=self.retry_after,
+            max_batch=self.disable_by_batch_size,
+        )
