@@ -4,11 +4,13 @@ and the torchrun entry)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import SMOLLM2_NAME, default_model
 from compiled_engine.runner.buckets import parse_buckets
+from compiled_engine.speculative.config import SpeculativeConfig
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -64,6 +66,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=parse_buckets, default=None,
                    help="decode batch sizes to compile, comma separated")
     p.add_argument("--max-bucket", type=int, default=None)
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or {"method": "draft_model", "model": '
+        'PATH, ...} (README, "Speculative decoding")',
+    )
+
+
+def _speculative(text: str) -> dict:
+    """The flag's JSON, checked now (a bad config is a usage error, not a failed start)."""
+    try:
+        config = SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    assert config is not None
+    return json.loads(text)
 
 
 def _overlap(args: argparse.Namespace) -> bool | None:
@@ -89,6 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tp_size=args.tp,
         compile_mode=args.compile_mode,
         deterministic=args.deterministic,
+        speculative=args.speculative_config,
     )
 
 

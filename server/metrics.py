@@ -59,6 +59,17 @@ class Metrics:
             "packed)",
             registry=r,
         )
+        # speculative decoding, under vLLM's names (their totals come from the engine: `_spec_seen`
+        # holds the last totals so that each scrape adds the difference)
+        self.spec = {
+            field: Counter(f"vllm:spec_decode_{name}", help_, registry=r)
+            for field, name, help_ in (
+                ("spec_num_drafts", "num_drafts", "verify steps (a request's step with drafts)"),
+                ("spec_num_draft_tokens", "num_draft_tokens", "draft tokens proposed"),
+                ("spec_num_accepted_tokens", "num_accepted_tokens", "draft tokens accepted"),
+            )
+        }
+        self._spec_seen = dict.fromkeys(self.spec, 0)
         self.kv_pool_bytes = Gauge(p + "kv_pool_bytes", "bytes of rank 0's KV pool", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -91,6 +102,11 @@ class Metrics:
         self.kv_usage.set(stats["kv_usage"])
         self.cache_hit_rate.set(stats["cache_hit_rate"])
         self.retractions.set(stats["num_retractions"])
+        for field, counter in self.spec.items():
+            total = stats.get(field, 0)
+            if total > self._spec_seen[field]:
+                counter.inc(total - self._spec_seen[field])
+                self._spec_seen[field] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,21 +57,25 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
 
 def _drafts(sched: Scheduler, req: Request, spare: int) -> tuple[int, ...]:
     """The draft tokens of `req`'s next step, as many as its limits, the budget and the free pages
-    allow; their pages are appended to the request's."""
+    allow. Their pages are taken before the proposer runs (a draft model writes its own KV there)
+    and those past the drafts it returns are given back at once (no step has seen them)."""
     book, ps = sched.book, sched.book.page_size
     assert sched.config.speculative is not None and sched.propose is not None
-    c = req.planned_len
+    c, pages = req.planned_len, req.pages
     # every accepted draft and the bonus token must fit under max_len
     k = min(sched.config.speculative.num_speculative_tokens, req.max_len - req.device_len - 1, spare)
-    if k <= 0:
-        return ()
-    drafts = tuple(sched.propose(req, k))[:k]
-    need = -(-(c + 1 + len(drafts)) // ps) - len(req.pages)
-    if need > 0:
-        pages = book.alloc(need) if need <= book.available_pages() else None
-        if pages is None:  # drafts never retract anyone: keep those that fit in the last page
-            return drafts[: len(req.pages) * ps - c - 1]
-        req.pages.extend(pages)
+    need = -(-(c + 1 + k) // ps) - len(pages)
+    if k > 0 and need > 0:
+        new = book.alloc(need) if need <= book.available_pages() else None
+        if new is None:  # drafts never retract anyone: as many as fit in the last page
+            k = len(pages) * ps - c - 1
+        else:
+            pages.extend(new)
+    drafts = tuple(sched.propose(req, k))[:k] if k > 0 else ()
+    keep = -(-(c + 1 + len(drafts)) // ps)
+    if len(pages) > keep:
+        book.allocator.free(pages[keep:])
+        del pages[keep:]
     return drafts
 
 
