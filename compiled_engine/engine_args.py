@@ -70,7 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=_speculative,
         default=None,
-        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or {"method": "draft_model", "model": '
         'PATH, ...} (README, "Speculative decoding")',
     )

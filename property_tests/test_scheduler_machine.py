@@ -6,8 +6,8 @@ After every rule the ledger invariants hold; every emitted token is the fake mod
 for that request run alone; finished requests end exactly as the model run alone would. Every step
 admits from the head of the waiting queue only (FIFO: no request is overtaken) and keeps within its
 token budget. Hypothesis is steered (`target`) towards retraction, eviction, deduplication of a
-shared prefix, the shared-prefix wait, accepted and rejected drafts, and the run asserts that each of them was reached and
-prints how often.
+shared prefix, the shared-prefix wait, accepted and rejected drafts, and the run asserts that each
+of them was reached and prints how often.
 """
 
 import collections

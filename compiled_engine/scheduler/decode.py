@@ -63,7 +63,9 @@ def _drafts(sched: Scheduler, req: Request, spare: int) -> tuple[int, ...]:
     assert sched.config.speculative is not None and sched.propose is not None
     c, pages = req.planned_len, req.pages
     # every accepted draft and the bonus token must fit under max_len
-    k = min(sched.config.speculative.num_speculative_tokens, req.max_len - req.device_len - 1, spare)
+    k = min(
+        sched.config.speculative.num_speculative_tokens, req.max_len - req.device_len - 1, spare
+    )
     need = -(-(c + 1 + k) // ps) - len(pages)
     if k > 0 and need > 0:
         new = book.alloc(need) if need <= book.available_pages() else None

@@ -6,9 +6,9 @@ each of the 1 + k positions; the sampled token at position i is the target model
 (greedy, or with the random numbers of that position: `runner.sampler`). The drafts are accepted up
 to the first one that differs from the draw at its position, and the draw there (or after the last
 draft: the bonus token) is kept too. For drafts proposed deterministically (n-gram lookup, a draft
-model's argmax) this is the standard rejection rule: a draft d is accepted with probability p(d), and
-on rejection the token is drawn from p without d, renormalized. So the output is exactly what the
-request gives without speculation: the same tokens where the draws are the same.
+model's argmax) this is the standard rejection rule: a draft d is accepted with probability p(d),
+and on rejection the token is drawn from p without d, renormalized. So the output is exactly what
+the request gives without speculation: the same tokens where the draws are the same.
 """
 
 from __future__ import annotations

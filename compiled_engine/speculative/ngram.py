@@ -1,6 +1,7 @@
 """Prompt lookup (n-gram) drafting: the tokens that followed the latest earlier occurrence of the
-request's last n tokens, for the longest n in [min_n, max_n] that occurs. Each request keeps an index
-of its n-grams, extended as its tokens grow, so a proposal costs O(max_n) lookups, not a scan."""
+request's last n tokens, for the longest n in [min_n, max_n] that occurs. Each request keeps an
+index of its n-grams, extended as its tokens grow, so a proposal costs O(max_n) lookups, not a
+scan."""
 
 from __future__ import annotations
 

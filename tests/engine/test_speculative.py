@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 3000
 REACHED: collections.Counter = collections.Counter()
-SCHEMA = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["ab", "c"]}}},
-          "required": ["tags"]}
+SCHEMA = {"type": "object", "required": ["tags"],
+          "properties": {"tags": {"type": "array", "items": {"enum": ["ab", "c"]}}}}
 
 
 def _engine(demo_dir: str, spec: dict | None, **kw):

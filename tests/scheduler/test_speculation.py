@@ -115,7 +115,8 @@ def test_the_prefix_cache_never_holds_a_draft() -> None:
 
 def test_a_request_retracted_while_its_verify_step_is_in_flight() -> None:
     """Overlap: the verify step of `a` is in flight when planning the next step retracts it for
-    `b`'s page; `a` keeps the tokens the step accepted and recomputes later, with the same output."""
+    `b`'s page; `a` keeps the tokens the step accepted and recomputes later, with the same
+    output."""
     oracle = Oracle()
     sched, exe = make(oracle, num_pages=10, max_running=2, spec=SpecConfig(3))
     # the pool caps each request at 9 usable slots + 1: 7 generated tokens
