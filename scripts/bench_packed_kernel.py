@@ -7,6 +7,7 @@ blocks; best of 5 batches of calls, microseconds per call. Not part of CI:
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -43,18 +44,23 @@ def best_us(f, calls: int) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", default="1,128", help="activation rows, comma separated")
+    parser.add_argument("--formats", default="Q4_1,Q8_0,Q5_0,Q4_K,Q6_K")
+    args = parser.parse_args()
+    rows = [int(m) for m in args.m.split(",")]
     kernels.init("cpu")
     print("| format | N x K | M | file layout us | 16 rows interleaved us | bf16 (deterministic) us"
           " |")
     print("|---|---|---|---|---|---|")
-    for name in ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"):
+    for name in args.formats.split(","):
         for n, k in ((1536, 768), (49152, 768)):
             w = random_weight(name, n, k)
             x16 = PackedWeight(interleave(w.blocks, w.format), interleaved_format(w.format), k)
             dense = w.dequantize().bfloat16()
-            for m in (1, 128) if n < 10000 else (1,):
+            for m in rows if n < 10000 else [m for m in rows if m <= 16]:
                 x = torch.randn(m, k).bfloat16()
-                calls = 200 if m == 1 and n < 10000 else 10
+                calls = 200 if m <= 16 and n < 10000 else 10
                 times = [best_us(lambda x=x, w=w: ops.linear(x, w), calls),
                          best_us(lambda x=x, w=x16: ops.linear(x, w), calls),
                          best_us(lambda x=x, w=dense: ops.linear(x, w, None, True), calls)]

@@ -22,9 +22,7 @@ if TYPE_CHECKING:
 def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
     ps = sched.book.page_size
     spec = sched.config.speculative
-    speculating = (
-        spec is not None and sched.propose is not None and len(sched.running) <= spec.max_batch
-    )
+    speculating = spec is not None and sched.propose is not None
     spare = sched.config.chunk_budget - len(sched.running)  # budget left for draft tokens
     for req in list(sched.running):
         c = req.planned_len
@@ -34,7 +32,11 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
         in_flight = req.last_step > sched.book.committed
         if req.params.constrained and in_flight:
             continue  # its mask needs the token still in flight: it waits one step (overlap only)
-        drafting = speculating and req.spec.paused_until < draft.step
+        drafting = (
+            speculating
+            and req.spec.paused_until < draft.step
+            and req.spec.drafts_in_batch(spec, len(sched.running))
+        )
         if drafting and in_flight:
             continue  # its drafts continue the token in flight: it waits one step (overlap only)
         pages = req.pages
@@ -63,9 +65,7 @@ def _drafts(sched: Scheduler, req: Request, spare: int) -> tuple[int, ...]:
     assert sched.config.speculative is not None and sched.propose is not None
     c, pages = req.planned_len, req.pages
     # every accepted draft and the bonus token must fit under max_len
-    k = min(
-        sched.config.speculative.num_speculative_tokens, req.max_len - req.device_len - 1, spare
-    )
+    k = min(req.spec.draft_len(sched.config.speculative), req.max_len - req.device_len - 1, spare)
     need = -(-(c + 1 + k) // ps) - len(pages)
     if k > 0 and need > 0:
         new = book.alloc(need) if need <= book.available_pages() else None

@@ -13,6 +13,7 @@ the request gives without speculation: the same tokens where the draws are the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,9 +34,11 @@ class SpecConfig:
     min_acceptance: float = 0.3
     window: int = 16
     retry_after: int = 32  # steps a paused request decodes plainly before it drafts again
-    # no request speculates while more than this many requests run (verify tokens are not free in
-    # a large batch)
-    max_batch: int = 4
+    # While more than `max_batch` requests run, only those whose verify steps recently accepted at
+    # least `copy_accepted` drafts (on average) draft: verify tokens are not free in a large batch,
+    # and only a request that copies long runs gains more than they cost there.
+    max_batch: int = 2
+    copy_accepted: float = 4.0
 
     def validate(self) -> None:
         for ok, message, value in (
@@ -46,6 +49,7 @@ class SpecConfig:
             (self.window >= 1, "window must be >= 1", self.window),
             (self.retry_after >= 0, "retry_after must be >= 0", self.retry_after),
             (self.max_batch >= 1, "max_batch must be >= 1", self.max_batch),
+            (self.copy_accepted >= 0, "copy_accepted must be >= 0", self.copy_accepted),
         ):
             if not ok:
                 raise ValueError(f"speculative: {message}, got {value!r}")
@@ -53,14 +57,34 @@ class SpecConfig:
 
 @dataclass(slots=True)
 class SpecStats:
-    """One request's acceptance over its current window, and the step its pause ends at."""
+    """One request's acceptance: over its current window (the pause rule), and as a moving average
+    of the drafts its verify steps accept (the draft length rule); the step its pause ends at."""
 
     drafted: int = 0
     accepted: int = 0
     paused_until: int = -1
+    recent_accepted: float | None = None  # None: no verify step yet
+
+    def drafts_in_batch(self, config: SpecConfig, running: int) -> bool:
+        """Whether the request drafts in a batch of `running` requests (the batch rule): above
+        `max_batch` only if it has been measured copying (in a smaller batch)."""
+        return running <= config.max_batch or (
+            self.recent_accepted is not None and self.recent_accepted >= config.copy_accepted
+        )
+
+    def draft_len(self, config: SpecConfig) -> int:
+        """Drafts to ask for: k at first, then about twice what recent steps accepted (at least 1),
+        so that a request whose drafts mostly fail verifies short runs, which cost little more than a
+        decode, and one that copies verifies long ones."""
+        k = config.num_speculative_tokens
+        if self.recent_accepted is None:
+            return k
+        return max(1, min(k, math.ceil(2 * self.recent_accepted)))
 
     def record(self, config: SpecConfig, step: int, drafted: int, accepted: int) -> None:
         """Count one verify step; pause when the window's acceptance is below the threshold."""
+        prev = self.recent_accepted
+        self.recent_accepted = accepted if prev is None else (prev + accepted) / 2
         self.drafted += drafted
         self.accepted += accepted
         if self.drafted >= config.window:

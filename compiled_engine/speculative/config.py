@@ -15,14 +15,17 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     # ngram: the longest and shortest suffix n-grams looked up in the request's own tokens
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 3
     model: str | None = None  # draft_model: a checkpoint with the target's tokenizer
     # the per-request policy (`scheduler.speculation.SpecConfig`)
     min_acceptance: float = 0.3
     acceptance_window: int = 16
     retry_after: int = 32
-    disable_by_batch_size: int = 4  # vLLM's name: no drafts while more requests run
+    # vLLM's name (there: no drafts at all while more requests run); here: while more run, only a
+    # request that copies drafts (`copy_accepted`, `scheduler.speculation.SpecConfig`)
+    disable_by_batch_size: int = 2
+    copy_accepted: float = 4.0
 
     @classmethod
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -80,4 +83,5 @@ class SpeculativeConfig:
             window=self.acceptance_window,
             retry_after=self.retry_after,
             max_batch=self.disable_by_batch_size,
+            copy_accepted=self.copy_accepted,
         )

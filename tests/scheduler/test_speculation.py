@@ -3,6 +3,8 @@ only now and then (a request retracted while its verify step is in flight), and 
 
 from __future__ import annotations
 
+import collections
+
 from compiled_engine.scheduler import LedgerParams, Scheduler, SchedulerConfig, SpecConfig, Status
 from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
 
@@ -158,17 +160,67 @@ def test_low_acceptance_pauses_speculation_then_retries() -> None:
     sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=20, ignore_eos=True))
     events, drafted = run(sched, exe)
     assert tokens_of(events)["a"] == ref
-    # prefill, two verify steps of 2 drafts (the window: 4 drafted, none accepted), 3 plain
-    # decodes, then drafting again
-    assert drafted[:8] == [0, 2, 2, 0, 0, 0, 2, 2]
+    # the prompt's step; verify steps of 2, then 1, 1 drafts (none accepted: shorter drafts) fill the
+    # window of 4: 3 plain decodes, then drafting again (1 token: nothing was accepted since)
+    assert drafted[:9] == [0, 2, 1, 1, 0, 0, 0, 1, 1]
 
 
-def test_no_drafts_in_a_batch_above_max_batch() -> None:
+def test_draft_length_follows_what_is_accepted() -> None:
+    """k at first; then about twice the recent accepted drafts: 1 accepted a step -> 2 drafted."""
+    oracle = Oracle(right=1)
+    sched, exe = make(oracle, spec=SpecConfig(6, min_acceptance=0.0))
+    ref = oracle.expect("a", [3, 4, 5], 16)
+    sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=16, ignore_eos=True))
+    events, drafted = run(sched, exe)
+    assert tokens_of(events)["a"] == ref
+    assert drafted[:5] == [0, 6, 2, 2, 2]
+    oracle.right = 99
+    ref = oracle.expect("b", [3, 4, 6], 24)
+    sched.add_request("b", [3, 4, 6], LedgerParams(max_tokens=24, ignore_eos=True))
+    events, drafted = run(sched, exe)
+    assert tokens_of(events)["b"] == ref
+    assert drafted[:4] == [0, 6, 6, 6]  # every draft accepted: k each step
+
+
+def test_above_max_batch_only_requests_that_copy_draft() -> None:
+    """max_batch 2: while two run, both draft; `copy` has all its drafts accepted, `free` none. Once a
+    third runs, only `copy` drafts, and `x` (never measured) does not either."""
     oracle = Oracle()
-    sched, exe = make(oracle, spec=SpecConfig(3, max_batch=2))
-    for i in range(3):
+    sched, exe = make(oracle, spec=SpecConfig(4, max_batch=2, copy_accepted=2.0,
+                                              min_acceptance=0.0))
+    refs = {rid: oracle.expect(rid, [3, 4, i], 16) for i, rid in enumerate(("copy", "free", "x"))}
+    wrong = {"free", "x"}
+    right = Oracle.__call__
+
+    def propose(req, k):
+        ref = oracle.refs[req.rid][len(req.output) :] + [0] * k
+        if sched.num_running == 3:
+            oracle.calls.append(req.rid)
+        if req.rid in wrong:
+            return tuple((t + 1) % VOCAB for t in ref[:k])
+        return right(oracle, req, k)
+
+    sched.propose = propose
+    events = []
+    for i, rid in enumerate(refs):
+        sched.add_request(rid, [3, 4, i], LedgerParams(max_tokens=16, ignore_eos=True))
+        for _ in range(2 if rid != "x" else 0):  # two steps before the next arrives
+            plan = sched.schedule()
+            events += sched.commit(plan, exe.execute(plan))
+            exe.retire(plan.step)
+    more, _ = run(sched, exe)
+    assert tokens_of(events + more) == refs
+    calls = collections.Counter(oracle.calls)
+    assert calls["free"] == calls["x"] == 0 and calls["copy"] >= 1, calls
+
+
+def test_a_small_batch_drafts_whatever_was_accepted() -> None:
+    oracle = Oracle(right=0)
+    sched, exe = make(oracle, spec=SpecConfig(2, max_batch=2, min_acceptance=0.0))
+    for i in range(2):
         oracle.expect(f"r{i}", [3, 4, i], 6)
         sched.add_request(f"r{i}", [3, 4, i], LedgerParams(max_tokens=6, ignore_eos=True))
     events = run_to_completion(sched, exe)
-    assert {rid: toks for rid, toks in tokens_of(events).items()} == oracle.refs
-    assert not oracle.calls  # three running: nobody drafted
+    assert tokens_of(events) == oracle.refs
+    # every decode step drafted but the last (no room under max_len for a draft and the bonus)
+    assert collections.Counter(oracle.calls) == {"r0": 4, "r1": 4}

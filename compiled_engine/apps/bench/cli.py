@@ -321,6 +321,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 
+# ---- speculative ---------------------------------------------------------------------------------
+
+DEFAULT_SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def _cmd_speculative(args: argparse.Namespace) -> int:
+    from compiled_engine.apps.bench.speculative import run
+    from compiled_engine.speculative.config import SpeculativeConfig
+
+    spec = json.loads(args.speculative_config)
+    SpeculativeConfig.parse(spec)
+    settings = {"enforce_eager": args.enforce_eager} | _placement(args)
+    if args.num_pages is not None:
+        settings["num_pages"] = args.num_pages
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = run(resolve_bench_model(args.model), spec, batches, args.rounds, args.max_tokens,
+               log=_log, **settings)
+    print(table(["workload", "batch", "plain tok/s", "speculative tok/s", "ratio", "acceptance",
+                 "mean accepted length", "identical"],
+                [[r["workload"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"],
+                  r["acceptance"], r["mean_accepted_length"], r["identical"]] for r in rows]))
+    if args.json:
+        write_json(args.json, "speculative", {"speculative": spec, "settings": settings,
+                                              "rows": rows})
+    return 0
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", help="benchmarks: offline throughput, decode latency, online serving"
@@ -417,6 +444,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_output_args(p)
     p.set_defaults(func=_cmd_serve)
+    _add_speculative_parser(kinds)
+
+
+def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "speculative",
+        help="decode with and without speculative decoding (A/B in one process): copy-heavy and "
+        "free-generation chat workloads",
+    )
+    p.add_argument("--model", default="smollm2", help="a checkpoint with a chat template")
+    p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE)
+    p.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--num-pages", type=int, default=None)
+    _add_placement_args(p)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=_cmd_speculative)
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
