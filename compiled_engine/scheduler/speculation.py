@@ -73,9 +73,9 @@ class SpecStats:
         )
 
     def draft_len(self, config: SpecConfig) -> int:
-        """Drafts to ask for: k at first, then about twice what recent steps accepted (at least 1),
-        so that a request whose drafts mostly fail verifies short runs, which cost little more than a
-        decode, and one that copies verifies long ones."""
+        """Drafts to ask for: k at first, then about twice what recent steps accepted (at least
+        1), so that a request whose drafts mostly fail verifies short runs, which cost little more
+        than a decode, and one that copies verifies long ones."""
         k = config.num_speculative_tokens
         if self.recent_accepted is None:
             return k

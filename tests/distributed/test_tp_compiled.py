@@ -6,6 +6,7 @@ by custom_op_wrapper`."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -114,3 +115,29 @@ def test_serve_tp2_compiled_answers_concurrent_requests_as_tp1(
         running.stop()
     assert [r.status_code for r in replies] == [200] * len(prompts)
     assert [r.json()["output_ids"] for r in replies] == tp1_tokens
+
+
+def test_offline_tp2_compiled_with_speculation_equals_tp1(demo_dir: str, warm_root: str) -> None:
+    """n-gram drafts on both ranks (each proposes the same from the same ledger): TP=1's greedy
+    tokens. The random model repeats what a `logit_bias` towards a planted segment makes it repeat,
+    so that drafts are accepted."""
+    rng = random.Random(3)
+    prompts, params = [], []
+    for n in (4, 6, 9, 5):
+        seg = [rng.randrange(3, 7990) for _ in range(n)]
+        prompts.append([1, *seg, *[rng.randrange(3, 7990) for _ in range(3)], *seg[: n // 2]])
+        params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                     logit_bias={t: 8.0 for t in seg}))
+    tp1 = LLM(demo_dir, enforce_eager=True, **SETTINGS)
+    want = [o.token_ids for o in tp1.generate(prompts, params)]
+    tp1.engine.shutdown()
+    tp2 = LLM(demo_dir, tp_size=2, compile_cache_dir=warm_root, **SETTINGS,
+              speculative={"method": "ngram", "num_speculative_tokens": 4,
+                           "disable_by_batch_size": 8})
+    try:
+        got = [o.token_ids for o in tp2.generate(prompts, params)]
+        stats = tp2.engine.scheduler.stats()
+    finally:
+        tp2.engine.shutdown()
+    assert got == want
+    assert stats.spec_num_accepted_tokens > 0

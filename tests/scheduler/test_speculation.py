@@ -160,8 +160,8 @@ def test_low_acceptance_pauses_speculation_then_retries() -> None:
     sched.add_request("a", [3, 4, 5], LedgerParams(max_tokens=20, ignore_eos=True))
     events, drafted = run(sched, exe)
     assert tokens_of(events)["a"] == ref
-    # the prompt's step; verify steps of 2, then 1, 1 drafts (none accepted: shorter drafts) fill the
-    # window of 4: 3 plain decodes, then drafting again (1 token: nothing was accepted since)
+    # the prompt's step; verify steps of 2, then 1, 1 drafts (none accepted: shorter drafts) fill
+    # the window of 4: 3 plain decodes, then drafting again (1 token: nothing was accepted since)
     assert drafted[:9] == [0, 2, 1, 1, 0, 0, 0, 1, 1]
 
 
@@ -183,8 +183,8 @@ def test_draft_length_follows_what_is_accepted() -> None:
 
 
 def test_above_max_batch_only_requests_that_copy_draft() -> None:
-    """max_batch 2: while two run, both draft; `copy` has all its drafts accepted, `free` none. Once a
-    third runs, only `copy` drafts, and `x` (never measured) does not either."""
+    """max_batch 2: while two run, both draft; `copy` has all its drafts accepted, `free` none. Once
+    a third runs, only `copy` drafts, and `x` (never measured) does not either."""
     oracle = Oracle()
     sched, exe = make(oracle, spec=SpecConfig(4, max_batch=2, copy_accepted=2.0,
                                               min_acceptance=0.0))

@@ -124,7 +124,8 @@ def run(model: str, spec: dict, batches: list[int], rounds: int, max_tokens: int
                 "workload": name, "batch": batch,
                 "plain_tok_s": plain.tokens_per_s, "spec_tok_s": spec_m.tokens_per_s,
                 "ratio": spec_m.tokens_per_s / plain.tokens_per_s,
-                "acceptance": spec_m.acceptance, "mean_accepted_length": spec_m.mean_accepted_length,
+                "acceptance": spec_m.acceptance,
+                "mean_accepted_length": spec_m.mean_accepted_length,
                 "drafts": spec_m.drafts, "tokens": plain.tokens,
                 "identical": plain.outputs == spec_m.outputs,
             }
