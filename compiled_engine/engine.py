@@ -37,7 +37,10 @@ from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
 from compiled_engine.speculative.config import SpeculativeConfig
+from compiled_engine.speculative.draft_model import DraftModel, DraftModelDrafter
 from compiled_engine.speculative.ngram import NgramDrafter
+
+Drafter = NgramDrafter | DraftModelDrafter
 
 if TYPE_CHECKING:
     from compiled_engine.runner.compile_cache.session import CompileReport
@@ -54,7 +57,7 @@ class RequestState:
     generator: torch.Generator | None
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
     grammar: RequestGrammar | None = None  # structured output
-    drafter: NgramDrafter | None = None  # speculative decoding: proposes the request's drafts
+    drafter: Drafter | None = None  # speculative decoding: proposes the request's drafts
 
 
 @dataclass(slots=True)
@@ -83,6 +86,7 @@ class Engine:
         grammars: GrammarBook | None = None,
         compile_report: CompileReport | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.eos_token_ids = eos_token_ids
@@ -90,6 +94,7 @@ class Engine:
         self.grammars = grammars  # structured output (None: no tokenizer, no constraints)
         self.compile_report = compile_report  # None: eager
         self.speculative = speculative
+        self.draft_model = draft_model  # speculative method draft_model
         if speculative is not None:
             scheduler.propose = self._propose
         self._inflight: collections.deque[_Launched] = collections.deque()
@@ -133,12 +138,14 @@ class Engine:
         # checks the rest
         self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
 
-    def _drafter(self, params: SamplingParams) -> NgramDrafter | None:
+    def _drafter(self, params: SamplingParams) -> Drafter | None:
         """A request's drafter; none with logits processors (a processor's error at a draft's
         position would end a request that never reaches that position)."""
         spec = self.speculative
         if spec is None or params.logits_processors:
             return None
+        if self.draft_model is not None:
+            return self.draft_model.drafter()
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _propose(self, req: Request, k: int) -> tuple[int, ...]:
@@ -147,7 +154,7 @@ class Engine:
         state: RequestState = req.engine_state
         if state.drafter is None:
             return ()
-        drafts = state.drafter.propose(req.tokens(), k)
+        drafts = state.drafter.propose(req, k)
         if drafts and state.grammar is not None:
             drafts = state.grammar.allowed_prefix(drafts)
         return drafts

@@ -25,18 +25,13 @@ from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
 from compiled_engine.runner.buckets import default_buckets
-from compiled_engine.runner.compile_cache import (
-    CacheEntry,
-    cache_key,
-    compile_with_cache,
-    default_root,
-)
 from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
-from compiled_engine.runner.warmup import warm_up
+from compiled_engine.runner.warmup import compile_graphs
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.speculative.config import SpeculativeConfig
+from compiled_engine.speculative.draft_model import load_draft_model
 from compiled_engine.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -180,20 +175,20 @@ def build_engine(
     )
     report = None
     if not config.enforce_eager:
-        key = cache_key(config, hf_config, model.dtype, device, runner.config, model)
-        root = default_root(config.compile_cache_dir)
-        folder = CacheEntry(root, key.digest).precompiled_dir
         bar = progress or (GraphBar() if ps.get_tp_rank() == 0 else None)
         try:
-            report = compile_with_cache(key, root, lambda: warm_up(runner, bar, folder))
+            report = compile_graphs(config, hf_config, runner, bar)
         finally:
             if bar is not None:
                 bar.close()
+    draft_model = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft_model = load_draft_model(speculative, config, runner.config, device, hf_config)
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report,
-                    speculative)
+                    speculative, draft_model)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

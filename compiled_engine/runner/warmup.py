@@ -16,9 +16,31 @@ from compiled_engine.scheduler.plan import ReqStep, StepPlan
 from kernels import ops as kernel_ops
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from compiled_engine.config import EngineConfig
+    from compiled_engine.runner.compile_cache.session import CompileReport
     from compiled_engine.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+
+def compile_graphs(config: EngineConfig, hf_config: PretrainedConfig, runner: ModelRunner,
+                   progress: Callable[[str, int], None] | None) -> CompileReport:
+    """Every graph of `runner`'s model, through the compile cache (`config.compile_cache_dir`):
+    loaded when an entry for these settings exists, else compiled and saved."""
+    from compiled_engine.runner.compile_cache import (
+        CacheEntry,
+        cache_key,
+        compile_with_cache,
+        default_root,
+    )
+
+    model = runner.model
+    key = cache_key(config, hf_config, model.dtype, runner.device, runner.config, model)
+    root = default_root(config.compile_cache_dir)
+    folder = CacheEntry(root, key.digest).precompiled_dir
+    return compile_with_cache(key, root, lambda: warm_up(runner, progress, folder))
 
 
 def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = None,

@@ -48,11 +48,7 @@ class KvBook:
 
     def slots(self, req: Request, lo: int, hi: int) -> tuple[int, ...]:
         """KV slots of positions [lo, hi) of `req`."""
-        ps = self.page_size
-        pages = req.pages
-        if ps == 1:
-            return tuple(pages[lo:hi])
-        return tuple(pages[p // ps] * ps + p % ps for p in range(lo, hi))
+        return req.slots(self.page_size, lo, hi)
 
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages, evicting cached ones if the free list is short; None when even that cannot."""

@@ -82,3 +82,10 @@ class Request:
 
     def tokens(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.output)
+
+    def slots(self, page_size: int, lo: int, hi: int) -> tuple[int, ...]:
+        """KV slots of positions [lo, hi) (on its pages)."""
+        pages = self.pages
+        if page_size == 1:
+            return tuple(pages[lo:hi])
+        return tuple(pages[p // page_size] * page_size + p % page_size for p in range(lo, hi))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from compiled_engine.scheduler.request import Request
+
 
 class NgramDrafter:
     def __init__(self, min_n: int, max_n: int) -> None:
@@ -15,8 +17,12 @@ class NgramDrafter:
         self._after: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are in the index
 
-    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to `k` tokens continuing `tokens` (a request's tokens only ever grow)."""
+    def propose(self, req: Request, k: int) -> tuple[int, ...]:
+        """Up to `k` tokens continuing the request's known tokens."""
+        return self.lookup(req.tokens(), k)
+
+    def lookup(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """Up to `k` tokens continuing `tokens` (one request's tokens: they only ever grow)."""
         self._extend(tokens)
         end = len(tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):

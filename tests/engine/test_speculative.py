@@ -1,8 +1,9 @@
 """Speculative decoding is exact: in deterministic mode every request's tokens and log-probabilities
-with n-gram drafts equal those it gets without speculation, greedy and seeded, with penalties,
-min_tokens, stop ids and structured output, under a tiny pool that retracts and evicts, overlap on,
-compiled and eager (bf16, random-weight checkpoint). The ledger's integrity holds after every step
-and no page leaks."""
+with drafts (n-gram lookup, or a draft model: the checkpoint itself, which ignores the requests'
+sampling rules) equal those it gets without speculation, greedy and seeded, with penalties,
+min_tokens, stop ids, logit bias and structured output, under a tiny pool that retracts and evicts,
+overlap on, compiled and eager (bf16, random-weight checkpoint). The ledger's integrity holds after
+every step and no page leaks."""
 
 from __future__ import annotations
 
@@ -40,14 +41,19 @@ def engines(demo_dir):
     """Without speculation (room for everything, no overlap: the reference) and with it (a pool
     that retracts and evicts, overlap on), compiled and eager."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3, "min_acceptance": 0.0}
+            "prompt_lookup_max": 3, "min_acceptance": 0.0, "disable_by_batch_size": 16}
+    draft = {"method": "draft_model", "model": demo_dir, "num_speculative_tokens": 3,
+             "disable_by_batch_size": 16}
     made = {
         "compiled": _engine(demo_dir, None, num_pages=4096, chunk_budget=8192),
-        "compiled+spec": _engine(demo_dir, spec, **TIGHT),
+        "compiled+ngram": _engine(demo_dir, spec, **TIGHT),
+        "compiled+draft": _engine(demo_dir, draft, **TIGHT),
         "eager": _engine(demo_dir, None, num_pages=4096, chunk_budget=8192, enforce_eager=True),
-        "eager+spec": _engine(demo_dir, dict(spec, num_speculative_tokens=2,
-                                             min_acceptance=0.5, acceptance_window=4,
-                                             retry_after=2), **TIGHT, enforce_eager=True),
+        "eager+ngram": _engine(demo_dir, dict(spec, num_speculative_tokens=2,
+                                              min_acceptance=0.5, acceptance_window=4,
+                                              retry_after=2), **TIGHT, enforce_eager=True),
+        "eager+draft": _engine(demo_dir, dict(draft, num_speculative_tokens=2), **TIGHT,
+                               enforce_eager=True),
     }
     yield made
     for engine in made.values():
@@ -104,38 +110,60 @@ def _params(rng: random.Random, kind: str, bias: dict[int, float] | None) -> Sam
                           **dict(common, max_tokens=40, logit_bias=None))
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=32, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     planted=st.lists(st.integers(2, 16), min_size=1, max_size=6),
     kinds=st.lists(st.sampled_from(["greedy", "seeded", "penalized", "structured"]), min_size=6,
                    max_size=6),
     path=st.sampled_from(["compiled", "eager"]),
+    method=st.sampled_from(["ngram", "draft"]),
     seed=st.integers(0, 2**16),
 )
 def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(
-    engines, planted, kinds, path, seed
+    engines, planted, kinds, path, method, seed
 ):
     rng = random.Random(seed)
     requests = [(f"r{i}", *_request(rng, n, kinds[i])) for i, n in enumerate(planted)]
-    spec_engine = engines[path + "+spec"]
+    spec_engine = engines[f"{path}+{method}"]
     sched = spec_engine.scheduler
     before = (sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens, sched.num_retractions)
     plain = _run(engines[path], requests, check=False)
     assert _run(spec_engine, requests, check=True) == plain
     drafted = sched.spec.num_draft_tokens - before[0]
     accepted = sched.spec.num_accepted_tokens - before[1]
-    REACHED[path, "accepted"] += accepted > 0
-    REACHED[path, "rejected"] += drafted > accepted
+    REACHED["accepted"] += accepted > 0
+    REACHED["rejected"] += drafted > accepted
     REACHED["retracted"] += sched.num_retractions > before[2]
     REACHED["examples"] += 1
 
 
 def test_the_property_accepted_rejected_and_retracted():
-    """The examples above (same module, run just before) accepted and rejected drafts on both paths
-    and retracted a request at least once."""
+    """The examples above (same module, run just before) accepted and rejected drafts, and
+    retracted a request at least once."""
     if not REACHED["examples"]:
         pytest.skip("the property test did not run in this session")
     print("speculation property:", dict(REACHED))
-    paths = ("compiled", "eager")
-    assert all(REACHED[p, what] for p in paths for what in ("accepted", "rejected")), REACHED
+    assert REACHED["accepted"] and REACHED["rejected"] and REACHED["retracted"], REACHED
+
+
+@pytest.mark.parametrize("name", ["compiled+ngram", "compiled+draft", "eager+ngram", "eager+draft"])
+def test_each_engine_accepts_and_rejects_and_stays_exact(engines, name):
+    """Every speculative engine, on requests made to accept (greedy: biased towards a planted
+    segment for n-gram lookup, plain for the draft model, which is the checkpoint itself) and to
+    reject (sampled)."""
+    rng = random.Random(7)
+    prompt, biased = _request(rng, 8, "greedy")
+    biased = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1,
+                            logit_bias=biased.logit_bias or {t: 8.0 for t in prompt[1:9]})
+    requests = [("biased", prompt, biased),
+                ("plain", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
+                ("sampled", prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                                                   ignore_eos=True, logit_bias=biased.logit_bias))]
+    sched = engines[name].scheduler
+    before = sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens
+    got = _run(engines[name], requests, check=True)
+    assert got == _run(engines[name.split("+")[0]], requests, check=False)
+    drafted = sched.spec.num_draft_tokens - before[0]
+    accepted = sched.spec.num_accepted_tokens - before[1]
+    assert 0 < accepted < drafted, (accepted, drafted)
     assert REACHED["retracted"], REACHED
