@@ -31,7 +31,7 @@ from compiled_engine.runner.warmup import compile_graphs
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.speculative.config import SpeculativeConfig
-from compiled_engine.speculative.draft_model import load_draft_model
+from compiled_engine.speculative.draft_model import load_draft_weights, start_draft_model
 from compiled_engine.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,12 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def size_kv_pool(
-    config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device
+    config: EngineConfig, model: torch.nn.Module, max_context: int, device: torch.device,
+    draft: torch.nn.Module | None = None,
 ) -> int:
     """Pages for the KV pool: `num_pages` if given, else a fraction of memory, capped at what
-    `max_running` full-length requests could use. The pool size shapes the compiled graphs (and so
+    `max_running` full-length requests could use. A speculative draft model keeps its own KV for the
+    same slots: a slot costs both models' bytes. The pool size shapes the compiled graphs (and so
     the compile-cache key), so it must not move between starts: on the CPU it is a fraction of total
     memory (of available memory only when that is less), rounded down to a power of two; sized from
     available memory, it flipped between two powers of two from one start to the next where the
@@ -82,7 +84,8 @@ def size_kv_pool(
     else:
         total, available = _host_memory()
         budget = min(total * (config.mem_fraction or 0.25), available * 0.9)
-    by_memory = int(budget) // kv_bytes_per_token(model) // config.page_size
+    per_token = kv_bytes_per_token(model) + (kv_bytes_per_token(draft) if draft is not None else 0)
+    by_memory = int(budget) // per_token // config.page_size
     by_memory = 1 << max(1, by_memory.bit_length() - 1)
     return max(2, min(by_memory, -(-config.max_running * max_context // config.page_size) + 1))
 
@@ -129,14 +132,18 @@ def build_engine(
     )
     max_context = config.max_context or hf_config.max_position_embeddings
     eos = eos_token_ids(model_dir, hf_config)
-    num_pages = size_kv_pool(config, model, max_context, device)
+    speculative = SpeculativeConfig.parse(config.speculative)
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = load_draft_weights(speculative, config, device, hf_config)
+    num_pages = size_kv_pool(config, model, max_context, device,
+                             draft.model if draft is not None else None)
     if config.buckets is not None:
         buckets = sorted(config.buckets)
     else:
         max_bucket = config.max_bucket if config.max_bucket is not None else (
             config.max_running if device.type == "cuda" else 1)
         buckets = default_buckets(min(max_bucket, config.max_running))
-    speculative = SpeculativeConfig.parse(config.speculative)
     scheduler = Scheduler(
         SchedulerConfig(
             num_pages=num_pages,
@@ -182,8 +189,8 @@ def build_engine(
             if bar is not None:
                 bar.close()
     draft_model = None
-    if speculative is not None and speculative.method == "draft_model":
-        draft_model = load_draft_model(speculative, config, runner.config, device, hf_config)
+    if draft is not None:
+        draft_model = start_draft_model(draft, config, runner.config, device)
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)

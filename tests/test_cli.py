@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+import pytest
+
+from compiled_engine.engine_args import add_engine_args, engine_config
 from compiled_engine.models.demo import demo_model_dir
+from compiled_engine.speculative.config import SpeculativeConfig
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -39,3 +44,33 @@ def test_compile_mode_reaches_the_engine_config() -> None:
     assert engine_config(parser.parse_args([])).compile_mode == "default"
     chosen = parser.parse_args(["--compile-mode", "max-autotune-freezing"])
     assert engine_config(chosen).compile_mode == "max-autotune-freezing"
+
+
+@pytest.mark.parametrize("bad, says", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
+    ('{"method": "ngram"}', "needs 'method' and 'num_speculative_tokens'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown field"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "must be >= 1"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+    ("not json", "not JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be an integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": "0.3"}', "a number"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6}', "in [1, prompt"),
+])
+def test_a_bad_speculative_config_is_refused_at_start(bad: str, says: str, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", bad])
+    assert says in capsys.readouterr().err
+
+
+def test_speculative_config_with_vllm_names() -> None:
+    """vLLM's usual ngram config (only prompt_lookup_max): the minimum follows it."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    text = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 2}'
+    config = engine_config(parser.parse_args(["--speculative-config", text]))
+    parsed = SpeculativeConfig.parse(config.speculative)
+    assert (parsed.num_speculative_tokens, parsed.prompt_lookup_max,
+            parsed.prompt_lookup_min) == (5, 2, 2)

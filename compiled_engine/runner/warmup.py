@@ -1,5 +1,5 @@
 """The runner's warm-up: every graph a step can meet, compiled (or loaded precompiled) before
-serving."""
+serving, through the compile cache (`compile_graphs`)."""
 
 from __future__ import annotations
 

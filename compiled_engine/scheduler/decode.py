@@ -4,8 +4,11 @@ Under overlap a constrained request (structured output) skips a step while its p
 flight: its token mask is computed from that token. Unconstrained requests never wait for it.
 
 Speculative decoding (`speculation.py`): a request's decode may carry up to k draft tokens, proposed
-from its known tokens (so a drafting request, too, waits for a token in flight), on pages taken
-without retracting anyone; the drafts count against the step's token budget."""
+from its known tokens, on pages nobody else's decode needs this step (drafts never retract anyone);
+the drafts count against the step's token budget. Under overlap a request with a verify step in
+flight waits for it (its lengths are known at its commit), and a drafting one waits for its token
+in flight, unless its last proposal came back empty within `retry_after` steps: it then decodes
+plainly, so that a request with nothing to draft does not run every other step only."""
 
 from __future__ import annotations
 
@@ -24,43 +27,58 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
     spec = sched.config.speculative
     speculating = spec is not None and sched.propose is not None
     spare = sched.config.chunk_budget - len(sched.running)  # budget left for draft tokens
+    committed = sched.book.committed
+    # pages the decodes of this step need: drafts leave them
+    reserve = sum(1 for r in sched.running if _decodes(r) and r.planned_len == len(r.pages) * ps)
     for req in list(sched.running):
         c = req.planned_len
         d = req.device_len
-        if req.status is not Status.RUNNING or c < req.fill_to or d >= req.max_len:
+        if req.status is not Status.RUNNING or not _decodes(req):
             continue  # retracted in this loop, still prefilling, or finishing at a pending commit
-        in_flight = req.last_step > sched.book.committed
-        if req.params.constrained and in_flight:
-            continue  # its mask needs the token still in flight: it waits one step (overlap only)
+        if c == len(req.pages) * ps:
+            reserve -= 1
+        in_flight = req.last_step > committed
+        if in_flight and (req.params.constrained or req.spec.verify_step > committed):
+            continue  # its mask, or its lengths, need the step in flight: it waits (overlap only)
         drafting = (
             speculating
             and req.spec.paused_until < draft.step
             and req.spec.drafts_in_batch(spec, len(sched.running))
         )
         if drafting and in_flight:
-            continue  # its drafts continue the token in flight: it waits one step (overlap only)
+            if draft.step - req.spec.empty_at > spec.retry_after:
+                continue  # its drafts continue the token in flight: it waits (overlap only)
+            drafting = False  # nothing to draft lately: it decodes meanwhile
         pages = req.pages
         if c == len(pages) * ps:
             page = _page_for(sched, req)
             if page is None:
                 continue
             pages.append(page)
-        drafts = _drafts(sched, req, spare) if drafting and spare > 0 else ()
+        drafts = _drafts(sched, req, draft.step, spare, reserve) if drafting and spare > 0 else ()
         spare -= len(drafts)
         n = 1 + len(drafts)
-        slots = sched.book.slots(req, c, c + n)
+        slots = req.slots(ps, c, c + n)
         step = ReqStep(req.rid, req.row, c, n, slots, True, drafts)
         draft.add(req, step, SlotWrite(req.row, c, slots))
         if drafts:
             draft.token_writes.append(TokenWrite(req.row, c + 1, drafts))
+            req.spec.verify_step = draft.step
         req.planned_len = c + n
         req.device_len = d + n
 
 
-def _drafts(sched: Scheduler, req: Request, spare: int) -> tuple[int, ...]:
+def _decodes(req: Request) -> bool:
+    """Whether a running request decodes (its prompt computed, room left)."""
+    return req.planned_len >= req.fill_to and req.device_len < req.max_len
+
+
+def _drafts(sched: Scheduler, req: Request, step: int, spare: int, reserve: int
+            ) -> tuple[int, ...]:
     """The draft tokens of `req`'s next step, as many as its limits, the budget and the free pages
-    allow. Their pages are taken before the proposer runs (a draft model writes its own KV there)
-    and those past the drafts it returns are given back at once (no step has seen them)."""
+    beyond `reserve` allow. Their pages are taken before the proposer runs (a draft model writes
+    its own KV there) and those past the drafts it returns are given back at once (no step has seen
+    them)."""
     book, ps = sched.book, sched.book.page_size
     assert sched.config.speculative is not None and sched.propose is not None
     c, pages = req.planned_len, req.pages
@@ -68,12 +86,14 @@ def _drafts(sched: Scheduler, req: Request, spare: int) -> tuple[int, ...]:
     k = min(req.spec.draft_len(sched.config.speculative), req.max_len - req.device_len - 1, spare)
     need = -(-(c + 1 + k) // ps) - len(pages)
     if k > 0 and need > 0:
-        new = book.alloc(need) if need <= book.available_pages() else None
+        new = book.alloc(need) if need <= book.available_pages() - reserve else None
         if new is None:  # drafts never retract anyone: as many as fit in the last page
             k = len(pages) * ps - c - 1
         else:
             pages.extend(new)
     drafts = tuple(sched.propose(req, k))[:k] if k > 0 else ()
+    if not drafts:
+        req.spec.empty_at = step
     keep = -(-(c + 1 + len(drafts)) // ps)
     if len(pages) > keep:
         book.allocator.free(pages[keep:])

@@ -46,10 +46,6 @@ class KvBook:
 
     # -- pages -----------------------------------------------------------------------------------
 
-    def slots(self, req: Request, lo: int, hi: int) -> tuple[int, ...]:
-        """KV slots of positions [lo, hi) of `req`."""
-        return req.slots(self.page_size, lo, hi)
-
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages, evicting cached ones if the free list is short; None when even that cannot."""
         pages = self.allocator.alloc(n)
@@ -161,7 +157,7 @@ class KvBook:
         for req in self._rewrites:
             if req.status is Status.RUNNING and req.rewrite is not None:
                 lo, hi = req.rewrite
-                out.append(SlotWrite(req.row, lo, self.slots(req, lo, hi)))
+                out.append(SlotWrite(req.row, lo, req.slots(self.page_size, lo, hi)))
             req.rewrite = None
         self._rewrites.clear()
         return out

@@ -95,9 +95,9 @@ def plan_chunk(
             return False
         req.pages.extend(new)
     sample = end == req.fill_to and req.device_len < req.max_len
-    out = book.slots(req, start, end)
+    out = req.slots(ps, start, end)
     step = ReqStep(req.rid, req.row, start, n, out, sample)
-    draft.add(req, step, SlotWrite(req.row, write_from, book.slots(req, write_from, start) + out))
+    draft.add(req, step, SlotWrite(req.row, write_from, req.slots(ps, write_from, start) + out))
     req.planned_len = end
     if sample:
         req.device_len += 1

@@ -58,12 +58,15 @@ class SpecConfig:
 @dataclass(slots=True)
 class SpecStats:
     """One request's acceptance: over its current window (the pause rule), and as a moving average
-    of the drafts its verify steps accept (the draft length rule); the step its pause ends at."""
+    of the drafts its verify steps accept (the draft length rule); the step its pause ends at; its
+    latest verify step and empty proposal (the overlap rules, `decode.py`)."""
 
     drafted: int = 0
     accepted: int = 0
     paused_until: int = -1
     recent_accepted: float | None = None  # None: no verify step yet
+    verify_step: int = -1  # the latest step that carried its drafts
+    empty_at: int = -(1 << 30)  # the latest step its proposer had nothing for
 
     def drafts_in_batch(self, config: SpecConfig, running: int) -> bool:
         """Whether the request drafts in a batch of `running` requests (the batch rule): above

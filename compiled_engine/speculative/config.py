@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from compiled_engine.scheduler.speculation import SpecConfig
 
 METHODS = ("ngram", "draft_model")
+LOOKUP_MIN = 3  # prompt_lookup_min's default (below prompt_lookup_max's when only that is given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +17,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     # ngram: the longest and shortest suffix n-grams looked up in the request's own tokens
     prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 3
+    prompt_lookup_min: int = LOOKUP_MIN
     model: str | None = None  # draft_model: a checkpoint with the target's tokenizer
     # the per-request policy (`scheduler.speculation.SpecConfig`)
     min_acceptance: float = 0.3
@@ -49,8 +50,9 @@ class SpeculativeConfig:
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
         args = dict(value)
-        if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
-            args["prompt_lookup_min"] = min(cls.prompt_lookup_min, args["prompt_lookup_max"])
+        lookup_max = args.get("prompt_lookup_max")
+        if isinstance(lookup_max, int) and "prompt_lookup_min" not in args:
+            args["prompt_lookup_min"] = max(1, min(LOOKUP_MIN, lookup_max))
         config = cls(**args)
         config.validate()
         return config
@@ -66,6 +68,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an "
                   "integer", value)
+        for name in ("min_acceptance", "copy_accepted"):
+            value = getattr(self, name)
+            check(isinstance(value, int | float) and not isinstance(value, bool),
+                  f"{name} must be a number", value)
+        check(self.model is None or isinstance(self.model, str), "model must be a path", self.model)
         check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1",
               self.num_speculative_tokens)
         check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,

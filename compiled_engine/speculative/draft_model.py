@@ -114,11 +114,19 @@ class DraftModelDrafter:
         return self.model.propose(req, self.state, k)
 
 
-def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target: RunnerConfig,
-                     device: torch.device, target_hf: PretrainedConfig) -> DraftModel:
-    """The draft checkpoint (`spec.model`), on the target's device, dtype and weight settings, with
-    a runner over the target's slot space (its KV pool as many slots as the target's), its graphs
-    compiled through the compile cache unless eager."""
+@dataclass(slots=True)
+class DraftWeights:
+    """The draft checkpoint, loaded before the KV pool is sized (its KV shares the pool's slots)."""
+
+    path: str
+    model: torch.nn.Module
+    hf_config: PretrainedConfig
+
+
+def load_draft_weights(spec: SpeculativeConfig, config: EngineConfig, device: torch.device,
+                       target_hf: PretrainedConfig) -> DraftWeights:
+    """`spec.model` on the target's device, dtype and weight settings; ValueError unless it has the
+    served model's vocabulary."""
     path = resolve_model(spec.model)
     model, hf = load_model(path, dtype=config.dtype, device=str(device),
                            quantization=config.quantization)
@@ -128,7 +136,15 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target: Runn
             f"{hf.vocab_size} tokens, the served model {target_hf.vocab_size}: it must share the "
             "served model's tokenizer"
         )
-    runner = ModelRunner(model, dataclasses.replace(target, buckets=[1]), device)
+    return DraftWeights(path, model, hf)
+
+
+def start_draft_model(weights: DraftWeights, config: EngineConfig, target: RunnerConfig,
+                      device: torch.device) -> DraftModel:
+    """A runner over the target's slot space (a KV pool of as many slots as the target's) for the
+    draft weights, its graphs compiled through the compile cache unless eager."""
+    runner = ModelRunner(weights.model, dataclasses.replace(target, buckets=[1]), device)
     if not config.enforce_eager:
-        compile_graphs(dataclasses.replace(config, model=path), hf, runner, None)
+        compile_graphs(dataclasses.replace(config, model=weights.path), weights.hf_config, runner,
+                       None)
     return DraftModel(runner, target.page_size)

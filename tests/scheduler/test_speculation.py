@@ -224,3 +224,52 @@ def test_a_small_batch_drafts_whatever_was_accepted() -> None:
     assert tokens_of(events) == oracle.refs
     # every decode step drafted but the last (no room under max_len for a draft and the bonus)
     assert collections.Counter(oracle.calls) == {"r0": 4, "r1": 4}
+
+
+def test_overlap_waits_for_a_verify_step_in_flight() -> None:
+    """Two requests verify (a batch of 2) in the step that admits a third, so the batch rule stops
+    their drafting. Planned again before their verify step commits they would assume every draft
+    accepted: they wait for the commit instead (the executor checks every slot they read)."""
+    oracle = Oracle(right=0)
+    sched, exe = make(oracle, spec=SpecConfig(3, max_batch=2, min_acceptance=0.0))
+    refs = {rid: oracle.expect(rid, [3, 4, i], 10) for i, rid in enumerate("abc")}
+    for rid in "ab":
+        sched.add_request(rid, [3, 4, "abc".index(rid)], LedgerParams(max_tokens=10,
+                                                                       ignore_eos=True))
+    plan = sched.schedule()
+    events = sched.commit(plan, exe.execute(plan))
+    exe.retire(plan.step)
+    sched.add_request("c", [3, 4, 2], LedgerParams(max_tokens=10, ignore_eos=True))
+    verify = sched.schedule()
+    assert [(rs.rid, len(rs.draft)) for rs in verify.reqs] == [("a", 3), ("b", 3), ("c", 0)]
+    launched = (verify, exe.execute(verify))
+    nxt = sched.schedule()
+    assert nxt is not None and [rs.rid for rs in nxt.reqs] == ["c"]
+    events += sched.commit(*launched)
+    exe.retire(verify.step)
+    events += sched.commit(nxt, exe.execute(nxt))
+    exe.retire(nxt.step)
+    events += run_to_completion(sched, exe, lag=1)
+    assert tokens_of(events) == refs
+    sched.check_integrity()
+
+
+def test_drafts_never_take_the_page_another_decode_needs() -> None:
+    """Three free pages: `a`'s decode takes one, `b`'s decode needs one; `a` drafts into what is
+    left beyond that (one page: too few for its 3 drafts, so none), and nobody is retracted."""
+    oracle = Oracle()
+    sched, exe = make(oracle, num_pages=10, spec=SpecConfig(3))
+    refs = {rid: oracle.expect(rid, [i, 9, 9], 4) for i, rid in ((5, "a"), (6, "b"))}
+    for i, rid in ((5, "a"), (6, "b")):
+        sched.add_request(rid, [i, 9, 9], LedgerParams(max_tokens=4, ignore_eos=True))
+    plan = sched.schedule()
+    events = sched.commit(plan, exe.execute(plan))
+    exe.retire(plan.step)
+    assert sched.allocator.num_free == 3
+    plan = sched.schedule()
+    assert [(rs.rid, len(rs.draft)) for rs in plan.reqs] == [("a", 0), ("b", 0)]
+    assert sched.num_retractions == 0
+    events += sched.commit(plan, exe.execute(plan))
+    exe.retire(plan.step)
+    assert tokens_of(events) == {rid: ref[:2] for rid, ref in refs.items()}
+    sched.check_integrity()

@@ -5,7 +5,6 @@ speculation; /metrics counts drafts under vLLM's names."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterator
 
@@ -13,7 +12,6 @@ import httpx
 import pytest
 
 from compiled_engine.apps.bench.speculative import PASSAGE
-from compiled_engine.engine_args import add_engine_args
 from tests.parity.test_parity_matrix import ENGINE
 from tests.server.conftest import RunningServer, start_server
 
@@ -103,19 +101,3 @@ def _chat(http: httpx.Client, body: dict, stream: bool) -> tuple[str, str]:
                 text += choice["delta"].get("content") or ""
                 reason = choice["finish_reason"] or reason
     return text, reason
-
-
-@pytest.mark.parametrize("bad, says", [
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
-    ('{"method": "ngram"}', "needs 'method' and 'num_speculative_tokens'"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown field"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "must be >= 1"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
-    ("not json", "not JSON"),
-])
-def test_a_bad_speculative_config_is_refused_at_start(bad: str, says: str, capsys) -> None:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--speculative-config", bad])
-    assert says in capsys.readouterr().err

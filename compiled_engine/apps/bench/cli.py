@@ -323,7 +323,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- speculative ---------------------------------------------------------------------------------
 
-DEFAULT_SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
+DEFAULT_SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 7}'
 
 
 def _cmd_speculative(args: argparse.Namespace) -> int:

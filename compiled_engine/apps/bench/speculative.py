@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compiled_engine.llm import LLM
@@ -104,7 +105,7 @@ def _round(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> Measure
 
 
 def run(model: str, spec: dict, batches: list[int], rounds: int, max_tokens: int,
-        log=print, **engine_kwargs) -> list[dict]:
+        log: Callable[[str], None] = print, **engine_kwargs) -> list[dict]:
     """Both engines, every workload at every batch size, `rounds` alternating rounds each."""
     llms = {"plain": LLM(model, **engine_kwargs),
             "speculative": LLM(model, speculative=spec, **engine_kwargs)}
