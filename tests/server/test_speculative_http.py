@@ -81,7 +81,12 @@ def test_stop_string_inside_an_accepted_run_cuts_there(servers) -> None:
             "stop": [stop]}
     with servers["spec"].http() as spec, servers["plain"].http() as plain:
         for stream in (False, True):
+            before = _spec_counters(spec)
             got = _chat(spec, body, stream)
+            after = _spec_counters(spec)
+            accepted = after["vllm:spec_decode_num_accepted_tokens_total"] - before.get(
+                "vllm:spec_decode_num_accepted_tokens_total", 0)
+            assert accepted > 20  # the answer was copied in accepted runs of drafts
             assert got == _chat(plain, body, stream)
             text, reason = got
             assert reason == "stop" and stop not in text
