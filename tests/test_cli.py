@@ -55,7 +55,8 @@ def test_compile_mode_reaches_the_engine_config() -> None:
     ("not json", "not JSON"),
     ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be an integer"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": "0.3"}', "a number"),
-    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6}', "in [1, prompt"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6, '
+     '"prompt_lookup_max": 5}', "in [1, prompt"),
 ])
 def test_a_bad_speculative_config_is_refused_at_start(bad: str, says: str, capsys) -> None:
     parser = argparse.ArgumentParser()
@@ -66,11 +67,13 @@ def test_a_bad_speculative_config_is_refused_at_start(bad: str, says: str, capsy
 
 
 def test_speculative_config_with_vllm_names() -> None:
-    """vLLM's usual ngram config (only prompt_lookup_max): the minimum follows it."""
+    """vLLM's usual ngram config (only prompt_lookup_max): the minimum follows it, as in vLLM; and
+    the other way round."""
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    text = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 2}'
-    config = engine_config(parser.parse_args(["--speculative-config", text]))
-    parsed = SpeculativeConfig.parse(config.speculative)
-    assert (parsed.num_speculative_tokens, parsed.prompt_lookup_max,
-            parsed.prompt_lookup_min) == (5, 2, 2)
+    for given, want in (('"prompt_lookup_max": 4', (4, 4)), ('"prompt_lookup_min": 6', (6, 6)),
+                        ("", (5, 3))):
+        text = '{"method": "ngram", "num_speculative_tokens": 5' + (", " + given if given else "")
+        config = engine_config(parser.parse_args(["--speculative-config", text + "}"]))
+        parsed = SpeculativeConfig.parse(config.speculative)
+        assert (parsed.prompt_lookup_max, parsed.prompt_lookup_min) == want

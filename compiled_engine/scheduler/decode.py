@@ -7,8 +7,10 @@ Speculative decoding (`speculation.py`): a request's decode may carry up to k dr
 from its known tokens, on pages nobody else's decode needs this step (drafts never retract anyone);
 the drafts count against the step's token budget. Under overlap a request with a verify step in
 flight waits for it (its lengths are known at its commit), and a drafting one waits for its token
-in flight, unless its last proposal came back empty within `retry_after` steps: it then decodes
-plainly, so that a request with nothing to draft does not run every other step only."""
+in flight, unless its last proposal came back empty within `empty_retry` steps: it then decodes
+plainly, so that a request with nothing to draft does not run every other step only. While a
+verify step is in flight no decode retracts anyone (its rejected drafts' pages come back at its
+commit)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def plan_decodes(sched: Scheduler, draft: StepDraft) -> None:
             and req.spec.drafts_in_batch(spec, len(sched.running))
         )
         if drafting and in_flight:
-            if draft.step - req.spec.empty_at > spec.retry_after:
+            if draft.step - req.spec.empty_at > spec.empty_retry:
                 continue  # its drafts continue the token in flight: it waits (overlap only)
             drafting = False  # nothing to draft lately: it decodes meanwhile
         pages = req.pages
@@ -91,9 +93,11 @@ def _drafts(sched: Scheduler, req: Request, step: int, spare: int, reserve: int
             k = len(pages) * ps - c - 1
         else:
             pages.extend(new)
-    drafts = tuple(sched.propose(req, k))[:k] if k > 0 else ()
-    if not drafts:
-        req.spec.empty_at = step
+    drafts = ()
+    if k > 0:
+        drafts = tuple(sched.propose(req, k))[:k]
+        if not drafts:
+            req.spec.empty_at = step
     keep = -(-(c + 1 + len(drafts)) // ps)
     if len(pages) > keep:
         book.allocator.free(pages[keep:])
@@ -105,7 +109,8 @@ def _page_for(sched: Scheduler, req: Request) -> int | None:
     """One new page for a decode, retracting latest-admitted requests when the pool is dry.
 
     None when `req` itself was retracted, or when pages come back once an in-flight step commits
-    (deferred frees, requests that finish at that commit): `req` then waits a step.
+    (deferred frees, requests that finish at that commit, the pages of rejected drafts): `req` then
+    waits a step.
     """
     book = sched.book
     while True:
@@ -115,7 +120,9 @@ def _page_for(sched: Scheduler, req: Request) -> int | None:
         if book.cache.evict(1):
             continue
         if book.deferred or any(
-            r.planned_len >= r.fill_to and r.device_len == r.max_len for r in sched.running
+            (r.planned_len >= r.fill_to and r.device_len == r.max_len)
+            or r.spec.verify_step > book.committed  # its rejected drafts' pages come back
+            for r in sched.running
         ):
             return None
         victim = sched.running[-1]

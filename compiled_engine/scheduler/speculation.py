@@ -34,6 +34,9 @@ class SpecConfig:
     min_acceptance: float = 0.3
     window: int = 16
     retry_after: int = 32  # steps a paused request decodes plainly before it drafts again
+    # under overlap, steps a request whose proposer had nothing decodes (instead of waiting for its
+    # token in flight to propose) before it waits to propose again
+    empty_retry: int = 4
     # While more than `max_batch` requests run, only those whose verify steps recently accepted at
     # least `copy_accepted` drafts (on average) draft: verify tokens are not free in a large batch,
     # and only a request that copies long runs gains more than they cost there.
@@ -48,6 +51,7 @@ class SpecConfig:
              self.min_acceptance),
             (self.window >= 1, "window must be >= 1", self.window),
             (self.retry_after >= 0, "retry_after must be >= 0", self.retry_after),
+            (self.empty_retry >= 1, "empty_retry must be >= 1", self.empty_retry),
             (self.max_batch >= 1, "max_batch must be >= 1", self.max_batch),
             (self.copy_accepted >= 0, "copy_accepted must be >= 0", self.copy_accepted),
         ):

@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields
 from compiled_engine.scheduler.speculation import SpecConfig
 
 METHODS = ("ngram", "draft_model")
-LOOKUP_MIN = 3  # prompt_lookup_min's default (below prompt_lookup_max's when only that is given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +16,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     # ngram: the longest and shortest suffix n-grams looked up in the request's own tokens
     prompt_lookup_max: int = 5
-    prompt_lookup_min: int = LOOKUP_MIN
+    prompt_lookup_min: int = 3
     model: str | None = None  # draft_model: a checkpoint with the target's tokenizer
     # the per-request policy (`scheduler.speculation.SpecConfig`)
     min_acceptance: float = 0.3
@@ -27,6 +26,7 @@ class SpeculativeConfig:
     # request that copies drafts (`copy_accepted`, `scheduler.speculation.SpecConfig`)
     disable_by_batch_size: int = 2
     copy_accepted: float = 4.0
+    empty_retry: int = 4  # under overlap: `scheduler.speculation.SpecConfig.empty_retry`
 
     @classmethod
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -50,9 +50,11 @@ class SpeculativeConfig:
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
         args = dict(value)
-        lookup_max = args.get("prompt_lookup_max")
-        if isinstance(lookup_max, int) and "prompt_lookup_min" not in args:
-            args["prompt_lookup_min"] = max(1, min(LOOKUP_MIN, lookup_max))
+        # as vLLM: one of the two alone sets both
+        for given, other in (("prompt_lookup_max", "prompt_lookup_min"),
+                             ("prompt_lookup_min", "prompt_lookup_max")):
+            if given in args and other not in args:
+                args[other] = args[given]
         config = cls(**args)
         config.validate()
         return config
@@ -64,7 +66,7 @@ class SpeculativeConfig:
 
         check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}", self.method)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "acceptance_window", "retry_after", "disable_by_batch_size"):
+                     "acceptance_window", "retry_after", "disable_by_batch_size", "empty_retry"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an "
                   "integer", value)
@@ -91,4 +93,5 @@ class SpeculativeConfig:
             retry_after=self.retry_after,
             max_batch=self.disable_by_batch_size,
             copy_accepted=self.copy_accepted,
+            empty_retry=self.empty_retry,
         )

@@ -57,10 +57,12 @@ class FakeExecutor:
         self.page_table = [[-1] * width for _ in range(config.max_rows)]
         self.kv: list[tuple[int, int, int] | None] = [None] * (config.num_pages * config.page_size)
         self.dummy_slots = range(config.page_size)  # page 0: padding rows only ever read it
+        self.steps = 0  # plans executed
         # step, slot/row -> rid
         self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()
 
     def execute(self, batch: StepPlan) -> list[int]:
+        self.steps += 1
         slots_used: dict[int, str] = {}
         rows_used: dict[int, str] = {}
         for tw in batch.token_writes:
