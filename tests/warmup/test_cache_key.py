@@ -180,3 +180,17 @@ def test_the_cpu_kv_pool_does_not_follow_free_memory(monkeypatch) -> None:
     # a busy machine: what is there
     monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 2.0e9))
     assert startup.size_kv_pool(config, model, 8192, CPU) == 1 << 16
+
+
+def test_a_draft_model_shares_the_pool_budget(monkeypatch) -> None:
+    """Speculative decoding with a draft model: its KV uses the same slots, so a slot costs both
+    models' bytes and the pool has fewer slots (here: a draft as large as the model, half)."""
+    from compiled_engine import startup
+
+    model = type(
+        "Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16}
+    )()
+    config = EngineConfig(max_running=256)
+    monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 24.0e9))
+    alone = startup.size_kv_pool(config, model, 8192, CPU)
+    assert startup.size_kv_pool(config, model, 8192, CPU, draft=model) == alone // 2
