@@ -94,7 +94,9 @@ class LLM:
                     self._next_id += 1
                     self.engine.add_request(rid, ids, sample)
                     streams[rid] = OutputStream(
-                        rid, IncrementalDetokenizer(self.tokenizer, ids, tuple(p.stop))
+                        rid, IncrementalDetokenizer(
+                            self.tokenizer, ids, tuple(p.stop), p.include_stop_str_in_output
+                        )
                     )
             show = use_tqdm if use_tqdm is not None else len(streams) >= 32
             bar = tqdm(total=len(streams), desc="generate", disable=not show)

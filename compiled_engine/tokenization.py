@@ -95,11 +95,13 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 @dataclass
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a UTF-8 character, and finds
-    stop strings (the text up to a stop string is emitted; the stop string is not)."""
+    stop strings (the text up to a stop string is emitted; the stop string too with
+    `keep_stop`)."""
 
     tokenizer: object
     prompt_ids: list[int] = field(default_factory=list)
     stop: tuple[str, ...] = ()
+    keep_stop: bool = False
     skip_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
@@ -143,7 +145,8 @@ class IncrementalDetokenizer:
         if self.stop:
             hits = [(pending.find(s), s) for s in self.stop if s and s in pending]
             if hits:
-                cut = min(i for i, _ in hits)
+                at, first = min(hits, key=lambda hit: hit[0])
+                cut = at + len(first) if self.keep_stop else at
                 self.stopped = True
                 self._held = ""
                 self.text += pending[:cut]

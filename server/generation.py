@@ -83,7 +83,7 @@ def expand_choices(
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
-            detok = IncrementalDetokenizer(tokenizer, ids, p.stop)
+            detok = IncrementalDetokenizer(tokenizer, ids, p.stop, p.include_stop_str_in_output)
             choices.append(
                 Choice(
                     f"{request_id}-{j * p.n + i}",

@@ -24,7 +24,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # end-user id for abuse monitoring, which asks for no behaviour.
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n"})
+    "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n",
+    # keep a matched stop string in the output: vLLM's name, and SGLang's (which routers send)
+    "include_stop_str_in_output", "no_stop_trim"})
 _COMMON_FIELDS = SAMPLING_FIELDS | {
     "model",
     "max_tokens",
@@ -226,6 +228,8 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         ignore_eos=get_bool(body, "ignore_eos", False),
         min_tokens=get_int(body, "min_tokens", 0, 0, limits.max_context),
         stop=_stop(body),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False)
+        or get_bool(body, "no_stop_trim", False),
         n=get_int(body, "n", 1, 1, MAX_N),
         structured=structured,
     )

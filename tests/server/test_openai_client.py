@@ -166,6 +166,27 @@ def test_stop_string_is_cut_and_not_included(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_string_kept_with_no_stop_trim(client: openai.OpenAI) -> None:
+    """SGLang's `no_stop_trim` (which its router sends) and vLLM's `include_stop_str_in_output`:
+    the text ends with the matched stop string."""
+    full = (
+        client.completions.create(model="demo", prompt="Hello world", max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = full[5:8]
+    for field in ("no_stop_trim", "include_stop_str_in_output"):
+        for stream in (False, True):
+            out = client.completions.create(
+                model="demo", prompt="Hello world", max_tokens=16, temperature=0, stop=[stop],
+                stream=stream, extra_body={field: True},
+            )
+            chunks = list(out) if stream else [out]
+            text = "".join(c.choices[0].text for c in chunks)
+            assert text == full[: full.index(stop) + len(stop)], (field, stream, text)
+            assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_token_id_prompts(client: openai.OpenAI) -> None:
     ids = client._client.post(
         client.base_url.join("/tokenize"), json={"prompt": "Hello world"}
