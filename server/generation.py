@@ -83,7 +83,8 @@ def expand_choices(
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
-            detok = IncrementalDetokenizer(tokenizer, ids, p.stop, p.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(tokenizer, ids, p.stop, p.include_stop_str_in_output,
+                                           p.skip_special_tokens)
             choices.append(
                 Choice(
                     f"{request_id}-{j * p.n + i}",

@@ -70,6 +70,20 @@ class Metrics:
             )
         }
         self._spec_seen = dict.fromkeys(self.spec, 0)
+        # the same as above, under the names routers and autoscalers scrape (vLLM's); prefix-cache
+        # tokens as vLLM counts them: looked up and hit at admission
+        self.vllm_running = Gauge("vllm:num_requests_running", "requests running", registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "requests waiting", registry=r)
+        self.vllm_kv_usage = Gauge("vllm:gpu_cache_usage_perc",
+                                   "KV cache usage, 1 = full (whatever the device)", registry=r)
+        self.prefix = {
+            field: Counter(f"vllm:prefix_cache_{name}", help_, registry=r)
+            for field, name, help_ in (
+                ("prefix_cache_queries", "queries", "prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "hits", "prompt tokens found in the prefix cache"),
+            )
+        }
+        self._prefix_seen = dict.fromkeys(self.prefix, 0)
         self.kv_pool_bytes = Gauge(p + "kv_pool_bytes", "bytes of rank 0's KV pool", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -102,11 +116,20 @@ class Metrics:
         self.kv_usage.set(stats["kv_usage"])
         self.cache_hit_rate.set(stats["cache_hit_rate"])
         self.retractions.set(stats["num_retractions"])
-        for field, counter in self.spec.items():
-            total = stats.get(field, 0)
-            if total > self._spec_seen[field]:
-                counter.inc(total - self._spec_seen[field])
-                self._spec_seen[field] = total
+        self.vllm_running.set(stats["num_running"])
+        self.vllm_waiting.set(stats["num_waiting"])
+        self.vllm_kv_usage.set(stats["kv_usage"])
+        _add_new(self.spec, self._spec_seen, stats)
+        _add_new(self.prefix, self._prefix_seen, stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _add_new(counters: dict[str, Counter], seen: dict[str, int], stats: dict) -> None:
+    """Counters fed from the engine's totals: each adds what its total grew by since last time."""
+    for field, counter in counters.items():
+        total = stats.get(field, 0)
+        if total > seen[field]:
+            counter.inc(total - seen[field])
+            seen[field] = total

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from compiled_engine.sampling_params import SamplingParams, StructuredOutput
-from server.request_errors import ProtocolError, check_fields
+from server.request_errors import ProtocolError, check_defaults, check_fields
 from server.structured import native_constraint, openai_constraint
 from server.tools import ToolRequest, parse_tool_request
 
@@ -26,7 +26,17 @@ SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n",
     # keep a matched stop string in the output: vLLM's name, and SGLang's (which routers send)
-    "include_stop_str_in_output", "no_stop_trim"})
+    "include_stop_str_in_output", "no_stop_trim", "skip_special_tokens"})
+# Fields the field's routers (sglang-router, vllm-router) add to every request they forward,
+# accepted where they ask for what this server does anyway (any other value: a 400 naming it).
+# Reasoning separation asks for nothing here: no reasoning parser runs (as in SGLang and vLLM
+# without one).
+ROUTER_DEFAULTS: dict[str, object] = {"continue_final_message": False,
+                                      "return_hidden_states": False}
+REASONING_FIELDS = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoning"})
+NATIVE_ROUTER_DEFAULTS: dict[str, object] = {
+    "return_hidden_states": False, "return_logprob": False, "log_metrics": True,
+    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 _COMMON_FIELDS = SAMPLING_FIELDS | {
     "model",
     "max_tokens",
@@ -36,8 +46,9 @@ _COMMON_FIELDS = SAMPLING_FIELDS | {
     "response_format",
     "structured_outputs",
 }
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "logprobs", "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | {
+COMPLETION_FIELDS = _COMMON_FIELDS | set(ROUTER_DEFAULTS) | {"prompt", "best_of", "logprobs",
+                                                            "echo"}
+CHAT_FIELDS = _COMMON_FIELDS | set(ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "messages",
     "max_completion_tokens",
     "logprobs",
@@ -46,7 +57,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "tool_choice",
     "parallel_tool_calls",
 }
-NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
+NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model",
+                           "return_text_in_logprobs", *NATIVE_ROUTER_DEFAULTS})
 NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {
     "max_new_tokens",
     "max_tokens",
@@ -230,6 +242,7 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         stop=_stop(body),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False)
         or get_bool(body, "no_stop_trim", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         n=get_int(body, "n", 1, 1, MAX_N),
         structured=structured,
     )
@@ -333,6 +346,7 @@ def require_object(body: object) -> dict:
 def parse_completion(body: object, limits: Limits) -> CompletionRequest:
     body = require_object(body)
     check_fields(body, COMPLETION_FIELDS)
+    check_defaults(body, ROUTER_DEFAULTS)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     req = CompletionRequest(**_common(body, limits, logprobs), prompts=_prompts(body, limits),
@@ -375,6 +389,9 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
 def parse_chat(body: object, limits: Limits) -> ChatRequest:
     body = require_object(body)
     check_fields(body, CHAT_FIELDS)
+    check_defaults(body, ROUTER_DEFAULTS)
+    for name in REASONING_FIELDS:
+        get_bool(body, name, True)
     want = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
@@ -481,6 +498,7 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     """`POST /generate`: {"text" | "input_ids", "sampling_params": {...}, "stream": bool}."""
     body = require_object(body)
     check_fields(body, NATIVE_FIELDS)
+    check_defaults(body, NATIVE_ROUTER_DEFAULTS)
     if body.get("text") is not None:
         prompt: Prompt = get_str(body, "text", "")
         if not prompt:
@@ -496,6 +514,9 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
         raise ProtocolError("'sampling_params' must be an object", "sampling_params")
     check_fields(sp, NATIVE_SAMPLING_FIELDS, "sampling_params")
     logprobs = get_int(sp, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if get_bool(body, "return_text_in_logprobs", False) and logprobs is not None:
+        raise ProtocolError("'return_text_in_logprobs' is not supported with logprobs: the "
+                            "log-probs carry token ids only", "return_text_in_logprobs")
     name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
     structured, structured_param = native_constraint(sp)
     req = GenerationRequest(

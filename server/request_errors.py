@@ -3,6 +3,8 @@ and the check that refuses fields the server does not implement."""
 
 from __future__ import annotations
 
+import json
+
 
 class ProtocolError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
@@ -25,6 +27,18 @@ class ProtocolError(ValueError):
                 "code": self.code,
             }
         }
+
+
+def check_defaults(body: dict, defaults: dict[str, object], where: str = "") -> None:
+    """400 on the first of `defaults` present with another value: fields accepted only where they
+    ask for what the server does anyway."""
+    for name, default in defaults.items():
+        value = body.get(name)
+        if value is not None and value != default:
+            field = f"{where}.{name}" if where else name
+            got = json.dumps(value)[:40]
+            raise ProtocolError(f"'{field}' is only supported as {json.dumps(default)}, got {got}",
+                                field)
 
 
 def check_fields(body: dict, allowed: frozenset[str], where: str = "") -> None:

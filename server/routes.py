@@ -28,8 +28,10 @@ from server.handlers import (
 )
 from server.openai_format import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
 from server.protocol import (
+    ROUTER_DEFAULTS,
     ChatRequest,
     ProtocolError,
+    check_defaults,
     check_fields,
     get_bool,
     get_str,
@@ -41,7 +43,8 @@ from server.protocol import (
 )
 from server.tools import extract_calls
 
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens"})
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens",
+                             "continue_final_message"})
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -264,6 +267,7 @@ async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = require_object(await read_json(request))
     check_fields(body, TOKENIZE_FIELDS)
+    check_defaults(body, ROUTER_DEFAULTS)
     check_model(st, get_str(body, "model", None))
     if body.get("messages") is not None:
         # the chat template places the special tokens

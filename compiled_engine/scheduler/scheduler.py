@@ -44,6 +44,9 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # prompt tokens looked up in the prefix cache at admission, and found there (totals)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -250,6 +253,8 @@ class Scheduler:
             spec_num_drafts=self.spec.num_drafts,
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
+            prefix_cache_queries=self.book.cache.queried_tokens,
+            prefix_cache_hits=self.book.cache.hit_tokens,
         )
 
     def check_integrity(self) -> None:

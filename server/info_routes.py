@@ -1,0 +1,59 @@
+"""What the field's routers and autoscalers ask a worker about itself: SGLang's `/model_info` and
+`/server_info` (and their older `/get_` names, which sglang-router falls back to) and
+`/get_load`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.engine_client import EngineDead
+from server.handlers import json_response, state_of
+
+
+async def model_info(request: Request) -> Response:
+    st = state_of(request)
+    return json_response({
+        "model_path": st.model_name,
+        "tokenizer_path": st.model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "max_model_len": st.limits.max_context,
+    })
+
+
+async def server_info(request: Request) -> Response:
+    st = state_of(request)
+    engine = st.config.engine
+    stats = {}
+    with contextlib.suppress(TimeoutError, EngineDead):
+        stats = (await st.client.stats(st.config.health_timeout_s)).stats
+    return json_response({
+        "version": importlib.metadata.version("compiled-engine"),
+        "model_path": st.model_name,
+        "served_model_name": st.model_name,
+        "tp_size": engine.tp_size,
+        "dp_size": 1,
+        "page_size": engine.page_size,
+        "max_running_requests": engine.max_running,
+        "context_length": st.limits.max_context,
+        "chunked_prefill_size": engine.chunk_budget,
+        "speculative": engine.speculative,
+        "internal_states": [stats],
+    })
+
+
+async def get_load(request: Request) -> Response:
+    """`{"load": running + waiting}`: sglang-router's load-aware policies read it."""
+    st = state_of(request)
+    try:
+        stats = (await st.client.stats(st.config.health_timeout_s)).stats
+    except (TimeoutError, EngineDead) as e:
+        return json_response({"error": {"message": str(e) or "the engine did not answer"}}, 503)
+    return json_response({"load": stats["num_running"] + stats["num_waiting"]})

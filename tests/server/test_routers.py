@@ -1,0 +1,109 @@
+"""Two demo replicas behind each of the field's routers (sglang-router's `launch_router`,
+vllm-router), cache-aware policy, all on loopback: chat, completions, streaming, `/generate`,
+structured output and the official openai client answer through the router as a replica answers
+directly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from compiled_engine.ranks.launcher import free_port
+from tests.server.conftest import RunningServer, start_server
+
+pytestmark = pytest.mark.slow
+ROUTERS = {
+    "sglang": [sys.executable, "-m", "sglang_router.launch_router"],
+    "vllm": [str(Path(sys.executable).parent / "vllm-router")],
+}
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 12, "temperature": 0}
+COMPLETION = {"model": "demo", "prompt": "The sky is", "max_tokens": 12, "temperature": 0}
+NATIVE = {"text": "The sky is", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[RunningServer]]:
+    made = [start_server(), start_server()]
+    yield made
+    for running in made:
+        running.stop()
+
+
+@pytest.fixture(scope="module", params=sorted(ROUTERS))
+def router(request, replicas, tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*ROUTERS[request.param], "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--policy", "cache_aware", "--worker-urls", *(r.url for r in replicas)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30).is_success:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"no router: {log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_text(url: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_answers_through_the_router_equal_a_replica(router, replicas) -> None:
+    direct = replicas[0].url
+    for path, body, pick in (
+        ("/v1/chat/completions", CHAT, lambda o: o["choices"][0]["message"]["content"]),
+        ("/v1/completions", COMPLETION, lambda o: o["choices"][0]["text"]),
+        ("/generate", NATIVE, lambda o: o["output_ids"]),
+    ):
+        assert pick(_post(router, path, body)) == pick(_post(direct, path, body)), path
+    assert _stream_text(router, COMPLETION) == _post(direct, "/v1/completions",
+                                                     COMPLETION)["choices"][0]["text"]
+
+
+def test_structured_output_and_the_openai_client_through_the_router(router, replicas) -> None:
+    body = CHAT | {"response_format": {"type": "json_object"}, "max_tokens": 48}
+    via = _post(router, "/v1/chat/completions", body)["choices"][0]
+    assert via == _post(replicas[0].url, "/v1/chat/completions", body)["choices"][0]
+    if via["finish_reason"] == "stop":
+        assert isinstance(json.loads(via["message"]["content"]), dict)
+    client = OpenAI(base_url=router + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="demo", messages=CHAT["messages"], max_tokens=12,
+                                         temperature=0)
+    assert out.choices[0].message.content == _post(
+        replicas[0].url, "/v1/chat/completions", CHAT)["choices"][0]["message"]["content"]
