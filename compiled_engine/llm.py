@@ -95,8 +95,8 @@ class LLM:
                     self.engine.add_request(rid, ids, sample)
                     streams[rid] = OutputStream(
                         rid, IncrementalDetokenizer(
-                            self.tokenizer, ids, tuple(p.stop), p.include_stop_str_in_output,
-                            p.skip_special_tokens,
+                            self.tokenizer, ids, tuple(p.stop),
+                            keep_stop=p.include_stop_str_in_output,
                         )
                     )
             show = use_tqdm if use_tqdm is not None else len(streams) >= 32

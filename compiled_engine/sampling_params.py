@@ -69,7 +69,6 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
-    skip_special_tokens: bool = True  # leave special tokens out of the text
     n: int = 1
     # constrained decoding (JSON schema, regex, choice, grammar)
     structured: StructuredOutput | None = None

@@ -83,8 +83,8 @@ def expand_choices(
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
-            detok = IncrementalDetokenizer(tokenizer, ids, p.stop, p.include_stop_str_in_output,
-                                           p.skip_special_tokens)
+            detok = IncrementalDetokenizer(tokenizer, ids, p.stop,
+                                           keep_stop=p.include_stop_str_in_output)
             choices.append(
                 Choice(
                     f"{request_id}-{j * p.n + i}",

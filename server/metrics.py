@@ -74,8 +74,11 @@ class Metrics:
         # tokens as vLLM counts them: looked up and hit at admission
         self.vllm_running = Gauge("vllm:num_requests_running", "requests running", registry=r)
         self.vllm_waiting = Gauge("vllm:num_requests_waiting", "requests waiting", registry=r)
-        self.vllm_kv_usage = Gauge("vllm:gpu_cache_usage_perc",
-                                   "KV cache usage, 1 = full (whatever the device)", registry=r)
+        # the older name and the newer one, as vLLM's releases differ
+        self.vllm_kv_usage = [
+            Gauge(name, "KV cache usage, 1 = full (whatever the device)", registry=r)
+            for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+        ]
         self.prefix = {
             field: Counter(f"vllm:prefix_cache_{name}", help_, registry=r)
             for field, name, help_ in (
@@ -118,7 +121,8 @@ class Metrics:
         self.retractions.set(stats["num_retractions"])
         self.vllm_running.set(stats["num_running"])
         self.vllm_waiting.set(stats["num_waiting"])
-        self.vllm_kv_usage.set(stats["kv_usage"])
+        for gauge in self.vllm_kv_usage:
+            gauge.set(stats["kv_usage"])
         _add_new(self.spec, self._spec_seen, stats)
         _add_new(self.prefix, self._prefix_seen, stats)
 

@@ -26,13 +26,13 @@ SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n",
     # keep a matched stop string in the output: vLLM's name, and SGLang's (which routers send)
-    "include_stop_str_in_output", "no_stop_trim", "skip_special_tokens"})
+    "include_stop_str_in_output", "no_stop_trim"})
 # Fields the field's routers (sglang-router, vllm-router) add to every request they forward,
 # accepted where they ask for what this server does anyway (any other value: a 400 naming it).
 # Reasoning separation asks for nothing here: no reasoning parser runs (as in SGLang and vLLM
 # without one).
-ROUTER_DEFAULTS: dict[str, object] = {"continue_final_message": False,
-                                      "return_hidden_states": False}
+ROUTER_DEFAULTS: dict[str, object] = {"return_hidden_states": False, "skip_special_tokens": True}
+CHAT_ROUTER_DEFAULTS = ROUTER_DEFAULTS | {"continue_final_message": False}
 REASONING_FIELDS = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoning"})
 NATIVE_ROUTER_DEFAULTS: dict[str, object] = {
     "return_hidden_states": False, "return_logprob": False, "log_metrics": True,
@@ -48,7 +48,7 @@ _COMMON_FIELDS = SAMPLING_FIELDS | {
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | set(ROUTER_DEFAULTS) | {"prompt", "best_of", "logprobs",
                                                             "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | set(ROUTER_DEFAULTS) | REASONING_FIELDS | {
+CHAT_FIELDS = _COMMON_FIELDS | set(CHAT_ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "messages",
     "max_completion_tokens",
     "logprobs",
@@ -242,7 +242,6 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         stop=_stop(body),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False)
         or get_bool(body, "no_stop_trim", False),
-        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         n=get_int(body, "n", 1, 1, MAX_N),
         structured=structured,
     )
@@ -389,7 +388,7 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
 def parse_chat(body: object, limits: Limits) -> ChatRequest:
     body = require_object(body)
     check_fields(body, CHAT_FIELDS)
-    check_defaults(body, ROUTER_DEFAULTS)
+    check_defaults(body, CHAT_ROUTER_DEFAULTS)
     for name in REASONING_FIELDS:
         get_bool(body, name, True)
     want = get_bool(body, "logprobs", False)

@@ -34,7 +34,7 @@ def check_defaults(body: dict, defaults: dict[str, object], where: str = "") -> 
     ask for what the server does anyway."""
     for name, default in defaults.items():
         value = body.get(name)
-        if value is not None and value != default:
+        if value is not None and (type(value) is not type(default) or value != default):
             field = f"{where}.{name}" if where else name
             got = json.dumps(value)[:40]
             raise ProtocolError(f"'{field}' is only supported as {json.dumps(default)}, got {got}",

@@ -28,7 +28,7 @@ from server.handlers import (
 )
 from server.openai_format import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
 from server.protocol import (
-    ROUTER_DEFAULTS,
+    CHAT_ROUTER_DEFAULTS,
     ChatRequest,
     ProtocolError,
     check_defaults,
@@ -267,7 +267,7 @@ async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = require_object(await read_json(request))
     check_fields(body, TOKENIZE_FIELDS)
-    check_defaults(body, ROUTER_DEFAULTS)
+    check_defaults(body, CHAT_ROUTER_DEFAULTS)
     check_model(st, get_str(body, "model", None))
     if body.get("messages") is not None:
         # the chat template places the special tokens

@@ -56,11 +56,41 @@ def test_router_fields_are_accepted_and_change_nothing(http, path, body, extra) 
     ("/generate", NATIVE, "log_metrics", False),
     ("/generate", NATIVE, "background", True),
     ("/v1/chat/completions", CHAT, "separate_reasoning", "yes"),
+    ("/v1/chat/completions", CHAT, "skip_special_tokens", False),
+    ("/v1/completions", COMPLETION, "return_hidden_states", 0),
+    ("/v1/completions", COMPLETION, "continue_final_message", False),
+    ("/tokenize", {"messages": CHAT["messages"]}, "continue_final_message", True),
 ])
 def test_a_router_field_asking_for_more_is_a_400(http, path, body, field, value) -> None:
     r = http.post(path, json=body | {field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_return_text_in_logprobs_with_logprobs_is_a_400(http) -> None:
+    body = NATIVE | {"return_text_in_logprobs": True}
+    assert http.post("/generate", json=body).status_code == 200  # no logprobs: nothing asked
+    body["sampling_params"] = NATIVE["sampling_params"] | {"logprobs": 1}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_text_in_logprobs"
+
+
+def test_no_stop_trim_on_chat_and_generate(http) -> None:
+    """The matched stop string stays in the text (SGLang's `no_stop_trim`), on chat and in
+    `/generate`'s sampling_params; without it, it is cut."""
+    full = _answer(http, "/v1/chat/completions", CHAT | {"max_tokens": 16})[0]
+    stop = full[4:7]
+    assert stop.strip(), full
+    kept = full[: full.index(stop) + len(stop)]
+    for no_trim, want in ((True, kept), (False, full[: full.index(stop)])):
+        body = CHAT | {"max_tokens": 16, "stop": [stop], "no_stop_trim": no_trim}
+        assert _answer(http, "/v1/chat/completions", body) == (want, "stop")
+    text = _answer(http, "/generate", {"text": "Hello", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0}})[0]
+    stop = text[4:7]
+    sp = {"max_new_tokens": 16, "temperature": 0, "stop": [stop], "no_stop_trim": True}
+    got = _answer(http, "/generate", {"text": "Hello", "sampling_params": sp})[0]
+    assert got == text[: text.index(stop) + len(stop)]
 
 
 def test_tokenize_as_vllm_router_asks(http) -> None:
@@ -89,8 +119,11 @@ def test_metrics_under_vllm_names(http) -> None:
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line.startswith("vllm:")}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total"):
         assert name in values, name
     assert values["vllm:prefix_cache_queries_total"] > 0
-    assert 0.0 <= values["vllm:gpu_cache_usage_perc"] <= 1.0
+    assert 0 <= values["vllm:prefix_cache_hits_total"] <= values["vllm:prefix_cache_queries_total"]
+    assert values["vllm:num_requests_running"] >= 0 and values["vllm:num_requests_waiting"] >= 0
+    assert 0.0 <= values["vllm:gpu_cache_usage_perc"] == values["vllm:kv_cache_usage_perc"] <= 1.0

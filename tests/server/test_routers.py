@@ -73,14 +73,14 @@ def _post(url: str, path: str, body: dict) -> dict:
     return r.json()
 
 
-def _stream_text(url: str, body: dict) -> str:
+def _stream_text(url: str, path: str, body: dict) -> str:
     text = ""
-    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True},
-                      timeout=60) as r:
+    with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice.get("text") or choice.get("delta", {}).get("content") or ""
     return text
 
 
@@ -92,16 +92,17 @@ def test_answers_through_the_router_equal_a_replica(router, replicas) -> None:
         ("/generate", NATIVE, lambda o: o["output_ids"]),
     ):
         assert pick(_post(router, path, body)) == pick(_post(direct, path, body)), path
-    assert _stream_text(router, COMPLETION) == _post(direct, "/v1/completions",
-                                                     COMPLETION)["choices"][0]["text"]
+    assert _stream_text(router, "/v1/completions", COMPLETION) == _post(
+        direct, "/v1/completions", COMPLETION)["choices"][0]["text"]
+    assert _stream_text(router, "/v1/chat/completions", CHAT) == _post(
+        direct, "/v1/chat/completions", CHAT)["choices"][0]["message"]["content"]
 
 
 def test_structured_output_and_the_openai_client_through_the_router(router, replicas) -> None:
     body = CHAT | {"response_format": {"type": "json_object"}, "max_tokens": 48}
     via = _post(router, "/v1/chat/completions", body)["choices"][0]
     assert via == _post(replicas[0].url, "/v1/chat/completions", body)["choices"][0]
-    if via["finish_reason"] == "stop":
-        assert isinstance(json.loads(via["message"]["content"]), dict)
+    assert via["message"]["content"].lstrip().startswith("{")  # constrained (random weights)
     client = OpenAI(base_url=router + "/v1", api_key="unused", max_retries=0)
     out = client.chat.completions.create(model="demo", messages=CHAT["messages"], max_tokens=12,
                                          temperature=0)
