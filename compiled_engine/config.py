@@ -52,4 +52,7 @@ class EngineConfig:
     # speculative decoding: vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens":
     # k, ...}: `compiled_engine.speculative.config`); None: off
     speculative: dict | None = None
+    # KV cache events for routers: vLLM's kv_events_config ({"enable_kv_cache_events": true,
+    # "endpoint": ...}: `compiled_engine.kv_events.config`); None: off
+    kv_events: dict | None = None
     extra: dict = field(default_factory=dict)

@@ -43,6 +43,7 @@ from compiled_engine.speculative.ngram import NgramDrafter
 Drafter = NgramDrafter | DraftModelDrafter
 
 if TYPE_CHECKING:
+    from compiled_engine.kv_events.publisher import KVEventPublisher
     from compiled_engine.runner.compile_cache.session import CompileReport
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Engine:
         compile_report: CompileReport | None = None,
         speculative: SpeculativeConfig | None = None,
         draft_model: DraftModel | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.eos_token_ids = eos_token_ids
@@ -95,6 +97,7 @@ class Engine:
         self.compile_report = compile_report  # None: eager
         self.speculative = speculative
         self.draft_model = draft_model  # speculative method draft_model
+        self.kv_events = kv_events  # gets the prefix cache's events of each step
         if speculative is not None:
             scheduler.propose = self._propose
         self._inflight: collections.deque[_Launched] = collections.deque()
@@ -183,9 +186,15 @@ class Engine:
         while len(self._inflight) > keep:
             done = self._inflight.popleft()
             events.extend(self._commit(done, done.pending.result()))
+        cache = self.scheduler.cache
+        if self.kv_events is not None and cache.events:
+            self.kv_events.publish(cache.events)
+            cache.events = []
         return events
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         # `startup.build_engine` froze the engine's objects: they may be collected again

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
+from compiled_engine.kv_events.config import KVEventsConfig
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import SMOLLM2_NAME, default_model
 from compiled_engine.runner.buckets import parse_buckets
@@ -63,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--chunk-budget", type=int, default=8192)
     p.add_argument("--prefix-cache", choices=["radix", "naive"], default="radix")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="the compile cache's root, as `warmup --cache-dir` "
+                   "(default: <cache root>/compile)")
     p.add_argument("--buckets", type=parse_buckets, default=None,
                    help="decode batch sizes to compile, comma separated")
     p.add_argument("--max-bucket", type=int, default=None)
@@ -75,6 +79,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or {"method": "draft_model", "model": '
         'PATH, ...} (README, "Speculative decoding")',
     )
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events,
+        default=None,
+        help='publish the prefix cache\'s stores and evictions for routers, vLLM\'s JSON: '
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}\' (README, '
+        '"Scaling out")',
+    )
+
+
+def _kv_events(text: str) -> dict:
+    """The flag's JSON, checked now."""
+    try:
+        KVEventsConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def _speculative(text: str) -> dict:
@@ -111,6 +132,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         compile_mode=args.compile_mode,
         deterministic=args.deterministic,
         speculative=args.speculative_config,
+        kv_events=args.kv_events_config,
+        compile_cache_dir=args.compile_cache_dir,
     )
 
 

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,7 @@ from compiled_engine.constraints import GrammarBook
 from compiled_engine.engine import Engine
 from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
+from compiled_engine.kv_events.config import KVEventsConfig
 from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
@@ -33,6 +35,9 @@ from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.speculative.config import SpeculativeConfig
 from compiled_engine.speculative.draft_model import load_draft_weights, start_draft_model
 from compiled_engine.tokenization import load_tokenizer
+
+if TYPE_CHECKING:  # pyzmq and msgspec are imported only where kv events are on
+    from compiled_engine.kv_events.publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,20 @@ def _host_memory() -> tuple[int, int]:
     page = os.sysconf("SC_PAGE_SIZE")
     return (info.get("MemTotal", page * os.sysconf("SC_PHYS_PAGES")),
             info.get("MemAvailable", page * os.sysconf("SC_AVPHYS_PAGES")))
+
+
+def start_kv_events(config: EngineConfig, scheduler: Scheduler) -> KVEventPublisher | None:
+    """TP rank 0's publisher of the prefix cache's events, when `config.kv_events` enables them
+    (every rank's cache is the same)."""
+    kv_events = KVEventsConfig.parse(config.kv_events)
+    if kv_events is None or not kv_events.enabled or ps.get_tp_rank() != 0:
+        return None
+    if config.prefix_cache != "radix":
+        raise ValueError("kv events need the radix prefix cache (--prefix-cache radix)")
+    from compiled_engine.kv_events.publisher import KVEventPublisher
+
+    scheduler.cache.events = []
+    return KVEventPublisher(kv_events, config.page_size)
 
 
 def build_engine(
@@ -195,7 +214,7 @@ def build_engine(
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report,
-                    speculative, draft_model)
+                    speculative, draft_model, start_kv_events(config, scheduler))
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 import kernels
 from compiled_engine.engine_args import engine_config
 from compiled_engine.models.tp_fit import check_tp_size
+from compiled_engine.ranks.entry import run_rank
+from compiled_engine.ranks.rank_spec import RankSpec
+from compiled_engine.ranks.torchrun import torchrun_placement
 from server.args import add_serve_args
 from server.serve import serve
 from server.state import ServerConfig
@@ -20,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_serve_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = engine_config(args)
+    torchrun = torchrun_placement()
+    if torchrun is not None:  # TP across hosts: torchrun's world is the TP group, --tp is ignored
+        engine = dataclasses.replace(engine, tp_size=torchrun.world_size)
     try:
         kernels.apply_isa_caps()  # before torch first dispatches; the ranks inherit them
         check_tp_size(engine.model, engine.tp_size)
@@ -29,12 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"compiled-engine serve: error: {e}", file=sys.stderr)
         return 2
+    if torchrun is not None and torchrun.rank != 0:  # an engine rank; rank 0 serves HTTP
+        run_rank(RankSpec(torchrun.rank, torchrun.world_size, "env://", engine,
+                          torchrun.local_rank, torchrun.local_world_size), None)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         engine=engine,
         api_key=args.api_key,
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,
+        torchrun=torchrun,
     )
     return serve(config, args.host, args.port)
 

@@ -35,7 +35,7 @@ def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
     converted tokenizer), so that it needs no torch."""
     if config.engine.model == DEMO_NAME:
         log.warning("model: %s", DEMO_LABEL)
-    handle = launch(config.engine)
+    handle = launch(config.engine, torchrun=config.torchrun)
     try:
         tokenizer = load_tokenizer(resolve_model(config.engine.model))
     except BaseException:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.demo import DEMO_NAME
+from compiled_engine.ranks.torchrun import TorchrunPlacement
 from server.engine_client import EngineClient
 from server.metrics import Metrics
 from server.protocol import Limits
@@ -26,6 +27,8 @@ class ServerConfig:
     health_timeout_s: float = 10.0
     # after the engine fails: /health answers 503 this long, then the server exits
     engine_dead_exit_s: float = 10.0
+    # under torchrun (this process is its rank 0): the other engine ranks are torchrun's processes
+    torchrun: TorchrunPlacement | None = None
 
 
 @dataclass

@@ -19,7 +19,6 @@ import collections
 import dataclasses
 import json
 import logging
-import os
 import sys
 from typing import TextIO
 
@@ -29,6 +28,7 @@ from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.messages import Add, RequestError, Shutdown
 from compiled_engine.ranks.rank_loop import serve_rank
 from compiled_engine.ranks.rank_spec import RankSpec
+from compiled_engine.ranks.torchrun import torchrun_placement
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.tokenization import encode_prompt, load_tokenizer
@@ -103,19 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)
     kernels.apply_isa_caps()  # before the process group's first tensor
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    place = torchrun_placement()
+    if place is None:
+        parser.error("run me under torchrun (see --help)")
+    rank, world = place.rank, place.world_size
     logging.basicConfig(
         level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
     )
     config = dataclasses.replace(engine_config(args), tp_size=world)
-    spec = RankSpec(
-        rank,
-        world,
-        "env://",
-        config,
-        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-    )
+    spec = RankSpec(rank, world, "env://", config, place.local_rank, place.local_world_size)
     if rank != 0:
         serve_rank(spec, None)
         return 0

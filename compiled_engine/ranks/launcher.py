@@ -18,6 +18,7 @@ from compiled_engine.ranks.entry import run_rank
 from compiled_engine.ranks.messages import Fatal, Ready, Shutdown
 from compiled_engine.ranks.monitor import RankMonitor
 from compiled_engine.ranks.rank_spec import RankSpec
+from compiled_engine.ranks.torchrun import TorchrunPlacement
 
 EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
 POLL_S = 0.5  # how often a blocked receive checks that the ranks are alive
@@ -88,24 +89,40 @@ class EngineHandle:
         _stop(self.conn, self.procs, timeout_s)
 
 
-def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle:
+def launch(
+    config: EngineConfig,
+    ready_timeout_s: float = 900.0,
+    torchrun: TorchrunPlacement | None = None,
+) -> EngineHandle:
     """Spawn `config.tp_size` ranks and return once rank 0 reports Ready (EngineStartError
-    otherwise; a model that does not split over `tp_size` ranks before any rank starts)."""
+    otherwise; a model that does not split over `tp_size` ranks before any rank starts).
+
+    Under torchrun (`torchrun` given, this process is its rank 0) only engine rank 0 is spawned
+    here: the other ranks are torchrun's other processes, met through `env://`. Only rank 0 is
+    watched then: a remote rank that dies fails rank 0's next collective, one that hangs stalls
+    rank 0's heartbeat."""
+    world = config.tp_size
     try:
-        check_tp_size(config.model, config.tp_size)
+        check_tp_size(config.model, world)
     except ValueError as e:
         raise EngineStartError(str(e)) from None
     ctx = mp.get_context("spawn")
-    world = config.tp_size
-    # the launcher's ranks share one host
-    init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""
     server_end, rank_end = ctx.Pipe(duplex=True)
-    heartbeats = ctx.RawArray("d", world)
     procs: list[BaseProcess] = []
-    for rank in range(world):
-        conn = rank_end if rank == 0 else None
-        spec = RankSpec(rank, world, init_method, config, heartbeats=heartbeats)
-        p = ctx.Process(target=run_rank, args=(spec, conn), name=f"engine-rank-{rank}")
+    if torchrun is None:
+        # the launcher's ranks share one host
+        init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""
+        heartbeats = ctx.RawArray("d", world)
+        specs = [RankSpec(r, world, init_method, config, heartbeats=heartbeats)
+                 for r in range(world)]
+    else:
+        assert torchrun.rank == 0 and torchrun.world_size == world, torchrun
+        heartbeats = ctx.RawArray("d", 1)
+        specs = [RankSpec(0, world, "env://", config, torchrun.local_rank,
+                          torchrun.local_world_size, heartbeats)]
+    for spec in specs:
+        conn = rank_end if spec.rank == 0 else None
+        p = ctx.Process(target=run_rank, args=(spec, conn), name=f"engine-rank-{spec.rank}")
         p.start()
         procs.append(p)
     rank_end.close()
@@ -114,7 +131,7 @@ def launch(config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineHandle
     except BaseException:
         _stop(server_end, procs, timeout_s=2.0)
         raise
-    heartbeats[:] = [time.monotonic()] * world
+    heartbeats[:] = [time.monotonic()] * len(heartbeats)
     # One rank has no peer to wait on: only its exit is watched (a long CPU step is not a hang).
     monitor = RankMonitor(procs, heartbeats if world > 1 else (), config.rank_timeout_s)
     monitor.start()

@@ -8,6 +8,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStored:
+    """Pages now cached: the KV of `path[start:]`, which follows the cached `path[:start]`."""
+
+    path: tuple[int, ...]
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRemoved:
+    """Pages no longer cached: those of `path[start:]` (nothing cached extends them)."""
+
+    path: tuple[int, ...]
+    start: int
 
 
 class PrefixCache(ABC):
@@ -16,6 +33,9 @@ class PrefixCache(ABC):
     hit_tokens: int
     queried_tokens: int
     num_evicted_pages: int  # pages evicted so far
+    # What was stored and removed since the reader last took the list (None: not recorded). The
+    # engine turns them into KV events for routers (compiled_engine/kv_events).
+    events: list[CacheStored | CacheRemoved] | None = None
 
     @abstractmethod
     def match(self, tokens: Sequence[int]) -> tuple[object, tuple[int, ...]]:

@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Sequence
 
 from compiled_engine.scheduler.allocator import PageAllocator
-from compiled_engine.scheduler.prefix_cache import PrefixCache
+from compiled_engine.scheduler.prefix_cache import CacheRemoved, CacheStored, PrefixCache
 
 
 class RadixNode:
@@ -99,6 +99,8 @@ class RadixCache(PrefixCache):
             self._offer(leaf)
             out.extend(leaf.pages)
             node = leaf
+            if self.events is not None:
+                self.events.append(CacheStored(tokens, i))
         return node, tuple(out)
 
     def _split(self, child: RadixNode, m: int) -> RadixNode:
@@ -151,6 +153,9 @@ class RadixCache(PrefixCache):
             if not self._evictable(node, access):
                 continue  # a stale entry
             parent = node.parent
+            if self.events is not None:
+                path = self._path(node)
+                self.events.append(CacheRemoved(path, len(path) - len(node.key)))
             self.allocator.free(node.pages)
             freed += len(node.pages)
             self.num_evicted_pages += len(node.pages)
@@ -205,6 +210,14 @@ class RadixCache(PrefixCache):
             stack.extend(reversed(kids))
         return out
 
+    def _path(self, node: RadixNode) -> tuple[int, ...]:
+        """The tokens from the root to the end of `node`."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
     def pages_of(self, handle: object) -> tuple[int, ...]:
         parts = []
         node = handle
@@ -219,15 +232,7 @@ class RadixCache(PrefixCache):
 
     def cached_sequences(self) -> list[tuple[int, ...]]:
         """The full token sequence of every leaf (tests use it as the cache's content)."""
-        out = []
-        for node in self._nodes():
-            if not node.children:
-                parts = []
-                while node is not self.root:
-                    parts.append(node.key)
-                    node = node.parent
-                out.append(tuple(t for part in reversed(parts) for t in part))
-        return out
+        return [self._path(node) for node in self._nodes() if not node.children]
 
     def check(self, held: Sequence[object]) -> None:
         ps = self.page_size

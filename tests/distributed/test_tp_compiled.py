@@ -6,15 +6,20 @@ by custom_op_wrapper`."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from compiled_engine import LLM, SamplingParams
+from compiled_engine.ranks.launcher import free_port
 from compiled_engine.runner.compile_cache import list_entries
 from tests.distributed.conftest import hf_greedy, ragged_prompts
 from tests.server.conftest import start_server
@@ -141,3 +146,69 @@ def test_offline_tp2_compiled_with_speculation_equals_tp1(demo_dir: str, warm_ro
         tp2.engine.shutdown()
     assert got == want
     assert stats.spec_num_accepted_tokens > 0
+
+
+def _torchrun_node(node: int, master_port: int, http_port: int, warm_root: str, log: Path):
+    """One "host" of a two-host torchrun job on loopback: one process, TP rank `node`."""
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+        "-m", "compiled_engine", "serve", "--model", "demo", "--port", str(http_port),
+        "--compile-cache-dir", warm_root, "--num-pages", "1024", "--max-running", "8",
+        "--chunk-budget", "64", "--deterministic",
+    ]
+    with open(log, "w") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                env=os.environ | {"COMPILED_ENGINE_TP_DEBUG": "1"})
+
+
+def test_serve_under_torchrun_on_two_hosts_equals_tp1_and_fails_cleanly(
+    tmp_path: Path, warm_root: str, prompts: list[list[int]], tp1_tokens: list[list[int]]
+) -> None:
+    """`torchrun --nnodes 2 ... -m compiled_engine serve`: rank 0 serves HTTP, TP=2 over gloo
+    across the two "hosts", greedy tokens equal TP=1's; a rank killed on host 1 fails the replica
+    at once (503 on /health, so a router routes around it) and both hosts' jobs end."""
+    master, port = free_port(), free_port()
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    nodes = [_torchrun_node(n, master, port, warm_root, logs[n]) for n in (0, 1)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert all(p.poll() is None for p in nodes), logs[0].read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        assert httpx.get(url + "/server_info").json()["tp_size"] == 2
+        body = {"sampling_params": {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+        with httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(8) as pool:
+            replies = list(
+                pool.map(lambda p: client.post("/generate", json=body | {"input_ids": p}), prompts)
+            )
+        assert [r.status_code for r in replies] == [200] * len(prompts)
+        assert [r.json()["output_ids"] for r in replies] == tp1_tokens
+
+        (rank1,) = psutil.Process(nodes[1].pid).children()  # torchrun's worker on host 1
+        rank1.kill()
+        health = httpx.get(url + "/health", timeout=30)
+        for _ in range(60):
+            if health.status_code == 503:
+                break
+            time.sleep(0.5)
+            health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and "engine rank 0" in health.json()["reason"], health.text
+        r = httpx.post(url + "/generate", json=body | {"input_ids": prompts[0]}, timeout=30)
+        assert r.status_code == 503, r.text
+        for p in nodes:
+            assert p.wait(120) != 0  # each host's torchrun ends, reporting the failure
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
+                p.kill()
+                p.wait(30)

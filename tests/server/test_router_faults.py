@@ -1,0 +1,141 @@
+"""A replica killed under load (SIGKILL to its process group: server and engine rank) behind each
+router: requests in flight on it are retried elsewhere by the router or fail with a 5xx (counted and
+printed, never a hang); once the router's health check has marked it unhealthy no request fails;
+restarted on its port with the warm compile cache it is back in rotation. The replicas are real
+`compiled-engine serve` processes (a thread in the test's process cannot be killed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from compiled_engine.ranks.launcher import free_port
+from tests.server.test_router_cache_routing import router
+from tests.server.test_routers import COMPLETION
+
+pytestmark = pytest.mark.slow
+
+# the settings of tests/server/conftest.py's servers: the same compile-cache entry
+SERVE = ["--model", "demo", "--num-pages", "8192", "--max-running", "32", "--deterministic"]
+ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                 "--health-success-threshold", "1", "--health-check-timeout-secs", "2")
+LOAD = COMPLETION | {"max_tokens": 24, "ignore_eos": True}
+
+
+class Replica:
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "compiled_engine", "serve", *SERVE,
+                 "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def served(self) -> float:
+        """Prompt tokens this replica has looked up in its prefix cache: it served requests."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_queries_total"))
+        return float(line.split()[-1])
+
+
+@contextmanager
+def replicas(tmp_path: Path) -> Iterator[list[Replica]]:
+    made = [Replica(free_port(), tmp_path / f"replica{i}.log") for i in range(2)]
+    try:
+        for r in made:
+            r.start()
+        yield made
+    finally:
+        for r in made:
+            r.kill()
+
+
+def load(url: str, n: int, threads: int, results: list, started: threading.Event) -> None:
+    """`n` non-streamed completions from `threads` clients; (status, message) appended per reply."""
+    todo = iter(range(n))
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as http:
+            while True:
+                with lock:
+                    if next(todo, None) is None:
+                        return
+                try:
+                    r = http.post(url + "/v1/completions", json=LOAD)
+                    results.append((r.status_code, r.text[:300]))
+                except httpx.TransportError as e:  # the router closed the connection
+                    results.append((0, repr(e)))
+                started.set()
+
+    workers = [threading.Thread(target=client) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+        assert not w.is_alive(), "a request through the router hung"
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: Path) -> None:
+    with replicas(tmp_path) as (a, b), router(
+        kind, "round_robin", [a, b], tmp_path / "router.log", ROUTER_HEALTH
+    ) as url:
+        during: list = []
+        started = threading.Event()
+        loader = threading.Thread(target=load, args=(url, 40, 4, during, started))
+        loader.start()
+        assert started.wait(120)
+        b.kill()
+        loader.join(400)
+        assert not loader.is_alive()
+        failed = [x for x in during if x[0] != 200]
+        print(f"{kind}: {len(during)} requests while the replica died, failed: {failed}")
+        assert len(during) == 40
+        # a request that was not retried elsewhere fails with a server error, not a client one
+        assert all(status == 0 or status >= 500 for status, _ in failed), failed
+
+        time.sleep(3)  # health checks every 1 s, one failure marks the replica unhealthy
+        after: list = []
+        load(url, 24, 4, after, threading.Event())
+        assert [s for s, _ in after] == [200] * 24, after
+
+        b.start()  # same port, warm compile cache
+        summaries = [x for x in b.log.read_text().splitlines() if "compile cache " in x]
+        assert "compile cache hit" in summaries[-1], summaries
+        deadline = time.monotonic() + 60
+        back: list = []
+        while b.served() == 0:
+            load(url, 4, 2, back, threading.Event())
+            assert time.monotonic() < deadline, "the restarted replica got no request"
+        assert all(s == 200 for s, _ in back), back
