@@ -11,6 +11,7 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,12 +54,15 @@ def prefix_counts(replica: RunningServer) -> tuple[float, float]:
 
 
 def hit_rate(replicas: list[RunningServer], url: str) -> float:
-    """Send the workload to `url` one request at a time; the replicas' prompt-token hit rate."""
-    with httpx.Client(timeout=120) as client:
-        for body in workload():
-            r = client.post(url + "/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
+    """Send the workload to `url` from 4 concurrent clients (the routers balance on their requests
+    in flight: one request at a time, every new tenant would go to their first replica); the
+    replicas' prompt-token hit rate."""
+    with httpx.Client(timeout=120) as client, ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(
+            lambda body: client.post(url + "/v1/chat/completions", json=body), workload()))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies][:3]
     counts = [prefix_counts(r) for r in replicas]
+    print("prompt tokens hit / looked up per replica:", counts)
     return sum(h for h, _ in counts) / sum(q for _, q in counts)
 
 
@@ -122,9 +126,8 @@ def test_cache_aware_routing_beats_round_robin_on_prefix_hits(
         ) as url:
             rates[policy] = hit_rate(replicas, url)
     print(f"{kind}: prefix hit rate alone {alone:.3f}, {rates}")
-    # a tenant's first question misses once, wherever it goes; its system prompt is ~97% of a prompt
-    assert rates["cache_aware"] >= 0.85
-    assert rates["cache_aware"] >= alone
+    # a tenant's first question misses, wherever it goes; its system prompt is ~97% of a prompt
+    assert rates["cache_aware"] >= alone + 0.15
     assert rates["cache_aware"] >= rates["round_robin"] + 0.15
 
 
