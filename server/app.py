@@ -79,6 +79,7 @@ def create_app(config: ServerConfig) -> Starlette:
         *(Route(path, info_routes.server_info, methods=["GET"])
           for path in ("/server_info", "/get_server_info")),
         Route("/get_load", info_routes.get_load, methods=["GET"]),
+        Route("/kv_event_sources", info_routes.kv_event_sources, methods=["GET"]),
     ]
     if config.debug:
         table.append(Route("/debug/integrity", routes.integrity, methods=["GET"]))

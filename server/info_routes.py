@@ -1,6 +1,6 @@
 """What the field's routers and autoscalers ask a worker about itself: SGLang's `/model_info` and
-`/server_info` (and their older `/get_` names, which sglang-router falls back to) and
-`/get_load`."""
+`/server_info` (and their older `/get_` names, which sglang-router falls back to), `/get_load`, and
+vLLM's `/kv_event_sources` (where vllm-router's kv_aware policy subscribes to KV events)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib.metadata
 from starlette.requests import Request
 from starlette.responses import Response
 
+from compiled_engine.kv_events.config import KVEventsConfig
 from server.engine_client import EngineDead
 from server.handlers import json_response, state_of
 
@@ -41,6 +42,7 @@ async def server_info(request: Request) -> Response:
         "tp_size": engine.tp_size,
         "dp_size": 1,
         "page_size": engine.page_size,
+        "kv_block_size": engine.page_size,  # what a KV event's block is (vllm-router reads it)
         "max_running_requests": engine.max_running,
         "context_length": st.limits.max_context,
         "chunked_prefill_size": engine.chunk_budget,
@@ -57,3 +59,22 @@ async def get_load(request: Request) -> Response:
     except (TimeoutError, EngineDead) as e:
         return json_response({"error": {"message": str(e) or "the engine did not answer"}}, 503)
     return json_response({"load": stats["num_running"] + stats["num_waiting"]})
+
+
+async def kv_event_sources(request: Request) -> Response:
+    """The KV event publisher of each data-parallel rank (one here), as vLLM lists it; 404 while
+    the events are off."""
+    config = KVEventsConfig.parse(state_of(request).config.engine.kv_events)
+    if config is None or not config.enabled:
+        return json_response({"error": {"message": "KV events are off (--kv-events-config)"}}, 404)
+    return json_response({"0": {
+        "endpoint": config.endpoint,
+        "replay_endpoint": config.replay_endpoint,
+        "topic": config.topic,
+        "hwm": config.hwm,
+        "buffer_steps": config.buffer_steps,
+        "publisher": "zmq",
+        "encoding": "msgpack",
+        "schema_version": 1,
+        "enable_kv_cache_events": True,
+    }})

@@ -77,3 +77,26 @@ def test_speculative_config_with_vllm_names() -> None:
         config = engine_config(parser.parse_args(["--speculative-config", text + "}"]))
         parsed = SpeculativeConfig.parse(config.speculative)
         assert (parsed.prompt_lookup_max, parsed.prompt_lookup_min) == want
+
+
+def test_kv_events_and_compile_cache_flags_reach_the_engine_config(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    on = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5601"}'
+    config = engine_config(parser.parse_args(["--kv-events-config", on,
+                                              "--compile-cache-dir", "/tmp/cc"]))
+    assert config.kv_events == {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:5601"}
+    assert config.compile_cache_dir == "/tmp/cc"
+    assert engine_config(parser.parse_args([])).kv_events is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": 1}'])
+    assert "enable_kv_cache_events must be a boolean" in capsys.readouterr().err
+
+
+def test_torchrun_placement_is_read_from_torchruns_environment() -> None:
+    from compiled_engine.ranks.torchrun import TorchrunPlacement, torchrun_placement
+
+    assert torchrun_placement({"RANK": "0", "WORLD_SIZE": "2"}) is None  # not under torchrun
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2"}
+    assert torchrun_placement(env) == TorchrunPlacement(3, 4, 1, 2)

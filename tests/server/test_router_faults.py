@@ -6,10 +6,6 @@ restarted on its port with the warm compile cache it is back in rotation. The re
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from compiled_engine.ranks.launcher import free_port
-from tests.server.test_router_cache_routing import router
+from compiled_engine.apps.bench.router import ServeProcess, prefix_counts, running_router
 from tests.server.test_routers import COMPLETION
 
 pytestmark = pytest.mark.slow
@@ -32,45 +27,9 @@ ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshol
 LOAD = COMPLETION | {"max_tokens": 24, "ignore_eos": True}
 
 
-class Replica:
-    def __init__(self, port: int, log: Path) -> None:
-        self.port, self.log = port, log
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "compiled_engine", "serve", *SERVE,
-                 "--port", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-
-    def served(self) -> float:
-        """Prompt tokens this replica has looked up in its prefix cache: it served requests."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_queries_total"))
-        return float(line.split()[-1])
-
-
 @contextmanager
-def replicas(tmp_path: Path) -> Iterator[list[Replica]]:
-    made = [Replica(free_port(), tmp_path / f"replica{i}.log") for i in range(2)]
+def replicas(tmp_path: Path) -> Iterator[list[ServeProcess]]:
+    made = [ServeProcess(SERVE, tmp_path / f"replica{i}.log") for i in range(2)]
     try:
         for r in made:
             r.start()
@@ -108,8 +67,8 @@ def load(url: str, n: int, threads: int, results: list, started: threading.Event
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: Path) -> None:
-    with replicas(tmp_path) as (a, b), router(
-        kind, "round_robin", [a, b], tmp_path / "router.log", ROUTER_HEALTH
+    with replicas(tmp_path) as (a, b), running_router(
+        kind, "round_robin", [a.url, b.url], tmp_path / "router.log", ROUTER_HEALTH
     ) as url:
         during: list = []
         started = threading.Event()
@@ -135,7 +94,7 @@ def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: P
         assert "compile cache hit" in summaries[-1], summaries
         deadline = time.monotonic() + 60
         back: list = []
-        while b.served() == 0:
+        while prefix_counts(b.url)[1] == 0:  # no prompt looked up yet: no request served
             load(url, 4, 2, back, threading.Event())
             assert time.monotonic() < deadline, "the restarted replica got no request"
         assert all(s == 200 for s, _ in back), back

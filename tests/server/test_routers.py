@@ -6,24 +6,16 @@ directly."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from compiled_engine.ranks.launcher import free_port
+from compiled_engine.apps.bench.router import ROUTERS, running_router
 from tests.server.conftest import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
-ROUTERS = {
-    "sglang": [sys.executable, "-m", "sglang_router.launch_router"],
-    "vllm": [str(Path(sys.executable).parent / "vllm-router")],
-}
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Name a color."}],
         "max_tokens": 12, "temperature": 0}
 COMPLETION = {"model": "demo", "prompt": "The sky is", "max_tokens": 12, "temperature": 0}
@@ -40,31 +32,9 @@ def replicas() -> Iterator[list[RunningServer]]:
 
 @pytest.fixture(scope="module", params=sorted(ROUTERS))
 def router(request, replicas, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("router") / "router.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [*ROUTERS[request.param], "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-             "--policy", "cache_aware", "--worker-urls", *(r.url for r in replicas)],
-            stdout=out, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30).is_success:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"no router: {log.read_text()[-3000:]}"
-            time.sleep(0.5)
+    with running_router(request.param, "cache_aware", [r.url for r in replicas], log) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _post(url: str, path: str, body: dict) -> dict:

@@ -348,6 +348,25 @@ def _cmd_speculative(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from compiled_engine.apps.bench.router import bench_router
+
+    result = bench_router(args.model, args.serve_args, args.replicas, args.routers.split(","),
+                          args.overhead_requests, args.tenants, args.questions,
+                          args.system_words, args.concurrency, Path(args.log_dir))
+    print(table(["router", "direct median ms", "via router median ms", "overhead ms"],
+                [[k, v["direct_median_ms"], v["router_median_ms"], v["overhead_ms"]]
+                 for k, v in result["overhead"].items()]))
+    print(table(["run", "prefix hit rate", "requests/s", "median latency ms",
+                 "prompt tokens per replica"],
+                [[k, v["hit_rate"], v["requests_per_s"], v["median_latency_ms"],
+                  " / ".join(f"{q:.0f}" for q in v["tokens_looked_up_per_replica"])]
+                 for k, v in result["workload"].items()]))
+    if args.json:
+        write_json(args.json, "router", result)
+    return 0
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", help="benchmarks: offline throughput, decode latency, online serving"
@@ -463,6 +482,28 @@ def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
     _add_placement_args(p)
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.set_defaults(func=_cmd_speculative)
+    _add_router_parser(kinds)
+
+
+def _add_router_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "router",
+        help="replicas behind sglang-router and vllm-router vs one replica: the router's latency "
+        "and prefix hit rates by policy",
+    )
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--serve-args", default="", help="more flags for every replica's serve")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--routers", default="sglang,vllm")
+    p.add_argument("--overhead-requests", type=int, default=100,
+                   help="requests each way for the overhead")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--questions", type=int, default=16, help="per tenant")
+    p.add_argument("--system-words", type=int, default=500, help="words per system prompt")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--log-dir", default="router-bench-logs")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=_cmd_router)
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
