@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 # `EngineConfig.compile_mode` values (their inductor options:
@@ -56,3 +57,22 @@ class EngineConfig:
     # "endpoint": ...}: `compiled_engine.kv_events.config`); None: off
     kv_events: dict | None = None
     extra: dict = field(default_factory=dict)
+
+
+def json_object(value: dict | str | None, what: str, known: set[str]) -> dict | None:
+    """A JSON flag's object (from a dict or its JSON text; None stays None); ValueError naming
+    `what` when it is not an object or has a field outside `known`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be an object, got {value!r}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{what}: unknown field(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(known))})")
+    return value

@@ -3,8 +3,9 @@ bound on loopback by default (vLLM's default binds every interface)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from compiled_engine.config import json_object
 
 PUBLISHERS = ("null", "zmq")
 
@@ -31,20 +32,9 @@ class KVEventsConfig:
     def parse(cls, value: dict | str | None) -> KVEventsConfig | None:
         """From a dict or its JSON text (None: off); ValueError naming the first bad or unknown
         field."""
+        value = json_object(value, "kv events config", {f.name for f in fields(cls)})
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv events config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv events config must be an object, got {value!r}")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"kv events config: unknown field(s) {', '.join(unknown)} (known: "
-                             f"{', '.join(sorted(known))})")
         config = cls(**value)
         config.validate()
         return config

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 
+from compiled_engine.config import json_object
 from compiled_engine.scheduler.speculation import SpecConfig
 
 METHODS = ("ngram", "draft_model")
@@ -31,22 +31,9 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
         """From a dict or its JSON text; ValueError naming the first bad or unknown field."""
+        value = json_object(value, "speculative config", {f.name for f in fields(cls)})
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative config must be an object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative config: unknown field(s) {', '.join(unknown)} (known: "
-                f"{', '.join(sorted(known))})"
-            )
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
         args = dict(value)
