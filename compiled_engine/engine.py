@@ -164,10 +164,12 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
+        self._publish_cache_events()
 
     def finish(self, rid: str, reason: str = "stop") -> None:
         """End a request early (a stop string matched on the detokenized text)."""
         self.scheduler.finish(rid, reason)
+        self._publish_cache_events()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
@@ -186,11 +188,16 @@ class Engine:
         while len(self._inflight) > keep:
             done = self._inflight.popleft()
             events.extend(self._commit(done, done.pending.result()))
+        self._publish_cache_events()
+        return events
+
+    def _publish_cache_events(self) -> None:
+        """Hand what the prefix cache stored and evicted since last time to the KV event
+        publisher."""
         cache = self.scheduler.cache
         if self.kv_events is not None and cache.events:
             self.kv_events.publish(cache.events)
             cache.events = []
-        return events
 
     def shutdown(self) -> None:
         if self.kv_events is not None:

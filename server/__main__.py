@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     engine = engine_config(args)
     torchrun = torchrun_placement()
-    if torchrun is not None:  # TP across hosts: torchrun's world is the TP group, --tp is ignored
+    if torchrun is not None:  # TP across hosts: torchrun's world is the TP group
+        if args.tp not in (1, torchrun.world_size):
+            print(f"compiled-engine serve: error: --tp {args.tp} under torchrun, whose world is "
+                  f"{torchrun.world_size} ranks (the TP group; leave --tp out)", file=sys.stderr)
+            return 2
         engine = dataclasses.replace(engine, tp_size=torchrun.world_size)
     try:
         kernels.apply_isa_caps()  # before torch first dispatches; the ranks inherit them

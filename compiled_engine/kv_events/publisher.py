@@ -3,7 +3,8 @@
 Wire format (vLLM's `ZmqEventPublisher`, what `vllm-router --policy kv_aware` decodes): a PUB
 socket sends one multipart message per engine step that changed the cache, `[topic, seq (8 bytes,
 big-endian), payload]`; the payload is msgpack of `[ts, [event, ...]]`, each event a map tagged
-`"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"`. With `replay_endpoint`, a ROUTER
+`"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"`. The first batch (seq 0) is
+`AllBlocksCleared`: a replica that (re)starts has an empty cache. With `replay_endpoint`, a ROUTER
 socket answers `[b"", start_seq]` with every buffered batch from `start_seq` on,
 `[b"", topic, seq, payload]` each, then `[b"", b"", -1, b""]`.
 
@@ -15,6 +16,7 @@ hands over its step's cache events."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import queue
@@ -67,9 +69,10 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def chain_hashes(path: tuple[int, ...], page_size: int) -> list[bytes]:
-    """The chained hash of every full page of `path`, in order."""
+    """The chained hash of every page of `path` (page-aligned), in order: sha256 of the previous
+    page's hash (none for the first) and the page's tokens as little-endian uint32."""
     out, prev = [], b""
-    for i in range(0, len(path) - len(path) % page_size, page_size):
+    for i in range(0, len(path), page_size):
         prev = hashlib.sha256(prev + struct.pack(f"<{page_size}I", *path[i : i + page_size]))
         prev = prev.digest()
         out.append(prev)
@@ -107,6 +110,7 @@ class KVEventPublisher:
         self._started = threading.Event()
         self._error: str | None = None
         self._dropped = 0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
         if not self._started.wait(START_TIMEOUT_S):
@@ -115,8 +119,12 @@ class KVEventPublisher:
             raise RuntimeError(f"kv events: {self._error}")
 
     def publish(self, cache_events: list[CacheStored | CacheRemoved]) -> None:
+        """Queue one step's events (the caller gives the list up); nothing once the publisher's
+        thread has failed (it logged why)."""
+        if not self._thread.is_alive():
+            return
         try:
-            self._queue.put_nowait((time.time(), list(cache_events)))
+            self._queue.put_nowait((time.time(), cache_events))
         except queue.Full:
             self._dropped += 1
             if self._dropped == 1:
@@ -124,31 +132,42 @@ class KVEventPublisher:
                             self.config.max_queue_size)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        with contextlib.suppress(queue.Full):  # a full queue: the thread's `_stop` still ends it
+            self._queue.put_nowait(None)
+        self._stop.set()
         self._thread.join(5.0)
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        pub = ctx.socket(zmq.PUB)
-        replay = None
+        sockets: list[zmq.Socket] = []
         try:
+            pub = ctx.socket(zmq.PUB)
+            sockets.append(pub)
             pub.set_hwm(self.config.hwm)
             pub.bind(self.config.endpoint)
+            replay = None
             if self.config.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
+                sockets.append(replay)
                 replay.bind(self.config.replay_endpoint)
         except zmq.ZMQError as e:
             self._error = f"cannot bind {self.config.endpoint} / {self.config.replay_endpoint}: {e}"
             self._started.set()
-            pub.close(linger=0)
-            ctx.term()
+            self._close(ctx, sockets)
             return
         self._started.set()
         topic = self.config.topic.encode()
         buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
-        seq = 0
+
+        def send(ts: float, events: list[KVCacheEvent]) -> None:
+            seq = buffer[-1][0] + 1 if buffer else 0
+            payload = self._encoder.encode(KVEventBatch(ts, events))
+            pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+            buffer.append((seq, payload))
+
         try:
-            while True:
+            send(time.time(), [AllBlocksCleared()])
+            while not self._stop.is_set():
                 if replay is not None:
                     while replay.poll(0):
                         self._replay(replay, topic, buffer)
@@ -159,17 +178,17 @@ class KVEventPublisher:
                 if item is None:
                     return
                 ts, cache_events = item
-                payload = self._encoder.encode(
-                    KVEventBatch(ts, to_events(cache_events, self.page_size))
-                )
-                pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-                buffer.append((seq, payload))
-                seq += 1
+                send(ts, to_events(cache_events, self.page_size))
+        except Exception:  # noqa: BLE001 - the engine serves on without events; say why
+            log.exception("kv events: the publisher failed; no more events are sent")
         finally:
-            pub.close(linger=0)
-            if replay is not None:
-                replay.close(linger=0)
-            ctx.term()
+            self._close(ctx, sockets)
+
+    @staticmethod
+    def _close(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
 
     @staticmethod
     def _replay(sock: zmq.Socket, topic: bytes, buffer: deque[tuple[int, bytes]]) -> None:

@@ -67,9 +67,10 @@ def test_cache_aware_routing_beats_round_robin_on_prefix_hits(
         ) as url:
             rates[policy] = hit_rate(replicas, url)
     print(f"{kind}: prefix hit rate alone {alone:.3f}, {rates}")
-    # a tenant's first question misses, wherever it goes; its system prompt is ~97% of a prompt
-    assert rates["cache_aware"] >= alone + 0.15
-    assert rates["cache_aware"] >= rates["round_robin"] + 0.15
+    # Balanced tenants (4 / 4) give ~0.93; the routers' load balancing may split them 6 / 2 (seen:
+    # ~0.86); a tenant's first question misses wherever it goes
+    assert rates["cache_aware"] >= alone + 0.1
+    assert rates["cache_aware"] >= rates["round_robin"] + 0.1
 
 
 @pytest.mark.parametrize("sources", ["discovered", "static"])

@@ -6,6 +6,7 @@ restarted on its port with the warm compile cache it is back in rotation. The re
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -65,6 +66,11 @@ def load(url: str, n: int, threads: int, results: list, started: threading.Event
         assert not w.is_alive(), "a request through the router hung"
 
 
+def running_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(r"^vllm:num_requests_running (\S+)$", text, re.M).group(1))
+
+
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: Path) -> None:
     with replicas(tmp_path) as (a, b), running_router(
@@ -75,14 +81,19 @@ def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: P
         loader = threading.Thread(target=load, args=(url, 40, 4, during, started))
         loader.start()
         assert started.wait(120)
+        deadline = time.monotonic() + 60
+        while running_requests(b.url) == 0:  # kill it with requests in flight on it
+            assert time.monotonic() < deadline and loader.is_alive(), "b got no request"
+            time.sleep(0.05)
         b.kill()
         loader.join(400)
         assert not loader.is_alive()
         failed = [x for x in during if x[0] != 200]
         print(f"{kind}: {len(during)} requests while the replica died, failed: {failed}")
         assert len(during) == 40
-        # a request that was not retried elsewhere fails with a server error, not a client one
-        assert all(status == 0 or status >= 500 for status, _ in failed), failed
+        # one that the router did not retry elsewhere is a server error with a body, not a dropped
+        # connection (both routers retried every one in the runs so far: README)
+        assert all(status >= 500 for status, _ in failed), failed
 
         time.sleep(3)  # health checks every 1 s, one failure marks the replica unhealthy
         after: list = []
