@@ -15,6 +15,7 @@ from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import (
     IncrementalDetokenizer,
     Prompt,
+    encode_chat,
     encode_prompt,
     load_tokenizer,
 )
@@ -66,6 +67,35 @@ class LLM:
         else:
             self.engine = build_engine(self.config)
         self._next_id = 0
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` over conversations, as vLLM's `LLM.chat`: one conversation (a list of
+        `{"role", "content"}` messages) or a list of them, each through the model's chat template
+        (with `tools`, OpenAI function tools, and `chat_template_kwargs`, the template's own
+        variables); one output per conversation. The model's tool calls stay text here (the
+        server parses them)."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not conversations or not all(
+            isinstance(c, list) and c and all(isinstance(m, dict) for m in c)
+            for c in conversations
+        ):
+            raise ValueError("chat: messages must be a conversation (a non-empty list of message "
+                             "dicts) or a list of conversations")
+        prompts = [
+            encode_chat(self.tokenizer, c, add_generation_prompt, tools, chat_template_kwargs)
+            for c in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm)
 
     def generate(
         self,

@@ -82,12 +82,14 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
-    """The chat template's prompt ids; `tools` (OpenAI function tools) go to the template too."""
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The chat template's prompt ids; `tools` (OpenAI function tools) and `template_kwargs` (the
+    template's own variables, e.g. `enable_thinking`) go to the template too."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools,
+        **(template_kwargs or {}),
     )
     return tokenizer(text, add_special_tokens=False).input_ids
 

@@ -127,3 +127,37 @@ def test_a_tiny_temperature_is_greedy(llm: LLM) -> None:
     greedy = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     tiny = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True))[0]
     assert tiny.token_ids == greedy.token_ids
+
+
+def test_chat_takes_one_conversation_or_many_through_the_template(llm: LLM) -> None:
+    """`LLM.chat` as vLLM's: the prompt is what transformers' chat template makes of the messages
+    (tools included), one output per conversation, the same tokens as `generate` on that prompt."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    second = [{"role": "user", "content": "Name a color."}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+    def template(conv: list[dict], **kw) -> list[int]:
+        text = llm.tokenizer.apply_chat_template(conv, tokenize=False, **kw)
+        return llm.tokenizer(text, add_special_tokens=False).input_ids
+
+    (alone,) = llm.chat(first, params)
+    both = llm.chat([first, second], params)
+    assert alone.prompt_token_ids == template(first, add_generation_prompt=True)
+    assert [o.prompt_token_ids for o in both] == [template(c, add_generation_prompt=True)
+                                                  for c in (first, second)]
+    assert [o.token_ids for o in both] == [
+        o.token_ids for o in llm.generate([template(c, add_generation_prompt=True)
+                                           for c in (first, second)], params)]
+    assert both[0].token_ids == alone.token_ids
+    (with_tool,) = llm.chat(second, params, tools=[tool])
+    assert with_tool.prompt_token_ids == template(second, add_generation_prompt=True,
+                                                  tools=[tool])
+    assert "get_weather" in llm.tokenizer.decode(with_tool.prompt_token_ids)
+    (no_header,) = llm.chat(second, params, add_generation_prompt=False)
+    assert no_header.prompt_token_ids == template(second, add_generation_prompt=False)
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat([], params)
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat([[{"role": "user", "content": "a"}], "not a conversation"], params)
