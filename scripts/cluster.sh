@@ -5,9 +5,12 @@
 #   scripts/cluster.sh                     # 2 demo replicas on 18801-18802, sglang-router on 8000
 #   N=4 MODEL=/path/to/checkpoint scripts/cluster.sh
 #   ROUTER=vllm scripts/cluster.sh         # vllm-router instead (the same flags)
+#   ROUTER=vllm POLICY=kv_aware scripts/cluster.sh   # replicas publish KV events on 5557, 5558, ...
 #
-# Environment: N (2), BASE_PORT (18801), MODEL (demo), ROUTER (sglang | vllm), ROUTER_PORT (8000),
-# WAIT_S (600: how long a replica may take to answer /health with 200), LOG_DIR (a temporary folder).
+# Environment: N (2), BASE_PORT (18801), MODEL (demo), ROUTER (sglang | vllm), POLICY (cache_aware;
+# any the router has), ROUTER_PORT (8000), KV_BASE_PORT (5557: kv_aware's KV event ports),
+# SERVE_ARGS (more flags for every replica), WAIT_S (600: how long a replica may take to answer
+# /health with 200), LOG_DIR (a temporary folder).
 set -euo pipefail
 
 N=${N:-2}
@@ -15,6 +18,9 @@ BASE_PORT=${BASE_PORT:-18801}
 MODEL=${MODEL:-demo}
 ROUTER=${ROUTER:-sglang}
 ROUTER_PORT=${ROUTER_PORT:-8000}
+POLICY=${POLICY:-cache_aware}
+KV_BASE_PORT=${KV_BASE_PORT:-5557}
+read -r -a serve_args <<<"${SERVE_ARGS:-}"
 WAIT_S=${WAIT_S:-600}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
@@ -63,8 +69,12 @@ EOF
 urls=()
 for ((i = 0; i < N; i++)); do
     port=$((BASE_PORT + i))
+    kv=()
+    if [ "$POLICY" = kv_aware ]; then
+        kv=(--kv-events-config "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:$((KV_BASE_PORT + i))\"}")
+    fi
     "$VENV/bin/compiled-engine" serve --model "$MODEL" --host 127.0.0.1 --port "$port" \
-        >"$LOG_DIR/replica-$port.log" 2>&1 &
+        "${kv[@]}" "${serve_args[@]}" >"$LOG_DIR/replica-$port.log" 2>&1 &
     pids+=("$!")
     urls+=("http://127.0.0.1:$port")
     echo "replica $i: http://127.0.0.1:$port (log: $LOG_DIR/replica-$port.log)"
@@ -87,7 +97,7 @@ for ((i = 0; i < N; i++)); do
     echo "replica ${urls[$i]} is healthy"
 done
 
-"${router_cmd[@]}" --worker-urls "${urls[@]}" --policy cache_aware \
+"${router_cmd[@]}" --worker-urls "${urls[@]}" --policy "$POLICY" \
     --host 127.0.0.1 --port "$ROUTER_PORT" \
     --prometheus-host 127.0.0.1 --prometheus-port "$(free_port)" \
     >"$LOG_DIR/router.log" 2>&1 &
