@@ -97,7 +97,7 @@ def test_vllm_router_kv_aware_follows_the_published_kv_events(sources: str, tmp_
                 warm = {"model": "demo", "prompt": prefix, "max_tokens": 1, "temperature": 0}
                 assert httpx.post(urls[target] + "/v1/completions", json=warm,
                                   timeout=60).status_code == 200
-                time.sleep(0.5)  # the events reach the router
+                time.sleep(1.0)  # the events reach the router
                 before = [prefix_counts(u) for u in urls]
                 for q in range(4):
                     body = warm | {"prompt": f"{prefix} and question {q}"}
