@@ -20,7 +20,7 @@ from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
-from server import info_routes, routes
+from server import info_routes, responses, routes
 from server.engine_client import EngineClient
 from server.handlers import error_response
 from server.metrics import Metrics
@@ -78,6 +78,7 @@ def create_app(config: ServerConfig) -> Starlette:
           for path in ("/model_info", "/get_model_info")),
         *(Route(path, info_routes.server_info, methods=["GET"])
           for path in ("/server_info", "/get_server_info")),
+        Route("/v1/responses", responses.responses, methods=["POST"]),
         Route("/get_load", info_routes.get_load, methods=["GET"]),
         Route("/kv_event_sources", info_routes.kv_event_sources, methods=["GET"]),
     ]

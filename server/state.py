@@ -12,6 +12,7 @@ from compiled_engine.ranks.torchrun import TorchrunPlacement
 from server.engine_client import EngineClient
 from server.metrics import Metrics
 from server.protocol import Limits
+from server.response_store import ResponseStore
 from server.tools import parser_for_template
 
 
@@ -40,6 +41,7 @@ class ServerState:
     metrics: Metrics
     model_name: str  # the id /v1/models lists
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -1,0 +1,293 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the chat path.
+
+A request becomes a chat request (`instructions` a system message first; a string `input` one user
+message; input items: messages, `function_call` and `function_call_output`; `text.format` the
+response format; function tools and `tool_choice` in the chat shape), parsed and run as a chat
+completion is, and its answer becomes output items: one `message` with its `output_text`, or one
+`function_call` per call. `previous_response_id` continues a stored response: the conversation that
+led to it and its output come first. Responses are kept in memory (`response_store.py`: the latest
+`capacity`, unless `store` is false)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from compiled_engine.tokenization import encode_chat
+from server.generation import Delta, Generation
+from server.handlers import (
+    collect,
+    endpoint,
+    json_response,
+    model_name,
+    new_generation,
+    read_json,
+    state_of,
+    stream,
+)
+from server.openai_format import sse
+from server.protocol import ChatRequest, ProtocolError, check_fields, parse_chat, require_object
+from server.tools import extract_calls
+
+FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+                    "stream", "text", "tools", "tool_choice", "parallel_tool_calls",
+                    "previous_response_id", "store", "metadata", "user"})
+# a chat field's name in an error -> the Responses field it came from
+FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
+               "response_format": "text.format"}
+
+
+def _content_text(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+        and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ProtocolError(f"'{where}.content' must be a string or a list of input_text parts", where)
+
+
+def _input_messages(value: object) -> list[dict]:
+    """`input` as chat messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("'input' must be a string or a non-empty list of items", "input")
+    out: list[dict] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ProtocolError(f"'{where}' must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role"), "content": _content_text(item.get("content"),
+                                                                           where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": item.get("output")})
+        else:
+            raise ProtocolError(f"'{where}.type' {kind!r} is not supported (message, "
+                                "function_call, function_call_output)", where)
+    return out
+
+
+def _chat_body(body: dict, history: list[dict]) -> dict:
+    """The chat request a Responses request is."""
+    messages = list(history)
+    if body.get("instructions") is not None:
+        messages.insert(0, {"role": "system", "content": body["instructions"]})
+    messages += _input_messages(body.get("input"))
+    chat: dict = {"model": body.get("model"), "messages": messages}
+    for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                         ("top_p", "top_p"), ("user", "user"),
+                         ("parallel_tool_calls", "parallel_tool_calls")):
+        if body.get(ours) is not None:
+            chat[theirs] = body[ours]
+    text = body.get("text")
+    if text is not None:
+        check_fields(require_object(text), frozenset({"format"}), "text")
+        fmt = text.get("format")
+        if fmt is not None:
+            fmt = require_object(fmt)
+            if fmt.get("type") == "json_schema":
+                check_fields(fmt, frozenset({"type", "name", "schema", "strict", "description"}),
+                             "text.format")
+                chat["response_format"] = {"type": "json_schema", "json_schema": {
+                    k: v for k, v in fmt.items() if k != "type"}}
+            else:
+                chat["response_format"] = fmt
+    if body.get("tools") is not None:
+        tools = body["tools"]
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function" for t in tools):
+            raise ProtocolError("'tools' must be a list of function tools", "tools")
+        chat["tools"] = [{"type": "function", "function": {
+            k: v for k, v in t.items() if k in ("name", "description", "parameters", "strict")}}
+            for t in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    return chat
+
+
+@dataclass
+class _Answer:
+    """One finished choice as output items, and as the assistant message a follow-up sees."""
+
+    items: list[dict]
+    message: dict
+
+
+def _answer(st, req: ChatRequest, gen: Generation) -> _Answer:
+    c = gen.choices[0]
+    text, calls = c.detok.text, []
+    if req.tools is not None and req.tools.choice != "none":
+        raw = (st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+               if st.tool_parser != "hermes" else c.detok.text)
+        text, calls = extract_calls(req.tools, raw, st.tool_parser)
+    if calls:
+        openai_calls = [t.as_openai() for t in calls]
+        items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": t["id"],
+                  "name": t["function"]["name"], "arguments": t["function"]["arguments"],
+                  "status": "completed"} for t in openai_calls]
+        return _Answer(items, {"role": "assistant", "content": text or None,
+                               "tool_calls": openai_calls})
+    item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text or "", "annotations": []}]}
+    return _Answer([item], {"role": "assistant", "content": text or ""})
+
+
+def _response(st, body: dict, req: ChatRequest, rid: str, created: float, status: str,
+              output: list[dict], gen: Generation | None) -> dict:
+    incomplete = status == "incomplete"
+    out = {
+        "id": rid, "object": "response", "created_at": created, "status": status,
+        "model": model_name(st, req), "output": output,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "previous_response_id": body.get("previous_response_id"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "metadata": body.get("metadata"), "store": body.get("store", True),
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None,
+    }
+    if gen is not None:
+        out["usage"] = {
+            "input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
+    return out
+
+
+@endpoint("responses")
+async def responses(request: Request) -> Response:
+    st = state_of(request)
+    body = require_object(await read_json(request))
+    check_fields(body, FIELDS)
+    history = (st.responses.get(body["previous_response_id"])
+               if body.get("previous_response_id") is not None else [])
+    want_stream, keep = body.get("stream", False), body.get("store", True)
+    if not isinstance(want_stream, bool) or not isinstance(keep, bool):
+        raise ProtocolError("'stream' and 'store' must be booleans",
+                            "stream" if not isinstance(want_stream, bool) else "store")
+    chat = _chat_body(body, history)
+    try:
+        req = parse_chat(chat, st.limits)
+    except ProtocolError as e:
+        param = e.param or ""
+        for theirs, ours in FIELD_NAMES.items():
+            if param.startswith(theirs):
+                e.message = e.message.replace(f"'{theirs}", f"'{ours}")
+                e.param = ours + param[len(theirs):]
+        raise
+    try:
+        prompt = encode_chat(st.tokenizer, req.messages,
+                             tools=req.tools.template_tools() if req.tools is not None else None)
+    except ValueError as e:
+        raise ProtocolError(str(e), "input") from None
+    gen = new_generation(st, "resp", req, [prompt], None)
+    rid, created = f"resp_{uuid.uuid4().hex}", time.time()
+
+    def finish() -> tuple[str, _Answer]:
+        answer = _answer(st, req, gen)
+        if keep:
+            st.responses.put(rid, [*chat["messages"], answer.message])
+        status = "incomplete" if gen.choices[0].finish_reason == "length" else "completed"
+        return status, answer
+
+    if not want_stream:
+        await collect(request, st, gen)
+        status, answer = finish()
+        return json_response(_response(st, body, req, rid, created, status, answer.items, gen))
+    return await _stream(st, body, req, gen, rid, created, finish)
+
+
+async def _stream(st, body, req, gen, rid, created, finish) -> Response:
+    """The Responses event stream: created, in_progress; for a plain answer the message's item and
+    part, a text delta per engine delta, their done events; with tools on, the items once the
+    answer is whole (a call is known only then); completed (or incomplete)."""
+    seq = iter(range(1 << 62))
+    calling = req.tools is not None and req.tools.choice != "none"
+    msg_id = f"msg_{uuid.uuid4().hex}"
+
+    def event(kind: str, **fields: object) -> dict:
+        return {"type": kind, "sequence_number": next(seq), **fields}
+
+    def snapshot(status: str, output: list[dict], with_usage: bool) -> dict:
+        return _response(st, body, req, rid, created, status, output, gen if with_usage else None)
+
+    empty_part = {"type": "output_text", "text": "", "annotations": []}
+    head = [sse(event("response.created", response=snapshot("in_progress", [], False))),
+            sse(event("response.in_progress", response=snapshot("in_progress", [], False)))]
+    if not calling:
+        head += [
+            sse(event("response.output_item.added", output_index=0, item={
+                "type": "message", "id": msg_id, "status": "in_progress", "role": "assistant",
+                "content": []})),
+            sse(event("response.content_part.added", item_id=msg_id, output_index=0,
+                      content_index=0, part=empty_part)),
+        ]
+
+    def chunk(d: Delta) -> dict | None:
+        if calling or not d.text:
+            return None
+        return event("response.output_text.delta", item_id=msg_id, output_index=0,
+                     content_index=0, delta=d.text, logprobs=[])
+
+    def tail() -> list[str]:
+        status, answer = finish()
+        events: list[dict] = []
+        for i, item in enumerate(answer.items):
+            if item["type"] == "message":
+                item["id"] = msg_id if not calling else item["id"]
+                part = item["content"][0]
+                if calling:
+                    events += [
+                        event("response.output_item.added", output_index=i,
+                              item=item | {"status": "in_progress", "content": []}),
+                        event("response.content_part.added", item_id=item["id"], output_index=i,
+                              content_index=0, part=empty_part),
+                        event("response.output_text.delta", item_id=item["id"], output_index=i,
+                              content_index=0, delta=part["text"], logprobs=[]),
+                    ]
+                events += [
+                    event("response.output_text.done", item_id=item["id"], output_index=i,
+                          content_index=0, text=part["text"], logprobs=[]),
+                    event("response.content_part.done", item_id=item["id"], output_index=i,
+                          content_index=0, part=part),
+                ]
+            else:
+                events += [
+                    event("response.output_item.added", output_index=i,
+                          item=item | {"status": "in_progress", "arguments": ""}),
+                    event("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=i, delta=item["arguments"]),
+                    event("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=i, arguments=item["arguments"]),
+                ]
+            events.append(event("response.output_item.done", output_index=i, item=item))
+        done = "response.incomplete" if status == "incomplete" else "response.completed"
+        events.append(event(done, response=snapshot(status, answer.items, True)))
+        return [sse(e) for e in events]
+
+    return await stream(st, gen, head, chunk, tail)

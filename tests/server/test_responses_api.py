@@ -1,0 +1,113 @@
+"""`/v1/responses` through the official openai client (`client.responses.create`), streamed and
+not: text input and message lists with `instructions` (the same answer as the chat endpoint on the
+same conversation), `text.format` (a JSON schema the answer follows), a function tool (a forced call
+becomes a `function_call` item), `previous_response_id` (the stored conversation continues), and
+the 400s / 404 of what it does not take."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from tests.server.conftest import RunningServer
+
+pytestmark = pytest.mark.slow
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object",
+                          "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_text_and_messages_answer_as_chat_does(client: OpenAI) -> None:
+    out = client.responses.create(model="demo", input="Name a color.", instructions="Be brief.",
+                                  max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model="demo", max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Name a color."}])
+    assert out.object == "response" and out.id.startswith("resp_")
+    assert out.output_text == chat.choices[0].message.content
+    assert out.output[0].type == "message" and out.output[0].role == "assistant"
+    assert out.usage.input_tokens == chat.usage.prompt_tokens
+    assert out.usage.output_tokens == chat.usage.completion_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert out.status == "completed" and out.incomplete_details is None
+    items = client.responses.create(
+        model="demo", max_output_tokens=12, temperature=0, instructions="Be brief.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}])
+    assert items.output_text == out.output_text
+
+
+def test_streamed_events_add_up_to_the_answer(client: OpenAI) -> None:
+    kwargs = dict(model="demo", input="Tell me a story.", max_output_tokens=16, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done",
+                          "response.incomplete" if whole.status == "incomplete"
+                          else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_text_format_json_schema_is_followed(client: OpenAI) -> None:
+    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 8}},
+              "required": ["color"], "additionalProperties": False}
+    out = client.responses.create(
+        model="demo", input="A color as JSON.", max_output_tokens=48, temperature=0,
+        text={"format": {"type": "json_schema", "name": "color", "schema": schema,
+                         "strict": True}})
+    assert set(json.loads(out.output_text)) == {"color"}
+
+
+def test_a_function_call_then_its_output_continue_the_stored_conversation(
+    client: OpenAI,
+) -> None:
+    forced = {"type": "function", "name": "get_weather"}
+    first = client.responses.create(model="demo", input="Weather in Paris?", tools=[WEATHER],
+                                    tool_choice=forced, max_output_tokens=64, temperature=0)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    follow = client.responses.create(
+        model="demo", previous_response_id=first.id, max_output_tokens=8, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    chat = client.chat.completions.create(  # the same conversation (tools are given per request)
+        model="demo", max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.call_id, "type": "function",
+                       "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+    assert follow.previous_response_id == first.id
+    assert follow.output_text == (chat.choices[0].message.content or "")
+    streamed = list(client.responses.create(model="demo", input="Weather in Paris?",
+                                            tools=[WEATHER], tool_choice=forced,
+                                            max_output_tokens=64, temperature=0, stream=True))
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+
+
+def test_what_it_does_not_take_is_refused(client: OpenAI) -> None:
+    with pytest.raises(BadRequestError, match="reasoning"):
+        client.responses.create(model="demo", input="Hi", reasoning={"effort": "low"})
+    with pytest.raises(BadRequestError, match="max_output_tokens"):
+        client.responses.create(model="demo", input="Hi", max_output_tokens=-1)
+    with pytest.raises(NotFoundError, match="no stored response"):
+        client.responses.create(model="demo", input="Hi", previous_response_id="resp_nope")
+    kept = client.responses.create(model="demo", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(NotFoundError):
+        client.responses.create(model="demo", input="Hi", previous_response_id=kept.id)
