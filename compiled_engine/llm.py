@@ -71,18 +71,19 @@ class LLM:
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         *,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """`generate` over conversations, as vLLM's `LLM.chat`: one conversation (a list of
-        `{"role", "content"}` messages) or a list of them, each through the model's chat template
-        (with `tools`, OpenAI function tools, and `chat_template_kwargs`, the template's own
-        variables); one output per conversation. The model's tool calls stay text here (the
-        server parses them)."""
+        """`generate` over conversations, like vLLM's `LLM.chat`: one conversation (a list of
+        messages) or a list of them, each through the model's chat template (with `tools`, OpenAI
+        function tools, and `chat_template_kwargs`, the template's own variables); one output per
+        conversation. Messages go to the template as given: content a string, a tool call's
+        arguments an object (the server converts OpenAI's shapes; this does not). The model's
+        tool calls stay text here (the server parses them)."""
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not conversations or not all(
@@ -95,7 +96,7 @@ class LLM:
             encode_chat(self.tokenizer, c, add_generation_prompt, tools, chat_template_kwargs)
             for c in conversations
         ]
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(
         self,

@@ -33,12 +33,21 @@ from server.openai_format import sse
 from server.protocol import ChatRequest, ProtocolError, check_fields, parse_chat, require_object
 from server.tools import extract_calls
 
+IDS = ("user", "safety_identifier", "prompt_cache_key")  # ids that ask for no behaviour
+# accepted with the value that asks for nothing more than the server does anyway
+DEFAULTS = {"include": [], "truncation": "disabled", "background": False, "service_tier": "auto"}
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "text", "tools", "tool_choice", "parallel_tool_calls",
-                    "previous_response_id", "store", "metadata", "user"})
-# a chat field's name in an error -> the Responses field it came from
-FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
-               "response_format": "text.format"}
+                    "previous_response_id", "store", "metadata", *IDS, *DEFAULTS})
+TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict"})
+ITEM_FIELDS = {
+    "message": frozenset({"type", "role", "content", "id", "status"}),
+    "function_call": frozenset({"type", "call_id", "name", "arguments", "id", "status"}),
+    "function_call_output": frozenset({"type", "call_id", "output", "id", "status"}),
+}
+# a chat field's name in an error -> the Responses field it came from (prefixes, in order)
+FIELD_NAMES = (("messages", "input"), ("max_tokens", "max_output_tokens"),
+               ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
 
 
 def _content_text(content: object, where: str) -> str:
@@ -64,31 +73,53 @@ def _input_messages(value: object) -> list[dict]:
         if not isinstance(item, dict):
             raise ProtocolError(f"'{where}' must be an object", where)
         kind = item.get("type", "message")
+        if kind not in ITEM_FIELDS:
+            raise ProtocolError(f"'{where}.type' {kind!r} is not supported (message, "
+                                "function_call, function_call_output)", f"{where}.type")
+        check_fields(item, ITEM_FIELDS[kind], where)
         if kind == "message":
             out.append({"role": item.get("role"), "content": _content_text(item.get("content"),
                                                                            where)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            continue
+        for name in ("call_id", *(("name", "arguments") if kind == "function_call"
+                                  else ("output",))):
+            if not isinstance(item.get(name), str):
+                raise ProtocolError(f"'{where}.{name}' must be a string", f"{where}.{name}")
+        if kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": item.get("output")})
         else:
-            raise ProtocolError(f"'{where}.type' {kind!r} is not supported (message, "
-                                "function_call, function_call_output)", where)
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": item["output"]})
     return out
 
 
-def _chat_body(body: dict, history: list[dict]) -> dict:
-    """The chat request a Responses request is."""
-    messages = list(history)
+def _check_plain_fields(body: dict) -> None:
+    """The fields taken as given: ids, `metadata`, and defaults that ask for nothing."""
+    for name in IDS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ProtocolError(f"'{name}' must be a string", name)
+    for name, value in DEFAULTS.items():
+        if body.get(name) is not None and body[name] != value:
+            raise ProtocolError(f"'{name}' is supported only as {value!r}", name)
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and len(metadata) <= 16
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise ProtocolError("'metadata' must be at most 16 string keys and values", "metadata")
+
+
+def _chat_body(body: dict, conversation: list[dict]) -> dict:
+    """The chat request a Responses request is: its `instructions` (not kept for a follow-up, as
+    OpenAI's) first, then the conversation."""
+    messages = list(conversation)
     if body.get("instructions") is not None:
         messages.insert(0, {"role": "system", "content": body["instructions"]})
-    messages += _input_messages(body.get("input"))
     chat: dict = {"model": body.get("model"), "messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("user", "user"),
@@ -108,14 +139,17 @@ def _chat_body(body: dict, history: list[dict]) -> dict:
                     k: v for k, v in fmt.items() if k != "type"}}
             else:
                 chat["response_format"] = fmt
-    if body.get("tools") is not None:
-        tools = body["tools"]
-        if not isinstance(tools, list) or not all(
-                isinstance(t, dict) and t.get("type") == "function" for t in tools):
-            raise ProtocolError("'tools' must be a list of function tools", "tools")
-        chat["tools"] = [{"type": "function", "function": {
-            k: v for k, v in t.items() if k in ("name", "description", "parameters", "strict")}}
-            for t in tools]
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ProtocolError("'tools' must be a list of function tools", "tools")
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise ProtocolError(f"'tools[{i}]' must be a function tool (the only kind served)",
+                                f"tools[{i}]")
+        check_fields(t, TOOL_FIELDS, f"tools[{i}]")
+    if tools:
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items()
+                                                           if k != "type"}} for t in tools]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -126,34 +160,40 @@ def _chat_body(body: dict, history: list[dict]) -> dict:
 
 @dataclass
 class _Answer:
-    """One finished choice as output items, and as the assistant message a follow-up sees."""
+    """One finished choice: its status, its output items, and the assistant message a follow-up
+    sees."""
 
+    status: str  # completed | incomplete (max_output_tokens) | failed
     items: list[dict]
     message: dict
+    error: str | None = None
 
 
 def _answer(st, req: ChatRequest, gen: Generation) -> _Answer:
     c = gen.choices[0]
+    status = {"length": "incomplete", "error": "failed"}.get(c.finish_reason, "completed")
     text, calls = c.detok.text, []
     if req.tools is not None and req.tools.choice != "none":
         raw = (st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
                if st.tool_parser != "hermes" else c.detok.text)
         text, calls = extract_calls(req.tools, raw, st.tool_parser)
-    if calls:
-        openai_calls = [t.as_openai() for t in calls]
-        items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": t["id"],
-                  "name": t["function"]["name"], "arguments": t["function"]["arguments"],
-                  "status": "completed"} for t in openai_calls]
-        return _Answer(items, {"role": "assistant", "content": text or None,
-                               "tool_calls": openai_calls})
-    item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": text or "", "annotations": []}]}
-    return _Answer([item], {"role": "assistant", "content": text or ""})
+    items: list[dict] = []
+    if text or not calls:  # text the model wrote before its calls stays, as OpenAI's does
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
+                      "role": "assistant",
+                      "content": [{"type": "output_text", "text": text or "", "annotations": []}]})
+    openai_calls = [t.as_openai() for t in calls]
+    items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": t["id"],
+               "name": t["function"]["name"], "arguments": t["function"]["arguments"],
+               "status": "completed"} for t in openai_calls]
+    message = {"role": "assistant", "content": text or ("" if not calls else None)}
+    if openai_calls:
+        message["tool_calls"] = openai_calls
+    return _Answer(status, items, message, c.error if status == "failed" else None)
 
 
 def _response(st, body: dict, req: ChatRequest, rid: str, created: float, status: str,
-              output: list[dict], gen: Generation | None) -> dict:
+              output: list[dict], gen: Generation | None, error: str | None = None) -> dict:
     incomplete = status == "incomplete"
     out = {
         "id": rid, "object": "response", "created_at": created, "status": status,
@@ -167,16 +207,27 @@ def _response(st, body: dict, req: ChatRequest, rid: str, created: float, status
         "text": body.get("text") or {"format": {"type": "text"}},
         "metadata": body.get("metadata"), "store": body.get("store", True),
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "error": None,
+        "error": {"code": "server_error", "message": error} if status == "failed" else None,
     }
     if gen is not None:
         out["usage"] = {
             "input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0},  # not counted per request
             "output_tokens_details": {"reasoning_tokens": 0},
         }
     return out
+
+
+def _renamed(e: ProtocolError) -> ProtocolError:
+    """A chat request's error, named by the Responses fields it came from."""
+    param = e.param or ""
+    for theirs, ours in FIELD_NAMES:
+        if param.startswith(theirs):
+            e.message = e.message.replace(f"'{theirs}", f"'{ours}")
+            e.param = ours if theirs == "messages" else ours + param[len(theirs):]
+            break
+    return e
 
 
 @endpoint("responses")
@@ -184,48 +235,44 @@ async def responses(request: Request) -> Response:
     st = state_of(request)
     body = require_object(await read_json(request))
     check_fields(body, FIELDS)
-    history = (st.responses.get(body["previous_response_id"])
-               if body.get("previous_response_id") is not None else [])
-    want_stream, keep = body.get("stream", False), body.get("store", True)
-    if not isinstance(want_stream, bool) or not isinstance(keep, bool):
-        raise ProtocolError("'stream' and 'store' must be booleans",
-                            "stream" if not isinstance(want_stream, bool) else "store")
-    chat = _chat_body(body, history)
+    _check_plain_fields(body)
+    for name in ("stream", "store"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise ProtocolError(f"'{name}' must be a boolean", name)
+    want_stream, keep = body.get("stream") is True, body.get("store") is not False
+    previous = body.get("previous_response_id")
+    conversation = [*(st.responses.get(previous) if previous is not None else []),
+                    *_input_messages(body.get("input"))]
+    chat = _chat_body(body, conversation)
     try:
         req = parse_chat(chat, st.limits)
-    except ProtocolError as e:
-        param = e.param or ""
-        for theirs, ours in FIELD_NAMES.items():
-            if param.startswith(theirs):
-                e.message = e.message.replace(f"'{theirs}", f"'{ours}")
-                e.param = ours + param[len(theirs):]
-        raise
-    try:
         prompt = encode_chat(st.tokenizer, req.messages,
                              tools=req.tools.template_tools() if req.tools is not None else None)
-    except ValueError as e:
+        gen = new_generation(st, "resp", req, [prompt], None)
+    except ProtocolError as e:
+        raise _renamed(e) from None
+    except ValueError as e:  # the chat template refused the conversation
         raise ProtocolError(str(e), "input") from None
-    gen = new_generation(st, "resp", req, [prompt], None)
     rid, created = f"resp_{uuid.uuid4().hex}", time.time()
 
-    def finish() -> tuple[str, _Answer]:
+    def finish() -> _Answer:
         answer = _answer(st, req, gen)
         if keep:
-            st.responses.put(rid, [*chat["messages"], answer.message])
-        status = "incomplete" if gen.choices[0].finish_reason == "length" else "completed"
-        return status, answer
+            st.responses.put(rid, [*conversation, answer.message])
+        return answer
 
     if not want_stream:
         await collect(request, st, gen)
-        status, answer = finish()
-        return json_response(_response(st, body, req, rid, created, status, answer.items, gen))
+        a = finish()
+        return json_response(_response(st, body, req, rid, created, a.status, a.items, gen,
+                                       a.error))
     return await _stream(st, body, req, gen, rid, created, finish)
 
 
 async def _stream(st, body, req, gen, rid, created, finish) -> Response:
     """The Responses event stream: created, in_progress; for a plain answer the message's item and
     part, a text delta per engine delta, their done events; with tools on, the items once the
-    answer is whole (a call is known only then); completed (or incomplete)."""
+    answer is whole (a call is known only then); completed (or incomplete, or failed)."""
     seq = iter(range(1 << 62))
     calling = req.tools is not None and req.tools.choice != "none"
     msg_id = f"msg_{uuid.uuid4().hex}"
@@ -233,12 +280,13 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
     def event(kind: str, **fields: object) -> dict:
         return {"type": kind, "sequence_number": next(seq), **fields}
 
-    def snapshot(status: str, output: list[dict], with_usage: bool) -> dict:
-        return _response(st, body, req, rid, created, status, output, gen if with_usage else None)
+    def snapshot(status: str, output: list[dict], answer: _Answer | None = None) -> dict:
+        return _response(st, body, req, rid, created, status, output,
+                         gen if answer is not None else None, answer and answer.error)
 
     empty_part = {"type": "output_text", "text": "", "annotations": []}
-    head = [sse(event("response.created", response=snapshot("in_progress", [], False))),
-            sse(event("response.in_progress", response=snapshot("in_progress", [], False)))]
+    head = [sse(event("response.created", response=snapshot("in_progress", []))),
+            sse(event("response.in_progress", response=snapshot("in_progress", [])))]
     if not calling:
         head += [
             sse(event("response.output_item.added", output_index=0, item={
@@ -255,7 +303,7 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
                      content_index=0, delta=d.text, logprobs=[])
 
     def tail() -> list[str]:
-        status, answer = finish()
+        answer = finish()
         events: list[dict] = []
         for i, item in enumerate(answer.items):
             if item["type"] == "message":
@@ -286,8 +334,9 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
                           output_index=i, arguments=item["arguments"]),
                 ]
             events.append(event("response.output_item.done", output_index=i, item=item))
-        done = "response.incomplete" if status == "incomplete" else "response.completed"
-        events.append(event(done, response=snapshot(status, answer.items, True)))
+        done = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+            answer.status, "response.completed")
+        events.append(event(done, response=snapshot(answer.status, answer.items, answer)))
         return [sse(e) for e in events]
 
     return await stream(st, gen, head, chunk, tail)

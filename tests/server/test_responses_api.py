@@ -62,6 +62,9 @@ def test_streamed_events_add_up_to_the_answer(client: OpenAI) -> None:
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    item_ids = {e.item.id for e in events if e.type.startswith("response.output_item.")}
+    item_ids |= {e.item_id for e in events if hasattr(e, "item_id")}
+    assert item_ids == {events[-1].response.output[0].id}  # one message, one id throughout
 
 
 def test_text_format_json_schema_is_followed(client: OpenAI) -> None:
@@ -101,11 +104,52 @@ def test_a_function_call_then_its_output_continue_the_stored_conversation(
     assert [e.arguments for e in done] == [call.arguments]
 
 
+def test_a_follow_up_gets_the_conversation_and_only_its_own_instructions(
+    client: OpenAI,
+) -> None:
+    first = client.responses.create(model="demo", input="Hi", instructions="Be brief.",
+                                    max_output_tokens=6, temperature=0)
+    follow = client.responses.create(model="demo", input="And then?", instructions="Be kind.",
+                                     previous_response_id=first.id, max_output_tokens=6,
+                                     temperature=0)
+    chat = client.chat.completions.create(model="demo", max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And then?"}])
+    assert follow.output_text == chat.choices[0].message.content
+    stateless = client.responses.create(model="demo", max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    same = client.chat.completions.create(model="demo", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert stateless.output_text == same.choices[0].message.content
+
+
 def test_what_it_does_not_take_is_refused(client: OpenAI) -> None:
     with pytest.raises(BadRequestError, match="reasoning"):
         client.responses.create(model="demo", input="Hi", reasoning={"effort": "low"})
-    with pytest.raises(BadRequestError, match="max_output_tokens"):
-        client.responses.create(model="demo", input="Hi", max_output_tokens=-1)
+    for bad, param in (
+        (dict(max_output_tokens=-1), "max_output_tokens"),
+        (dict(max_output_tokens=10**6), "max_output_tokens"),
+        (dict(include=["reasoning.encrypted_content"]), "include"),
+        (dict(tools=[WEATHER | {"defer_loading": True}]), "tools[0]"),
+        (dict(tools=[{"type": "web_search"}]), "tools[0]"),
+        (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]),
+         "input[0].call_id"),
+        (dict(text={"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+         "text.format"),
+    ):
+        with pytest.raises(BadRequestError) as e:
+            client.responses.create(model="demo", **({"input": "Hi"} | bad))
+        assert e.value.body["param"].startswith(param), (bad, e.value.body)
+    assert client.responses.create(model="demo", input="Hi", max_output_tokens=2, tools=[],
+                                   include=[], truncation="disabled", user="u",
+                                   metadata={"k": "v"}).status in ("completed", "incomplete")
     with pytest.raises(NotFoundError, match="no stored response"):
         client.responses.create(model="demo", input="Hi", previous_response_id="resp_nope")
     kept = client.responses.create(model="demo", input="Hi", max_output_tokens=2, store=False)
