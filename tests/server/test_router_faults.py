@@ -10,7 +10,6 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -28,9 +27,11 @@ ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshol
 LOAD = COMPLETION | {"max_tokens": 24, "ignore_eos": True}
 
 
-@contextmanager
-def replicas(tmp_path: Path) -> Iterator[list[ServeProcess]]:
-    made = [ServeProcess(SERVE, tmp_path / f"replica{i}.log") for i in range(2)]
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> Iterator[list[ServeProcess]]:
+    """Shared by both routers' tests: each test kills b and leaves it restarted."""
+    logs = tmp_path_factory.mktemp("replicas")
+    made = [ServeProcess(SERVE, logs / f"replica{i}.log") for i in range(2)]
     try:
         for r in made:
             r.start()
@@ -72,8 +73,11 @@ def running_requests(url: str) -> float:
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: Path) -> None:
-    with replicas(tmp_path) as (a, b), running_router(
+def test_a_killed_replica_is_routed_around_and_comes_back(
+    kind: str, replicas: list[ServeProcess], tmp_path: Path
+) -> None:
+    a, b = replicas
+    with running_router(
         kind, "round_robin", [a.url, b.url], tmp_path / "router.log", ROUTER_HEALTH
     ) as url:
         during: list = []
@@ -105,7 +109,7 @@ def test_a_killed_replica_is_routed_around_and_comes_back(kind: str, tmp_path: P
         assert "compile cache hit" in summaries[-1], summaries
         deadline = time.monotonic() + 60
         back: list = []
-        while prefix_counts(b.url)[1] == 0:  # no prompt looked up yet: no request served
+        while prefix_counts(b.url)[1] == 0:  # the restarted b has served no request yet
             load(url, 4, 2, back, threading.Event())
             assert time.monotonic() < deadline, "the restarted replica got no request"
         assert all(s == 200 for s, _ in back), back
