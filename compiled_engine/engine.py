@@ -194,8 +194,10 @@ class Engine:
     def _publish_cache_events(self) -> None:
         """Hand what the prefix cache stored and evicted since last time to the KV event
         publisher."""
+        if self.kv_events is None:
+            return
         cache = self.scheduler.cache
-        if self.kv_events is not None and cache.events:
+        if cache.events:
             self.kv_events.publish(cache.events)
             cache.events = []
 

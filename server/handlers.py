@@ -20,6 +20,7 @@ from server.openai_format import dumps, sse, usage
 from server.protocol import GenerationRequest, ProtocolError, check_text, resolve_max_tokens
 from server.sse import ClientGone, EventStream, unless_disconnected
 from server.state import ServerState
+from server.tools import ToolCall, ToolRequest, extract_calls
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +184,15 @@ def usage_tail(
 
 def whole(c: Choice) -> Delta:
     return Delta(c.index, c.detok.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason)
+
+
+def choice_calls(
+    st: ServerState, tools: ToolRequest | None, c: Choice
+) -> tuple[str | None, list[ToolCall]]:
+    """A finished choice's content and tool calls (none while tools are off); parsers other than
+    hermes read the special tokens too."""
+    if tools is None or tools.choice == "none":
+        return c.detok.text, []
+    raw = (st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+           if st.tool_parser != "hermes" else c.detok.text)
+    return extract_calls(tools, raw, st.tool_parser)

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from compiled_engine.tokenization import encode_chat
 from server.generation import Delta, Generation
 from server.handlers import (
+    choice_calls,
     collect,
     endpoint,
     json_response,
@@ -30,8 +31,16 @@ from server.handlers import (
     stream,
 )
 from server.openai_format import sse
-from server.protocol import ChatRequest, ProtocolError, check_fields, parse_chat, require_object
-from server.tools import extract_calls
+from server.protocol import (
+    ChatRequest,
+    ProtocolError,
+    check_defaults,
+    check_fields,
+    get_bool,
+    get_str,
+    parse_chat,
+    require_object,
+)
 
 IDS = ("user", "safety_identifier", "prompt_cache_key")  # ids that ask for no behaviour
 # accepted with the value that asks for nothing more than the server does anyway
@@ -101,11 +110,8 @@ def _input_messages(value: object) -> list[dict]:
 def _check_plain_fields(body: dict) -> None:
     """The fields taken as given: ids, `metadata`, and defaults that ask for nothing."""
     for name in IDS:
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise ProtocolError(f"'{name}' must be a string", name)
-    for name, value in DEFAULTS.items():
-        if body.get(name) is not None and body[name] != value:
-            raise ProtocolError(f"'{name}' is supported only as {value!r}", name)
+        get_str(body, name, None)
+    check_defaults(body, DEFAULTS)
     metadata = body.get("metadata")
     if metadata is not None and not (
         isinstance(metadata, dict) and len(metadata) <= 16
@@ -172,11 +178,7 @@ class _Answer:
 def _answer(st, req: ChatRequest, gen: Generation) -> _Answer:
     c = gen.choices[0]
     status = {"length": "incomplete", "error": "failed"}.get(c.finish_reason, "completed")
-    text, calls = c.detok.text, []
-    if req.tools is not None and req.tools.choice != "none":
-        raw = (st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-               if st.tool_parser != "hermes" else c.detok.text)
-        text, calls = extract_calls(req.tools, raw, st.tool_parser)
+    text, calls = choice_calls(st, req.tools, c)
     items: list[dict] = []
     if text or not calls:  # text the model wrote before its calls stays, as OpenAI's does
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
@@ -236,10 +238,7 @@ async def responses(request: Request) -> Response:
     body = require_object(await read_json(request))
     check_fields(body, FIELDS)
     _check_plain_fields(body)
-    for name in ("stream", "store"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise ProtocolError(f"'{name}' must be a boolean", name)
-    want_stream, keep = body.get("stream") is True, body.get("store") is not False
+    want_stream, keep = get_bool(body, "stream", False), get_bool(body, "store", True)
     previous = body.get("previous_response_id")
     conversation = [*(st.responses.get(previous) if previous is not None else []),
                     *_input_messages(body.get("input"))]

@@ -14,6 +14,7 @@ from server.engine_client import EngineDead
 from server.generation import Delta
 from server.handlers import (
     check_model,
+    choice_calls,
     collect,
     endpoint,
     json_response,
@@ -41,7 +42,6 @@ from server.protocol import (
     require_object,
     token_ids,
 )
-from server.tools import extract_calls
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens",
                              "continue_final_message"})
@@ -154,15 +154,7 @@ async def chat_completions(request: Request) -> Response:
     def message(c) -> tuple[dict, str | None]:
         """The choice's assistant message and finish reason, tool calls parsed out when tools are
         on."""
-        if not calling:
-            return {"role": "assistant", "content": c.detok.text}, c.finish_reason
-        content, calls = extract_calls(
-            req.tools,
-            st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-            if st.tool_parser != "hermes"
-            else c.detok.text,
-            st.tool_parser,
-        )
+        content, calls = choice_calls(st, req.tools, c)
         if not calls:
             return {"role": "assistant", "content": content}, c.finish_reason
         return (

@@ -6,7 +6,6 @@ restarted on its port with the warm compile cache it is back in rotation. The re
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from compiled_engine.apps.bench.router import ServeProcess, prefix_counts, running_router
+from compiled_engine.apps.bench.router import (
+    ServeProcess,
+    metric,
+    prefix_counts,
+    running_router,
+)
 from tests.server.test_routers import COMPLETION
 
 pytestmark = pytest.mark.slow
@@ -67,11 +71,6 @@ def load(url: str, n: int, threads: int, results: list, started: threading.Event
         assert not w.is_alive(), "a request through the router hung"
 
 
-def running_requests(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return float(re.search(r"^vllm:num_requests_running (\S+)$", text, re.M).group(1))
-
-
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_a_killed_replica_is_routed_around_and_comes_back(
     kind: str, replicas: list[ServeProcess], tmp_path: Path
@@ -86,7 +85,8 @@ def test_a_killed_replica_is_routed_around_and_comes_back(
         loader.start()
         assert started.wait(120)
         deadline = time.monotonic() + 60
-        while running_requests(b.url) == 0:  # kill it with requests in flight on it
+        # kill it with requests in flight on it
+        while metric(b.url, "vllm:num_requests_running") == 0:
             assert time.monotonic() < deadline and loader.is_alive(), "b got no request"
             time.sleep(0.05)
         b.kill()

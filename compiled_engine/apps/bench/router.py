@@ -124,14 +124,16 @@ def running_router(
         proc.wait(30)
 
 
+def metric(url: str, name: str) -> float:
+    """A replica's Prometheus sample `name` (unlabelled) now."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
 def prefix_counts(url: str) -> tuple[float, float]:
     """A replica's prompt tokens found in its prefix cache and looked up, so far."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    hits, queries = (
-        float(re.search(rf"^vllm:prefix_cache_{name}_total (\S+)$", text, re.M).group(1))
-        for name in ("hits", "queries")
-    )
-    return hits, queries
+    return (metric(url, "vllm:prefix_cache_hits_total"),
+            metric(url, "vllm:prefix_cache_queries_total"))
 
 
 def tenant_workload(
