@@ -18,10 +18,11 @@ unconstrained requests never wait for one.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +30,9 @@ import torch
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import GrammarBook, RequestGrammar
 from compiled_engine.jax import bridge
+from compiled_engine.prompt_record import PromptRecord
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep, StepOutput
+from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
@@ -59,6 +62,8 @@ class RequestState:
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
     grammar: RequestGrammar | None = None  # structured output
     drafter: Drafter | None = None  # speculative decoding: proposes the request's drafts
+    # prompt log-probs / an embedding's hidden states, until its first event carries them
+    prompt: PromptRecord | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +75,10 @@ class _Launched:
     plan: StepPlan
     sampled: list[RequestState]
     pending: Future | PendingStep
+    # what the step keeps of prompt positions, with the state of each such request
+    kept: list[tuple[KeptRows, RequestState]] = field(default_factory=list)
+    # the requests of the step whose first event carries their prompt record
+    records: dict[str, PromptRecord] = field(default_factory=dict)
 
 
 class Engine:
@@ -137,7 +146,8 @@ class Engine:
             if params.min_tokens
             else ()
         )
-        state = RequestState(params, generator, banned, grammar, self._drafter(params))
+        state = RequestState(params, generator, banned, grammar, self._drafter(params),
+                             PromptRecord.for_request(params, len(prompt_ids)))
         # checks the rest
         self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
 
@@ -218,15 +228,38 @@ class Engine:
         # step's forward runs meanwhile.
         sampling = [row for step, req in sampled for row in _sampling_rows(step, req)]
         states = [req.engine_state for step, req in sampled for _ in range(step.num_sampled)]
+        kept, records = self._prompt_outputs(plan)
+        rows = [k for k, _ in kept]
         if not self._overlap or self.runner.asynchronous:
-            return _Launched(plan, states, self.runner.launch(plan, sampling))
-        # a synchronous device computes in its launch: overlap runs it on a thread
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, "forward")
-        return _Launched(plan, states, self._worker.submit(self.runner.execute, plan, sampling))
+            pending = self.runner.launch(plan, sampling, rows)
+        else:
+            # a synchronous device computes in its launch: overlap runs it on a thread
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, "forward")
+            pending = self._worker.submit(self.runner.execute, plan, sampling, rows)
+        return _Launched(plan, states, pending, kept, records)
+
+    def _prompt_outputs(
+        self, plan: StepPlan
+    ) -> tuple[list[tuple[KeptRows, RequestState]], dict[str, PromptRecord]]:
+        """What the plan's prefill chunks keep of their prompt positions, and the prompt records of
+        the plan's requests that still owe their first event."""
+        kept, records = [], {}
+        for i, step in enumerate(plan.reqs):
+            req = self.scheduler.get_request(step.rid)
+            state: RequestState = req.engine_state
+            if state.prompt is None or state.prompt.delivered or req.output:
+                continue
+            records[step.rid] = state.prompt
+            if step.start < len(req.prompt):
+                rows = state.prompt.wanted(step, i)
+                if rows is not None:
+                    kept.append((rows, state))
+        return kept, records
 
     def _commit(self, launched: _Launched, output: StepOutput) -> list[TokenEvent]:
         plan = launched.plan
+        _fold_prompt_outputs(launched, output)
         rids = [r.rid for r in plan.reqs for _ in range(r.num_sampled)]  # of each sampled token
         events = self._fail_rows(rids, output.errors) if output.errors else []
         # a request's sampled tokens in order: its events take them one by one (a verify step
@@ -243,6 +276,9 @@ class Engine:
                 )
             by_rid.setdefault(rid, collections.deque()).append((state, lp, top))
         for ev in self.scheduler.commit(plan, output.tokens):
+            record = launched.records.get(ev.rid)
+            if record is not None and not record.delivered:
+                ev = dataclasses.replace(ev, **record.deliver())
             if ev.token is None:
                 events.append(ev)
                 continue
@@ -257,7 +293,8 @@ class Engine:
             if grammar is not None and not finished and grammar.terminated:
                 self.scheduler.finish(ev.rid, "stop")  # the document is complete
                 finished, reason = True, "stop"
-            events.append(TokenEvent(ev.rid, ev.token, finished, reason, lp, top))
+            events.append(dataclasses.replace(ev, finished=finished, finish_reason=reason,
+                                              logprob=lp, top_logprobs=top))
         return events
 
     def _fail_rows(self, rids: list[str], errors: dict[int, str]) -> list[TokenEvent]:
@@ -278,6 +315,16 @@ class Engine:
         it)."""
         self.scheduler.finish(rid, "error")
         return TokenEvent(rid, None, True, "error", error=message)
+
+
+def _fold_prompt_outputs(launched: _Launched, output: StepOutput) -> None:
+    """Hand each kept prompt chunk's log-probs and hidden states to its request's record."""
+    logprobs = iter(output.prompt_logprobs or [])
+    hidden = iter(output.hidden or [])
+    for rows, state in launched.kept:
+        step = launched.plan.reqs[rows.index]
+        chunk = [next(logprobs) for _ in range(rows.num_logprobs)]
+        state.prompt.add(step, chunk, next(hidden) if rows.hidden else None)
 
 
 def check_sampling(rid: str, params: SamplingParams) -> None:

@@ -11,6 +11,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.models.names import resolve_model
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
+from compiled_engine.scheduler.plan import PromptLogprob
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import (
     IncrementalDetokenizer,
@@ -36,6 +37,10 @@ class CompletionOutput:
 class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: per prompt token (None for the first, which has no
+    # context), its log-prob given the tokens before it, its rank and the most likely tokens there
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling (`LLM.embed`)
 
     @property
     def text(self) -> str:
@@ -98,6 +103,14 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "last",
+              use_tqdm: bool | None = None) -> list[list[float]]:
+        """Each prompt's embedding: the final hidden state of its last token ("last") or the mean
+        over its tokens ("mean"), L2-normalized; prefill-only requests through the same
+        scheduler."""
+        params = SamplingParams(max_tokens=0, pooling=pooling)
+        return [r.embedding for r in self.generate(prompts, params, use_tqdm)]
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -153,6 +166,10 @@ class LLM:
         for result, p in zip(results, params_list):
             for i in range(p.n):
                 stream = next(ordered)
+                if i == 0:
+                    if p.prompt_logprobs is not None:
+                        result.prompt_logprobs = [None, *(stream.prompt_logprobs or [])]
+                    result.embedding = stream.embedding
                 result.outputs.append(
                     CompletionOutput(
                         i,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compiled_engine.scheduler.plan import TokenEvent
+from compiled_engine.scheduler.plan import PromptLogprob, TokenEvent
 from compiled_engine.tokenization import IncrementalDetokenizer
 
 
@@ -19,6 +19,8 @@ class OutputStream:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
+    prompt_logprobs: list[PromptLogprob] | None = None  # prompt positions 1 .., when asked
+    embedding: list[float] | None = None  # an embedding request's vector
 
     @property
     def text(self) -> str:
@@ -31,6 +33,10 @@ class OutputStream:
         nothing."""
         if self.finish_reason is not None:
             return "", False
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
+        if ev.embedding is not None:
+            self.embedding = ev.embedding
         text = ""
         if ev.token is not None:
             self.token_ids.append(ev.token)

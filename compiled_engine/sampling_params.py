@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from compiled_engine.scheduler.request import LedgerParams
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+POOLINGS = ("last", "mean")  # an embedding's pooling of the final hidden states
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    # the prompt tokens' log-probs (each given the tokens before it), with this many alternatives
+    prompt_logprobs: int | None = None
+    # "last" | "mean": an embedding request (max_tokens 0): its final event carries the final hidden
+    # state of its last prompt token, or the mean over its prompt, L2-normalized
+    pooling: str | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -84,6 +90,7 @@ class SamplingParams:
             tuple(self.stop_token_ids),
             self.ignore_eos,
             self.structured is not None,
+            self.prompt_logprobs is not None or self.pooling == "mean",
         )
 
     def validate(self) -> None:
@@ -108,6 +115,16 @@ class SamplingParams:
             self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty
         )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs must be >= 0",
+            self.prompt_logprobs,
+        )
+        _check(self.pooling is None or self.pooling in POOLINGS,
+               "pooling must be 'last' or 'mean'", self.pooling)
+        _check(self.pooling is None or self.max_tokens == 0,
+               "an embedding request (pooling) generates nothing: max_tokens must be 0",
+               self.max_tokens)
         _check(self.n >= 1, "n must be >= 1", self.n)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
         if self.logit_bias is not None:

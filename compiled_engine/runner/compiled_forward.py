@@ -85,6 +85,10 @@ class DecodeGraph:
         return None if self.captured is None else self.captured.inputs
 
 
+# what every graph returns: the logits at the logits index, every token's final hidden state
+_Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
 class CompiledForward:
     """Picks the graph of each step. `precompiled_dir` (set by the warm-up, under the compile-cache
     lock) makes each graph's first call load it from there, or compile it ahead of time and save it
@@ -119,7 +123,7 @@ class CompiledForward:
         self.compile_mode = mode
         self._freezing = False
         # bucket, "extend" or "decode" -> its graph
-        self.graphs: dict[object, Callable[..., torch.Tensor]] = {}
+        self.graphs: dict[object, Callable[..., _Outputs]] = {}
         if not self.enabled:
             return
         self._options = {**CPU_OPTIONS, **COMPILE_MODES[mode]} if self.device.type == "cpu" else {}
@@ -140,10 +144,10 @@ class CompiledForward:
         }
 
     @staticmethod
-    def _marked(graph: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def _marked(graph: Callable[..., _Outputs]) -> Callable[..., _Outputs]:
         return lambda *args: graph(*_mark_dynamic(args))
 
-    def _compiler(self, fn: Callable[..., torch.Tensor], dynamic: bool, fullgraph: bool = False):
+    def _compiler(self, fn: Callable[..., _Outputs], dynamic: bool, fullgraph: bool = False):
         return torch.compile(
             fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None
         )
@@ -157,15 +161,21 @@ class CompiledForward:
             return DecodeGraph(bucket, bucket, self.cuda_graphs.get(bucket))
         return DecodeGraph(max(n, 2) if self.enabled else n, "decode")
 
-    def __call__(self, inputs: StepInputs, graph: DecodeGraph | None = None) -> torch.Tensor:
-        """The step's logits over the whole vocabulary; `graph`: a decode step's (`graph_for`), None
-        for a prefill or mixed step. The graphs return each TP rank's slice; the vocab all-gather
+    def __call__(
+        self, inputs: StepInputs, graph: DecodeGraph | None = None
+    ) -> _Outputs:
+        """The step's logits over the whole vocabulary (at `inputs.logits_index`) and the final
+        hidden state of every token; `graph`: a decode step's (`graph_for`), None for a prefill or
+        mixed step. The graphs return each TP rank's slice; the vocab all-gather
         runs outside them: its functional collective takes the process group as an `Any` argument,
         which inductor's C++ wrapper cannot pass (compiling a TP graph raised `arg type Any is not
         yet supported by custom_op_wrapper`)."""
-        return self.model.gather_logits(self._local_logits(inputs, graph))
+        local, hidden = self._local_logits(inputs, graph)
+        return self.model.gather_logits(local), hidden
 
-    def _local_logits(self, inputs: StepInputs, graph: DecodeGraph | None) -> torch.Tensor:
+    def _local_logits(
+        self, inputs: StepInputs, graph: DecodeGraph | None
+    ) -> _Outputs:
         if not self.enabled:
             return _logits(self.model, *_args(inputs))
         if graph is None:
@@ -174,7 +184,7 @@ class CompiledForward:
             return graph.captured.replay()
         return self._run(graph.key, _args(inputs))
 
-    def _run(self, key: object, args: tuple) -> torch.Tensor:
+    def _run(self, key: object, args: tuple) -> _Outputs:
         graph = self.graphs.get(key)
         if graph is not None:
             return graph(self.model, *args)
@@ -186,7 +196,7 @@ class CompiledForward:
         self.graphs[key] = graph
         return out
 
-    def _first_graph(self, key: object, args: tuple) -> Callable[..., torch.Tensor]:
+    def _first_graph(self, key: object, args: tuple) -> Callable[..., _Outputs]:
         """The precompiled graph when there is a folder for it (freezing makes the weights graph
         constants: never saved), else the lazily compiled one."""
         lazy = self._dynamic.get(key, self._decode)
@@ -224,23 +234,25 @@ class CompiledForward:
 
 def _logits(
     model: torch.nn.Module, input_ids, positions, meta: AttentionMetadata, logits_index
-) -> torch.Tensor:
+) -> _Outputs:
+    """This rank's logits at `logits_index`, and every token's final hidden state (the forward
+    computes them all anyway; embeddings pool them)."""
     hidden = model(input_ids, positions, meta)
-    return model.local_logits(hidden.index_select(0, logits_index))
+    return model.local_logits(hidden.index_select(0, logits_index)), hidden
 
 
 # Two entry points with their own code objects, so that dynamo keeps their graphs apart. The model
 # is an argument (not a closure or `self`), so that a precompiled graph saves no module and runs
 # with any model of the same shapes.
-def _decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
+def _decode_graph(model: torch.nn.Module, *args) -> _Outputs:
     return _logits(model, *args)
 
 
-def _extend_graph(model: torch.nn.Module, *args) -> torch.Tensor:
+def _extend_graph(model: torch.nn.Module, *args) -> _Outputs:
     return _logits(model, *args)
 
 
-def _dynamic_decode_graph(model: torch.nn.Module, *args) -> torch.Tensor:
+def _dynamic_decode_graph(model: torch.nn.Module, *args) -> _Outputs:
     return _logits(model, *args)
 
 
@@ -270,7 +282,7 @@ class _CapturedDecode:
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = fn(*args)
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> _Outputs:
         """Run the graph on the step's inputs, which were built into its buffers
         (`DecodeGraph.inputs`)."""
         self.graph.replay()

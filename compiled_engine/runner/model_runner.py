@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from compiled_engine.runner.compiled_forward import CompiledForward
 from compiled_engine.runner.kv_cache import kv_caches
+from compiled_engine.runner.prompt_outputs import (
+    KeptRows,
+    PromptLogprobRows,
+    hidden_rows,
+    logprob_targets,
+    prompt_logprobs,
+)
 from compiled_engine.runner.sampler import SampleOutput, Sampler, SamplingRow
 from compiled_engine.runner.staging import DeviceEvent, Staging, event_factory
-from compiled_engine.runner.step_inputs import DeviceTables, build_step_inputs, sample_targets
+from compiled_engine.runner.step_inputs import (
+    DeviceTables,
+    StepInputs,
+    build_step_inputs,
+    sample_targets,
+)
 from compiled_engine.scheduler.plan import StepPlan
 
 
@@ -35,40 +47,70 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # sampled row -> why its request failed (a logits processor, a mask)
     errors: dict[int, str] | None = None
+    # per kept prompt position (`KeptRows` order): the next prompt token's log-prob, its rank, the
+    # top alternatives
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    hidden: list[torch.Tensor] | None = None  # per `KeptRows.hidden` request: its chunk's states
 
 
 class PendingStep:
     """A launched step whose tokens are on their way to the host: `result()` waits for them (the one
     host sync of a step). On CUDA the outputs are copied into pinned host memory behind an event."""
 
-    def __init__(self, out: SampleOutput | None, make_event: Callable[[], DeviceEvent]) -> None:
+    def __init__(
+        self,
+        out: SampleOutput | None,
+        make_event: Callable[[], DeviceEvent],
+        prompt: PromptLogprobRows | None = None,
+        hidden: list[torch.Tensor] | None = None,
+    ) -> None:
         self._host: dict[str, torch.Tensor] = {}
         self._event: DeviceEvent | None = None
         self._errors = None if out is None else out.errors
-        if out is None:
-            return
-        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
-            value = getattr(out, name)
+        self._has_tokens, self._has_prompt = out is not None, prompt is not None
+        outputs = {} if out is None else {
+            name: getattr(out, name) for name in ("tokens", "logprobs", "top_ids", "top_logprobs")
+        }
+        if prompt is not None:
+            outputs |= {f"prompt_{name}": getattr(prompt, name)
+                        for name in ("logprobs", "ranks", "top_ids", "top_logprobs")}
+        outputs |= {f"hidden_{i}": h for i, h in enumerate(hidden or [])}
+        self._num_hidden = len(hidden or [])
+        for name, value in outputs.items():
             if value is not None:
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
                 self._host[name] = host.copy_(value, non_blocking=value.is_cuda)
-        self._event = make_event()
-        self._event.record()
+        if self._host:
+            self._event = make_event()
+            self._event.record()
 
     def result(self) -> StepOutput:
         if self._event is None:
             return StepOutput(tokens=[])
         self._event.synchronize()
         h = self._host
-        output = StepOutput(tokens=h["tokens"].tolist(), errors=self._errors)
+        output = StepOutput(
+            tokens=h["tokens"].tolist() if self._has_tokens else [], errors=self._errors
+        )
         if "logprobs" in h:
             output.logprobs = h["logprobs"].tolist()
         if "top_ids" in h:
-            output.top_logprobs = [
-                list(zip(ids, lps))
-                for ids, lps in zip(h["top_ids"].tolist(), h["top_logprobs"].tolist())
-            ]
+            output.top_logprobs = _pairs(h["top_ids"], h["top_logprobs"])
+        if self._has_prompt:
+            n = len(h["prompt_logprobs"])
+            top = (_pairs(h["prompt_top_ids"], h["prompt_top_logprobs"])
+                   if "prompt_top_ids" in h else [[] for _ in range(n)])
+            output.prompt_logprobs = list(
+                zip(h["prompt_logprobs"].tolist(), h["prompt_ranks"].tolist(), top, strict=True)
+            )
+        if self._num_hidden:
+            output.hidden = [h[f"hidden_{i}"] for i in range(self._num_hidden)]
         return output
+
+
+def _pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """Rows of (token id, log-prob) pairs."""
+    return [list(zip(i, lp)) for i, lp in zip(ids.tolist(), logprobs.tolist())]
 
 
 class ModelRunner:
@@ -99,38 +141,60 @@ class ModelRunner:
         # launch computes.
         self.asynchronous = device.type == "cuda"
 
-    def launch(self, plan: StepPlan, sampling: list[SamplingRow]) -> PendingStep:
+    def launch(
+        self, plan: StepPlan, sampling: list[SamplingRow], kept: Sequence[KeptRows] = ()
+    ) -> PendingStep:
         """The one entry of a step: apply the plan's writes, run the forward, sample (`sampling`:
         one row per sampling request, in plan order), and write the sampled tokens to the token
         table, all queued on the device without a host sync; the tokens come back through the
-        returned `PendingStep`."""
+        returned `PendingStep`, with what `kept` asks of prompt positions (prompt log-probs, hidden
+        states)."""
         # Inputs are built in inference mode too: graphs guard on it, so warm-up and serving must
         # agree.
         with torch.inference_mode():
             targets = self.tables.apply_writes(
                 plan, self.staging, sample_targets(plan, self.tables)
             )
-            logits = self.logits(plan)
+            inputs, (logits, hidden) = self._forward(plan, kept)
+            n = inputs.num_sampled
+            prompt = None
+            if inputs.num_prompt:
+                prompt = prompt_logprobs(
+                    logits[n : n + inputs.num_prompt],
+                    self.tables.tokens.view(-1),
+                    logprob_targets(kept, plan.reqs, self.tables.flat),
+                    max(k.top for k in kept),
+                )
+            states = hidden_rows(hidden, kept, inputs.token_starts) if kept else None
             if not sampling:
-                return PendingStep(None, self.make_event)
+                return PendingStep(None, self.make_event, prompt, states)
             for row in sampling:
                 if row.history is not None:
                     row.prompt_ids, row.output_ids = self.tables.history(*row.history)
-            out = self.sampler(logits, sampling)
+            out = self.sampler(logits[:n], sampling)
             self.tables.tokens.view(-1).index_copy_(0, targets, out.tokens)
-            return PendingStep(out, self.make_event)
+            return PendingStep(out, self.make_event, prompt, states)
 
-    def execute(self, plan: StepPlan, sampling: list[SamplingRow]) -> StepOutput:
+    def execute(
+        self, plan: StepPlan, sampling: list[SamplingRow], kept: Sequence[KeptRows] = ()
+    ) -> StepOutput:
         """`launch`, then wait for the tokens."""
-        return self.launch(plan, sampling).result()
+        return self.launch(plan, sampling, kept).result()
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """The logits of the plan's sampling requests (the forward only: no writes, no sampling). A
-        decode step runs its bucket's graph, its inputs built into that graph's buffers where it has
-        them."""
+        """The logits of the plan's sampling requests (the forward only: no writes, no
+        sampling)."""
+        inputs, (logits, _) = self._forward(plan, ())
+        return logits[: inputs.num_sampled]
+
+    def _forward(
+        self, plan: StepPlan, kept: Sequence[KeptRows]
+    ) -> tuple[StepInputs, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's inputs and its forward's outputs (logits, hidden states). A decode step runs
+        its bucket's graph, its inputs built into that graph's buffers where it has them."""
         graph = self.forward.graph_for(len(plan.reqs)) if plan.is_decode else None
         inputs = build_step_inputs(
-            plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs
+            plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs, kept
         )
-        return self.forward(inputs, graph)[: inputs.num_sampled]
+        return inputs, self.forward(inputs, graph)
 

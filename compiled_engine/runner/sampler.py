@@ -61,6 +61,14 @@ NOTHING_ALLOWED = (
 GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by a tinier temperature overflows to inf
 
 
+def top_logprobs(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest log-probs and their token ids. Equal log-probs come in token-id order,
+    whatever the batch: topk leaves the order of ties (and which of them make the cut)
+    unspecified."""
+    ordered, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
+    return ordered[:, :k], ids[:, :k]
+
+
 def is_greedy(p: SamplingParams) -> bool:
     return p.temperature < GREEDY_BELOW_TEMPERATURE or p.top_k == 1
 
@@ -103,10 +111,7 @@ class Sampler:
             out.logprobs = logp.gather(1, out.tokens[:, None]).squeeze(1)
             k = max(want)
             if k > 0:
-                # Equal logprobs in token-id order, whatever the batch: topk leaves the order of
-                # ties (and which of them make the cut) unspecified.
-                ordered, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
-                out.top_logprobs, out.top_ids = ordered[:, :k], ids[:, :k]
+                out.top_logprobs, out.top_ids = top_logprobs(logp, k)
         return out
 
     def _apply_token_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:

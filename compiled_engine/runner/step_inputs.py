@@ -9,12 +9,14 @@ would specialize on it and recompile).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from compiled_engine.layers.attention import AttentionMetadata
 from compiled_engine.runner.attention_metadata import build_metadata
+from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.staging import DeviceSlab, Staging
 from compiled_engine.scheduler.plan import StepPlan
 
@@ -86,11 +88,14 @@ class StepInputs:
     meta: AttentionMetadata
     # [N'] token index of each sampled request, in plan order, then padding
     logits_index: torch.Tensor
-    # the first num_sampled entries of logits_index (and rows of the logits) are real
+    # the first num_sampled entries of logits_index (and rows of the logits) are the sampled
+    # tokens', the next num_prompt the kept prompt positions' (`KeptRows.num_logprobs`)
     num_sampled: int
     table_rows: torch.Tensor  # [B'] table row of each (padded) request
     # the device tensors the step's host lists were uploaded into (the fields above)
     staged: DeviceSlab
+    num_prompt: int = 0
+    token_starts: tuple[int, ...] = ()  # request i's tokens are rows [i] .. [i + 1] of the forward
 
 
 def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
@@ -104,9 +109,10 @@ def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
 
 
 def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, staging: Staging,
-                      into: StepInputs | None = None) -> StepInputs:
+                      into: StepInputs | None = None, kept: Sequence[KeptRows] = ()) -> StepInputs:
     """Tensors for one step. `pad_to`: the decode bucket size (decode batches only). `into`: a
-    captured graph's static inputs, which the step's inputs are then written into (and returned)."""
+    captured graph's static inputs, which the step's inputs are then written into (and returned).
+    `kept`: prompt positions whose logits the step returns too, after the sampled ones."""
     reqs = plan.reqs
     pad = tables.pad_row
     rows = [r.row for r in reqs]
@@ -142,6 +148,8 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         cu[i + 1] - r.num_sampled + j for i, r in enumerate(reqs) for j in range(r.num_sampled)
     ]
     num_sampled = len(logits_index)
+    logits_index += [cu[k.index] + j for k in kept for j in range(k.num_logprobs)]
+    num_prompt = len(logits_index) - num_sampled
     width = len(rows) if plan.is_decode else max(2, len(logits_index))
     logits_index += [cu[-1] - 1] * (width - len(logits_index))
     long, i32, width_t = torch.long, torch.int32, tables.width
@@ -160,6 +168,5 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
             tables.page_table, 0, f["table_rows"], out=into.meta.page_table
         )
     meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode)
-    return StepInputs(
-        input_ids, f["positions"], meta, f["logits_index"], num_sampled, f["table_rows"], staged
-    )
+    return StepInputs(input_ids, f["positions"], meta, f["logits_index"], num_sampled,
+                      f["table_rows"], staged, num_prompt, tuple(cu))

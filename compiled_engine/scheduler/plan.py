@@ -51,6 +51,11 @@ class StepPlan:
     is_decode: bool  # every req computes exactly 1 token (decode-only step)
 
 
+# A prompt token's log-prob given the tokens before it, its rank in the vocabulary (1: the most
+# likely) and the most likely tokens there as (token id, log-prob)
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One event for one request: a new token, the end of the request, or both. ``Scheduler.commit``
@@ -64,3 +69,6 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
+    # the request's first event: its prompt tokens' log-probs (positions 1 ..), when asked
+    prompt_logprobs: list[PromptLogprob] | None = None
+    embedding: list[float] | None = None  # an embedding request's last event: its vector

@@ -46,8 +46,9 @@ def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
         if req.last_step > book.committed:
             return  # retracted with a token still in flight: its tokens are not all known yet
         tokens = req.tokens()
-        handle, hit = book.cache.match(tokens[:-1])
-        if _shares_pending_prefix(sched, tokens, len(hit) * ps):
+        whole = req.params.every_position and not req.output
+        handle, hit = book.cache.match(() if whole else tokens[:-1])
+        if not whole and _shares_pending_prefix(sched, tokens, len(hit) * ps):
             sched.num_prefix_waits += 1
             # wait a step: a running prefill is about to cache what this request would recompute
             return

@@ -20,6 +20,9 @@ class LedgerParams:
     ignore_eos: bool = False
     # structured output: planned only once its previous token is committed
     constrained: bool = False
+    # Every prompt position is computed: admitted without a prefix-cache hit until it has an output
+    # token (prompt log-probs, mean-pooled embeddings need each position's outputs).
+    every_position: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
