@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,
+        pooling=args.pooling,
         torchrun=torchrun,
     )
     return serve(config, args.host, args.port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from compiled_engine.engine_args import add_engine_args
+from compiled_engine.sampling_params import POOLINGS
 from server.tools import PARSERS
 
 
@@ -17,6 +18,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
+    p.add_argument(
+        "--pooling",
+        choices=POOLINGS,
+        default="last",
+        help="how /v1/embeddings pools the final hidden states: the last token's, or the mean",
+    )
     p.add_argument(
         "--tool-call-parser",
         choices=PARSERS,

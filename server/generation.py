@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
+from compiled_engine.scheduler.plan import PromptLogprob
 from compiled_engine.tokenization import IncrementalDetokenizer
 from server.engine_client import EngineClient, EngineRejected
 from server.metrics import Metrics
@@ -26,6 +27,7 @@ class Delta:
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # the choice's first delta, when asked
 
 
 @dataclass
@@ -39,9 +41,11 @@ class Choice(OutputStream):
     start: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     _sent_tokens: int = 0
+    _sent_prompt: bool = False
 
     def delta(self, text: str) -> Delta:
         lo, self._sent_tokens = self._sent_tokens, len(self.token_ids)
+        prompt, self._sent_prompt = (None if self._sent_prompt else self.prompt_logprobs), True
         return Delta(
             self.index,
             text,
@@ -49,6 +53,7 @@ class Choice(OutputStream):
             self.logprobs[lo:],
             self.top_logprobs[lo:],
             self.finish_reason,
+            prompt,
         )
 
 

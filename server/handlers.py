@@ -183,7 +183,8 @@ def usage_tail(
 
 
 def whole(c: Choice) -> Delta:
-    return Delta(c.index, c.detok.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason)
+    return Delta(c.index, c.detok.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason,
+                 c.prompt_logprobs)
 
 
 def choice_calls(

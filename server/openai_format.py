@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from compiled_engine.scheduler.plan import PromptLogprob
 from server.generation import Delta, Generation
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
@@ -51,10 +52,16 @@ class CompletionLogprobs:
     token_text: TokenText
     offset: int = 0
 
-    def build(self, d: Delta, prompt_ids: list[int] | None = None) -> dict:
+    def build(self, d: Delta, prompt_ids: list[int] | None = None, top: int = 0) -> dict:
+        """`prompt_ids`: the echoed prompt, whose tokens get their log-probs from
+        `d.prompt_logprobs` (`top` alternatives each; the first token has none: it has no
+        context)."""
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok in prompt_ids or []:  # echoed prompt tokens have no logprobs
-            self._add(out, tok, None, None)
+        if prompt_ids:
+            self._add(out, prompt_ids[0], None, None)
+            entries = d.prompt_logprobs or [(None, 0, None)] * (len(prompt_ids) - 1)  # failed
+            for tok, (lp, _, alternatives) in zip(prompt_ids[1:], entries, strict=True):
+                self._add(out, tok, lp, None if alternatives is None else alternatives[:top])
         for tok, lp, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True):
             self._add(out, tok, lp, top)
         return out
@@ -68,6 +75,34 @@ class CompletionLogprobs:
         )
         out["text_offset"].append(self.offset)
         self.offset += len(s)
+
+
+def prompt_logprobs(
+    prompt_ids: list[int], entries: list[PromptLogprob] | None, top: int, token_text: TokenText
+) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token a map from token id to
+    {logprob, rank, decoded_token}: the prompt token, and the `top` most likely there (None when the
+    request failed before they were computed)."""
+    if entries is None:
+        return None
+    out: list[dict | None] = [None]
+    for tok, (lp, rank, alternatives) in zip(prompt_ids[1:], entries, strict=True):
+        position = {str(tok): {"logprob": _lp(lp), "rank": rank, "decoded_token": token_text(tok)}}
+        for i, (t, v) in enumerate(alternatives[:top]):
+            position.setdefault(
+                str(t), {"logprob": _lp(v), "rank": i + 1, "decoded_token": token_text(t)}
+            )
+        out.append(position)
+    return out
+
+
+def native_prompt_logprobs(entries: list[PromptLogprob]) -> list[dict | None]:
+    """`/generate`'s prompt_logprobs: None for the first token, then per token its logprob, rank and
+    top alternatives as [token id, logprob] pairs."""
+    return [None] + [
+        {"logprob": _lp(lp), "rank": rank, "top_logprobs": [[t, _lp(v)] for t, v in top]}
+        for lp, rank, top in entries
+    ]
 
 
 def chat_logprobs(d: Delta, token_text: TokenText) -> dict:

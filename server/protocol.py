@@ -47,7 +47,7 @@ _COMMON_FIELDS = SAMPLING_FIELDS | {
     "structured_outputs",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | set(ROUTER_DEFAULTS) | {"prompt", "best_of", "logprobs",
-                                                            "echo"}
+                                                            "echo", "prompt_logprobs"}
 CHAT_FIELDS = _COMMON_FIELDS | set(CHAT_ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "messages",
     "max_completion_tokens",
@@ -63,6 +63,7 @@ NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {
     "max_new_tokens",
     "max_tokens",
     "logprobs",
+    "prompt_logprobs",
     "json_schema",
     "regex",
     "ebnf",
@@ -96,6 +97,7 @@ class GenerationRequest:
 class CompletionRequest(GenerationRequest):
     prompts: list[Prompt] | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field (the engine's may be more: echo's logprobs)
 
 
 @dataclass
@@ -348,39 +350,45 @@ def parse_completion(body: object, limits: Limits) -> CompletionRequest:
     check_defaults(body, ROUTER_DEFAULTS)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    req = CompletionRequest(**_common(body, limits, logprobs), prompts=_prompts(body, limits),
-                            echo=get_bool(body, "echo", False))
+    req = CompletionRequest(**_common(body, limits, logprobs), prompts=prompts_field(body, limits),
+                            echo=get_bool(body, "echo", False),
+                            prompt_logprobs=get_int(body, "prompt_logprobs", None, 0,
+                                                    MAX_TOP_LOGPROBS))
+    # echo with logprobs shows the prompt tokens' log-probs too, with `logprobs` alternatives
+    wanted = [k for k in (req.prompt_logprobs, logprobs if req.echo else None) if k is not None]
+    req.params.prompt_logprobs = max(wanted, default=None)
     if best_of is not None and best_of != req.params.n:
         raise ProtocolError("'best_of' other than n is not supported", "best_of")
     return req
 
 
-def _prompts(body: dict, limits: Limits) -> list[Prompt]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise ProtocolError("'prompt' is required", "prompt")
-    value = body["prompt"]
+def prompts_field(body: dict, limits: Limits, name: str = "prompt") -> list[Prompt]:
+    """A string, a list of token ids, or a list of those (`prompt`; embeddings' `input`)."""
+    if name not in body or body[name] is None:
+        raise ProtocolError(f"'{name}' is required", name)
+    value = body[name]
     if isinstance(value, str) or (isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value)):
         value = [value]
     if not isinstance(value, list) or not value:
         raise ProtocolError(
-            "'prompt' must be a non-empty string, list of token ids, or list of those", "prompt"
+            f"'{name}' must be a non-empty string, list of token ids, or list of those", name
         )
     if len(value) > MAX_PROMPTS:
         raise ProtocolError(
-            f"'prompt' has {len(value)} prompts; at most {MAX_PROMPTS} are allowed", "prompt"
+            f"'{name}' has {len(value)} prompts; at most {MAX_PROMPTS} are allowed", name
         )
     prompts: list[Prompt] = []
     for p in value:
         if isinstance(p, str):
             if not p:
-                raise ProtocolError("'prompt' must not be empty", "prompt")
+                raise ProtocolError(f"'{name}' must not be empty", name)
             prompts.append(p)
         elif isinstance(p, list) and p:
-            prompts.append(token_ids(p, "prompt", limits.vocab_size))
+            prompts.append(token_ids(p, name, limits.vocab_size))
         else:
             raise ProtocolError(
-                "'prompt' must be a non-empty string, list of token ids, or list of those", "prompt"
+                f"'{name}' must be a non-empty string, list of token ids, or list of those", name
             )
     return prompts
 
@@ -518,8 +526,10 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
                             "log-probs carry token ids only", "return_text_in_logprobs")
     name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
     structured, structured_param = native_constraint(sp)
+    params = sampling_params(sp, limits, logprobs, structured)
+    params.prompt_logprobs = get_int(sp, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     req = GenerationRequest(
-        params=sampling_params(sp, limits, logprobs, structured),
+        params=params,
         max_tokens=get_int(sp, name, None, 0, 2**63),
         max_tokens_param=name,
         structured_param=structured_param,

@@ -27,7 +27,15 @@ from server.handlers import (
     usage_tail,
     whole,
 )
-from server.openai_format import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
+from server.openai_format import (
+    CompletionLogprobs,
+    TokenText,
+    chat_logprobs,
+    native_prompt_logprobs,
+    prompt_logprobs,
+    sse,
+    usage,
+)
 from server.protocol import (
     CHAT_ROUTER_DEFAULTS,
     ChatRequest,
@@ -111,14 +119,18 @@ async def completions(request: Request) -> Response:
             "model": model_name(st, req)}
 
     def choice(d: Delta, text: str, first: bool) -> dict:
-        echo_ids = gen.choices[d.index].prompt_ids if first and req.echo else None
-        logprobs = lp[d.index].build(d, echo_ids) if want_logprobs else None
-        return {
-            "index": d.index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": d.finish_reason,
-        }
+        prompt_ids = gen.choices[d.index].prompt_ids
+        echo_ids = prompt_ids if first and req.echo else None
+        logprobs = (
+            lp[d.index].build(d, echo_ids, req.params.logprobs) if want_logprobs else None
+        )
+        out = {"index": d.index, "text": text, "logprobs": logprobs,
+               "finish_reason": d.finish_reason}
+        if req.prompt_logprobs is not None and first:
+            out["prompt_logprobs"] = prompt_logprobs(
+                prompt_ids, d.prompt_logprobs, req.prompt_logprobs, token_text
+            )
+        return out
 
     if not req.stream:
         await collect(request, st, gen)
@@ -245,7 +257,8 @@ async def generate(request: Request) -> Response:
             "output_ids": d.token_ids,
             "finish_reason": d.finish_reason,
             "output_logprobs": d.logprobs if req.params.logprobs is not None else None,
-        }
+        } | ({"prompt_logprobs": native_prompt_logprobs(d.prompt_logprobs)}
+             if d.prompt_logprobs is not None else {})
 
     if not req.stream:
         await collect(request, st, gen)

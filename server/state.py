@@ -28,6 +28,7 @@ class ServerConfig:
     health_timeout_s: float = 10.0
     # after the engine fails: /health answers 503 this long, then the server exits
     engine_dead_exit_s: float = 10.0
+    pooling: str = "last"  # /v1/embeddings: "last" | "mean" of the final hidden states
     # under torchrun (this process is its rank 0): the other engine ranks are torchrun's processes
     torchrun: TorchrunPlacement | None = None
 

@@ -192,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         )
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size  # the length of its embeddings
         self.num_kv_heads = attn.num_kv_heads  # per rank
         self.head_dim = attn.head_dim
 

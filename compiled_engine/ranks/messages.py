@@ -54,6 +54,7 @@ class Ready:
     compile_summaries: tuple[str, ...]  # each rank's compile-cache report, in rank order
     weight_bytes: int = 0  # rank 0's weights as held (packed weights as packed)
     kv_pool_bytes: int = 0  # rank 0's KV pool (address space; CPU pages come in as written)
+    hidden_size: int = 0  # the model's: the length of its embeddings
 
 
 @dataclass(slots=True)

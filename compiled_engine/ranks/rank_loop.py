@@ -71,6 +71,7 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
                         summaries,
                         weight_bytes(engine.model),
                         kv_pool_bytes(engine.runner),
+                        engine.model.hidden_size,
                     )
                 ]
             )
