@@ -21,12 +21,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_engine import LLM
+from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.models.names import resolve_model, smollm2_path
 from compiled_engine.tokenization import encode_chat, load_tokenizer
 from tests.models._model_utils import make_checkpoint
-from tests.parity.oracle import TOP, Bounds, check, hf_bf16_spread, hf_fp32_greedy
+from tests.parity.oracle import (
+    TOP,
+    Bounds,
+    Reference,
+    check,
+    hf_bf16_spread,
+    hf_fp32_greedy,
+    hf_model,
+)
 
 pytestmark = pytest.mark.parity
 
@@ -125,3 +133,45 @@ def test_smollm2_bf16(smollm2, mode: str) -> None:
     llm = LLM("smollm2", **MODES[mode], **ENGINE)
     assert llm.engine.model.dtype == torch.bfloat16
     check(llm, prompts, refs, bound, f"SmolLM2 {mode} bf16")
+
+
+def test_smollm2_bf16_prompt_logprobs_and_embeddings(smollm2) -> None:
+    """What `serve` computes for `prompt_logprobs` / echo and `/v1/embeddings` on the real model
+    (compiled, bf16) against transformers fp32: the prompt tokens' log-probs (the chat prompt and
+    fp32's answer after it) within the bounds of transformers' own bf16 run on the same positions
+    (measured at the portable ISA level, `Bounds.bf16`): the mean error within its typical bound,
+    the largest within its low-ranked one (many prompt tokens are unlikely ones, whose log-probs
+    bf16 moves most); and the last token's normalized hidden state as close to fp32's as
+    transformers' bf16 one is (cosine), with room."""
+    path, prompts, refs, _ = smollm2
+    seqs = [p + r.tokens for p, r in zip(prompts, refs, strict=True)]
+    fp32 = hf_model(path, torch.float32)
+    with torch.inference_mode():
+        outs = [fp32(torch.tensor([s]), output_hidden_states=True) for s in seqs]
+    forced = [Reference(s[1:], torch.log_softmax(o.logits[0, :-1].float(), -1))
+              for s, o in zip(seqs, outs, strict=True)]
+    # transformers bf16 teacher-forced over each whole sequence: its error on every prompt token
+    spread = hf_bf16_spread(path, [s[:1] for s in seqs], forced, top=TOP)
+    bound = Bounds.bf16(spread)
+    llm = LLM("smollm2", **MODES["compiled"], **ENGINE)
+    got = llm.generate(seqs, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    errors = [
+        abs(entry[0] - ref.logprobs[i, tok].item())
+        for out, ref in zip(got, forced, strict=True)
+        for i, (tok, entry) in enumerate(zip(ref.tokens, out.prompt_logprobs[1:], strict=True))
+    ]
+    print(f"SmolLM2 compiled bf16 prompt log-probs vs fp32 over {len(errors)} tokens: max "
+          f"{max(errors):.4f}, mean {sum(errors) / len(errors):.4f}; transformers bf16: {spread}")
+    assert sum(errors) / len(errors) <= bound.typical
+    assert max(errors) <= bound.top
+    norm = torch.nn.functional.normalize
+    hf_bf16 = hf_model(path, torch.bfloat16)
+    ours = llm.embed(seqs)
+    for s, o, vector in zip(seqs, outs, ours, strict=True):
+        ref = norm(o.hidden_states[-1][0, -1], dim=0)
+        with torch.inference_mode():
+            theirs = hf_bf16(torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0, -1]
+        gap_hf = 1 - torch.dot(norm(theirs.float(), dim=0), ref).item()
+        gap = 1 - torch.dot(torch.tensor(vector), ref).item()
+        print(f"embedding 1 - cosine to fp32: ours {gap:.2e}, transformers bf16 {gap_hf:.2e}")
+        assert gap <= 3 * gap_hf + 1e-3

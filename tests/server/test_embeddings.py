@@ -1,7 +1,7 @@
-"""`POST /v1/embeddings` through the official openai client against the served demo model (compiled,
-fp32, as `serve` runs it, `--pooling last` by default): transformers fp32's final hidden state of the
-last token, L2-normalized; base64 the same floats; a batch of 64 equal to each input alone; the
-engine keeps serving and frees the requests' pages."""
+"""`POST /v1/embeddings` through the official openai client against the served demo model
+(compiled, fp32, as `serve` runs it, `--pooling last` by default): transformers fp32's final hidden
+state of the last token, L2-normalized; base64 the same floats; a batch of 64 equal to each input
+alone; the engine keeps serving and frees the requests' pages."""
 
 from __future__ import annotations
 

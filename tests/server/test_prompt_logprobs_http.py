@@ -1,5 +1,5 @@
-"""`prompt_logprobs` (vLLM's field: completions and /generate) and `echo` with `logprobs` through the
-served demo model (compiled, fp32, as `serve` runs it) against transformers fp32 on the same
+"""`prompt_logprobs` (vLLM's field: completions and /generate) and `echo` with `logprobs` through
+the served demo model (compiled, fp32, as `serve` runs it) against transformers fp32 on the same
 checkpoint: the prompt tokens' log-probs as transformers computes them, the same alone, in a batch,
 streamed or not, and with the prompt already in the prefix cache (such a request recomputes its
 prompt: a cache hit would skip the positions whose log-probs it returns)."""

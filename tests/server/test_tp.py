@@ -39,3 +39,23 @@ def test_tp2_greedy_equals_tp1_and_streams(tp2: RunningServer, http: httpx.Clien
         ).json()
         assert out["usage"]["completion_tokens"] == 12
         assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_tp2_prompt_logprobs_and_embeddings_equal_tp1(
+    tp2: RunningServer, http: httpx.Client
+) -> None:
+    """The prompt's log-probs (vocabulary gathered across ranks) and the pooled hidden states (the
+    same on every rank) of two ranks: one rank's, up to fp32 summation order."""
+    body = {"input_ids": [1, 300, 301, 302, 77, 9, 4000],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0, "prompt_logprobs": 2}}
+    embed = {"model": "demo", "input": ["Hello world", "def fib(n):"]}
+    with tp2.http() as client:
+        one = http.post("/generate", json=body).json()["prompt_logprobs"]
+        two = client.post("/generate", json=body).json()["prompt_logprobs"]
+        assert one[0] is None and two[0] is None and len(one) == len(two) == 7
+        for a, b in zip(one[1:], two[1:], strict=True):
+            assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-4)
+            assert b["rank"] == a["rank"]
+        vectors = [c.post("/v1/embeddings", json=embed).json()["data"] for c in (http, client)]
+        for a, b in zip(*vectors, strict=True):
+            assert b["embedding"] == pytest.approx(a["embedding"], abs=1e-5)
