@@ -34,10 +34,10 @@ def _queued_launch_engine(demo_dir: str, log: list[tuple[str, int]], **settings)
     step = {"n": -1}
     launch = runner.launch
 
-    def logged_launch(batch, rows):
+    def logged_launch(batch, rows, kept=()):
         step["n"] = next(launches)
         log.append(("launch", step["n"]))
-        return launch(batch, rows)
+        return launch(batch, rows, kept)
 
     runner.launch = logged_launch
     runner.make_event = lambda: LoggedEvent(log, step["n"])
