@@ -116,6 +116,8 @@ class Engine:
         self.steps = 0
         # the plan of the latest step() (the TP debug digest reads it)
         self.last_plan: StepPlan | None = None
+        # requests whose prompt record no event has carried yet (the rest skip that bookkeeping)
+        self._recording: set[str] = set()
 
     @property
     def compile_summary(self) -> str:
@@ -150,6 +152,8 @@ class Engine:
                              PromptRecord.for_request(params, len(prompt_ids)))
         # checks the rest
         self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
+        if state.prompt is not None:
+            self._recording.add(rid)
 
     def _drafter(self, params: SamplingParams) -> Drafter | None:
         """A request's drafter; none with logits processors (a processor's error at a draft's
@@ -174,11 +178,13 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
+        self._recording.discard(rid)
         self._publish_cache_events()
 
     def finish(self, rid: str, reason: str = "stop") -> None:
         """End a request early (a stop string matched on the detokenized text)."""
         self.scheduler.finish(rid, reason)
+        self._recording.discard(rid)
         self._publish_cache_events()
 
     def has_work(self) -> bool:
@@ -245,7 +251,11 @@ class Engine:
         """What the plan's prefill chunks keep of their prompt positions, and the prompt records of
         the plan's requests that still owe their first event."""
         kept, records = [], {}
+        if not self._recording:
+            return kept, records
         for i, step in enumerate(plan.reqs):
+            if step.rid not in self._recording:
+                continue
             req = self.scheduler.get_request(step.rid)
             state: RequestState = req.engine_state
             if state.prompt is None or state.prompt.delivered or req.output:
@@ -279,6 +289,7 @@ class Engine:
             record = launched.records.get(ev.rid)
             if record is not None and not record.delivered:
                 ev = dataclasses.replace(ev, **record.deliver())
+                self._recording.discard(ev.rid)
             if ev.token is None:
                 events.append(ev)
                 continue
@@ -293,8 +304,8 @@ class Engine:
             if grammar is not None and not finished and grammar.terminated:
                 self.scheduler.finish(ev.rid, "stop")  # the document is complete
                 finished, reason = True, "stop"
-            events.append(dataclasses.replace(ev, finished=finished, finish_reason=reason,
-                                              logprob=lp, top_logprobs=top))
+            events.append(TokenEvent(ev.rid, ev.token, finished, reason, lp, top,
+                                     prompt_logprobs=ev.prompt_logprobs, embedding=ev.embedding))
         return events
 
     def _fail_rows(self, rids: list[str], errors: dict[int, str]) -> list[TokenEvent]:
@@ -314,6 +325,7 @@ class Engine:
         """End a request with finish_reason "error" (a no-op in the ledger when its last token ended
         it)."""
         self.scheduler.finish(rid, "error")
+        self._recording.discard(rid)
         return TokenEvent(rid, None, True, "error", error=message)
 
 

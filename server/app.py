@@ -8,19 +8,21 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
-from server import info_routes, responses, routes
+from server import embeddings, info_routes, responses, routes
 from server.engine_client import EngineClient
 from server.handlers import error_response
 from server.metrics import Metrics
@@ -28,6 +30,9 @@ from server.protocol import Limits, ProtocolError
 from server.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
+
+# The chat page (GET /) and its script and style sheet (GET /static/...): no build step.
+STATIC_DIR = Path(__file__).parent / "static"
 
 
 def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
@@ -66,6 +71,8 @@ def create_app(config: ServerConfig) -> Starlette:
             await client.close()
 
     table = [
+        Route("/", chat_page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
@@ -79,6 +86,7 @@ def create_app(config: ServerConfig) -> Starlette:
         *(Route(path, info_routes.server_info, methods=["GET"])
           for path in ("/server_info", "/get_server_info")),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/get_load", info_routes.get_load, methods=["GET"]),
         Route("/kv_event_sources", info_routes.kv_event_sources, methods=["GET"]),
     ]
@@ -89,6 +97,10 @@ def create_app(config: ServerConfig) -> Starlette:
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
+
+
+async def chat_page(request: Request) -> Response:
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -104,13 +116,14 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 class ApiKeyMiddleware:
-    """Every endpoint except /health requires `Authorization: Bearer KEY`."""
+    """Every endpoint except /health and the chat page's files (GET / and /static/...: the page then
+    asks for the key) requires `Authorization: Bearer KEY`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and not _open_path(scope):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = ProtocolError(
@@ -122,3 +135,11 @@ class ApiKeyMiddleware:
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _open_path(scope: Scope) -> bool:
+    """What needs no key: /health, and reading the chat page and its static files."""
+    path = scope["path"]
+    if path == "/health":
+        return True
+    return scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/static/"))

@@ -68,6 +68,10 @@ async def embeddings(request: Request) -> Response:
             "dimensions",
         )
     prompts = [tokenize_prompt(st, p) for p in prompts_field(body, st.limits, "input")]
+    for i, ids in enumerate(prompts):
+        if len(ids) >= st.limits.max_context:
+            raise ProtocolError(f"input {i} has {len(ids)} tokens but the context limit is "
+                                f"{st.limits.max_context}; shorten it", "input")
     params = SamplingParams(max_tokens=0, pooling=st.config.pooling)
     req = GenerationRequest(params, 0, "max_tokens", model=get_str(body, "model", None))
     gen = new_generation(st, "embd", req, prompts, 0)

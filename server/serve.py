@@ -34,7 +34,8 @@ class Server(uvicorn.Server):
         if self.started and self.announce:
             host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
             print(f"compiled-engine is serving at http://{host}:{port}  "
-                  f"(OpenAI base URL: http://{host}:{port}/v1)",
+                  f"(OpenAI base URL: http://{host}:{port}/v1; "
+                  f"chat page: http://{host}:{port}/)",
                   flush=True)
 
     async def on_tick(self, counter: int) -> bool:

@@ -47,19 +47,25 @@ def logprob_targets(kept: Sequence[KeptRows], reqs, flat) -> list[int]:
     ]
 
 
+ROWS_AT_ONCE = 256  # prompt positions whose float32 log-probs (and sort) are in memory at once
+
+
 def prompt_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, targets: list[int], top: int
 ) -> PromptLogprobRows:
     """Log-probs of the raw logits (no sampling parameter applies to a prompt), in float32 as the
-    sampler's."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    sampler's, `ROWS_AT_ONCE` rows at a time: a long prompt's chunk has a row per position."""
     ids = tokens.index_select(0, to_device(targets, torch.long, logits.device))
-    chosen = logp.gather(1, ids[:, None])
-    ranks = (logp > chosen).sum(dim=1) + 1
-    top_lp = top_ids = None
-    if top > 0:
-        top_lp, top_ids = top_logprobs(logp, top)
-    return PromptLogprobRows(chosen.squeeze(1), ranks, top_ids, top_lp)
+    parts = []
+    for lo in range(0, len(targets), ROWS_AT_ONCE):
+        logp = torch.log_softmax(logits[lo : lo + ROWS_AT_ONCE].float(), dim=-1)
+        chosen = logp.gather(1, ids[lo : lo + ROWS_AT_ONCE, None])
+        best = top_logprobs(logp, top) if top > 0 else (None, None)
+        parts.append((chosen.squeeze(1), (logp > chosen).sum(dim=1) + 1, best[1], best[0]))
+    lp, ranks, top_ids, top_lp = (
+        None if column[0] is None else torch.cat(column) for column in zip(*parts, strict=True)
+    )
+    return PromptLogprobRows(lp, ranks, top_ids, top_lp)
 
 
 def hidden_rows(

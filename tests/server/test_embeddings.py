@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from compiled_engine.models.demo import demo_model_dir
+from tests.server.conftest import assert_kv_all_free, start_server
 
 TOLERANCE = 1e-5
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "a", "Embeddings from a decoder " * 20]
@@ -69,18 +70,17 @@ def test_embeddings_equal_transformers_last_token_pooling(client, server, hf_poo
 def test_a_batch_of_64_equals_each_input_alone(client) -> None:
     texts = [f"input number {i}: " + "word " * (i % 13) for i in range(64)]
     batch = client.embeddings.create(model="demo", input=texts).data
-    for i in (0, 1, 12, 31, 63):
-        alone = client.embeddings.create(model="demo", input=texts[i]).data[0].embedding
+    for i, text in enumerate(texts):
+        alone = client.embeddings.create(model="demo", input=text).data[0].embedding
         assert batch[i].embedding == alone
 
 
 def test_the_engine_keeps_serving_and_frees_the_pages(client, server) -> None:
     client.embeddings.create(model="demo", input=TEXTS)
     with server.http() as http:
-        load = http.get("/get_load").json()
         integrity = http.get("/debug/integrity").json()
-    assert integrity["integrity_error"] is None
-    assert integrity["num_running"] == 0, (load, integrity)
+    assert integrity["num_running"] == 0 and integrity["num_waiting"] == 0, integrity
+    assert_kv_all_free(integrity)  # every page free or held by the prefix cache
     out = client.completions.create(model="demo", prompt="Hi", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason == "length"
 
@@ -110,3 +110,16 @@ def test_dimensions_equal_to_the_models_are_taken(client, server) -> None:
     out = client.embeddings.create(model="demo", input="hi", dimensions=size)
     assert len(out.data[0].embedding) == size
     assert size == server.state.client.handle.ready.hidden_size
+
+
+def test_mean_pooling_server_equals_transformers(server, hf_pooled) -> None:
+    """`serve --pooling mean` (its own server; the compiled graphs are the shared ones)."""
+    mean = start_server(pooling="mean")
+    try:
+        client = openai.OpenAI(base_url=mean.url + "/v1", api_key="unused", max_retries=0)
+        out = client.embeddings.create(model="demo", input=TEXTS[:2])
+        for d, text in zip(out.data, TEXTS[:2], strict=True):
+            ref = hf_pooled(ids_of(server, text))["mean"]
+            assert (torch.tensor(d.embedding) - ref).abs().max().item() <= TOLERANCE
+    finally:
+        mean.stop()

@@ -114,9 +114,9 @@ def _interleaved(
 
 
 def _step(fwd: CompiledForward, step: Step) -> torch.Tensor:
-    """One forward, on the graph the engine would pick for it."""
+    """One forward's logits, on the graph the engine would pick for it."""
     inputs, n_requests = step
-    return fwd(inputs, None if n_requests is None else fwd.graph_for(n_requests))
+    return fwd(inputs, None if n_requests is None else fwd.graph_for(n_requests))[0]
 
 
 def _compile(fwd: CompiledForward, inputs: Step) -> float:
