@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -36,6 +37,11 @@ class RunningServer:
 
     def http(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)
+
+    def openai(self) -> openai.OpenAI:
+        """The official client, no retries (a failure shows as it is)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=120)
 
     def stop(self) -> None:
         procs = list(self.state.client.handle.procs)
@@ -76,6 +82,22 @@ def server() -> Iterator[RunningServer]:
     running = start_server(debug=True, max_queue=256)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return server.openai()
+
+
+@pytest.fixture(scope="session")
+def hf_demo():
+    """transformers' fp32 model of the demo checkpoint (the oracle of the served demo model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from compiled_engine.models.demo import demo_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(str(demo_model_dir()), dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,9 @@ from __future__ import annotations
 import base64
 import struct
 
-import openai
 import pytest
 import torch
 
-from compiled_engine.models.demo import demo_model_dir
 from tests.server.conftest import assert_kv_all_free, start_server
 
 TOLERANCE = 1e-5
@@ -20,16 +18,9 @@ TEXTS = ["The quick brown fox", "jumps over the lazy dog", "a", "Embeddings from
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def hf_pooled():
+def hf_pooled(hf_demo):
     """token ids -> transformers fp32's final hidden states pooled (last, mean), normalized."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(demo_model_dir()), dtype=torch.float32)
+    model = hf_demo
 
     def of(ids: list[int]) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
@@ -116,8 +107,7 @@ def test_mean_pooling_server_equals_transformers(server, hf_pooled) -> None:
     """`serve --pooling mean` (its own server; the compiled graphs are the shared ones)."""
     mean = start_server(pooling="mean")
     try:
-        client = openai.OpenAI(base_url=mean.url + "/v1", api_key="unused", max_retries=0)
-        out = client.embeddings.create(model="demo", input=TEXTS[:2])
+        out = mean.openai().embeddings.create(model="demo", input=TEXTS[:2])
         for d, text in zip(out.data, TEXTS[:2], strict=True):
             ref = hf_pooled(ids_of(server, text))["mean"]
             assert (torch.tensor(d.embedding) - ref).abs().max().item() <= TOLERANCE

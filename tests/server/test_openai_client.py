@@ -8,11 +8,6 @@ import pytest
 from compiled_engine.models.demo import DEMO_LABEL
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_models_lists_the_demo_model_as_random_weights(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["demo"]

@@ -12,8 +12,6 @@ import openai
 import pytest
 import torch
 
-from compiled_engine.models.demo import demo_model_dir
-
 TOLERANCE = 1e-4  # fp32 against fp32: summation order only
 PROMPTS = [
     [1] + list(range(200, 290)),  # longer than a page: a prefix-cache hit would skip pages
@@ -23,16 +21,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def hf_logprobs():
+def hf_logprobs(hf_demo):
     """prompt -> transformers fp32's [len - 1, vocab] log-probs of each next token."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(demo_model_dir()), dtype=torch.float32)
+    model = hf_demo
 
     def of(prompt: list[int]) -> torch.Tensor:
         with torch.inference_mode():

@@ -62,11 +62,6 @@ SCHEMAS = {
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _json_schema(schema: dict) -> dict:
     return {
         "type": "json_schema",
