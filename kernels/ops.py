@@ -30,6 +30,7 @@ from kernels.packed import BY_CODE, FORMATS, PackedWeight
 from kernels.portable import attention as portable_attention
 from kernels.portable import dequantize as portable_dequantize
 from kernels.portable import linear as portable_linear
+from kernels.portable import moe as portable_moe
 
 _lib = torch.library.Library("kernels", "DEF")
 _SCHEMAS = {
@@ -45,6 +46,8 @@ _SCHEMAS = {
     "linear_packed": "(Tensor x, Tensor blocks, int format, int in_features, Tensor? bias=None, "
     "bool invariant=False) -> Tensor",
     "dequantize": "(Tensor blocks, int format, int in_features) -> Tensor",
+    "fused_moe": "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+    "bool invariant=False) -> Tensor",
 }
 _PORTABLE = {
     "store_kv": portable_attention.store_kv,
@@ -54,6 +57,7 @@ _PORTABLE = {
     "argmax": lambda x: torch.argmax(x, dim=-1),
     "linear_packed": portable_dequantize.linear_packed,
     "dequantize": portable_dequantize.dequantize,
+    "fused_moe": portable_moe.fused_moe,
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
@@ -81,6 +85,15 @@ query and keys."""
 
 argmax = torch.ops.kernels.argmax.default
 """argmax(x [R, V]) -> [R] int64: `torch.argmax(x, -1)` (the first maximum, or the first NaN)."""
+
+fused_moe = torch.ops.kernels.fused_moe.default
+"""fused_moe(x, w13, w2, topk_weights, topk_ids, invariant=False): the mixture-of-experts MLP,
+x [T, H] -> [T, H], with w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]
+and each token's k experts and weights [T, k]: tokens sorted by expert, one GEMM per projection per
+expert, the weighted sum back in token order, each token's experts added in its slot order (no
+atomics).
+`invariant`: as `linear`'s, per token, whatever tokens share its experts. Portable on every device
+for now (`kernels.portable.moe`)."""
 
 
 @torch.compiler.assume_constant_result
@@ -271,6 +284,11 @@ def _(blocks, format, in_features):
     if rows > 1:
         return blocks.new_empty(blocks.shape[0] * rows, in_features, dtype=torch.float32)
     return blocks.new_empty(*blocks.shape[:-1], in_features, dtype=torch.float32)
+
+
+@torch.library.register_fake("kernels::fused_moe")
+def _(x, w13, w2, topk_weights, topk_ids, invariant=False):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("kernels::argmax")

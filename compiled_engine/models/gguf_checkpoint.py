@@ -4,8 +4,10 @@ file's bytes, `kernels.packed`) and the rest dequantized by the `gguf` package's
 
 llama.cpp's converter permutes the rows of the Q and K projections of `llama` models (its rotary
 pairs adjacent dimensions; Hugging Face's rotates halves); `tensors()` undoes that, as transformers
-does when it loads a GGUF file. Qwen2 and Qwen3 files are written unpermuted. Every problem is a
-`CheckpointError` naming the file and what is unsupported or missing.
+does when it loads a GGUF file. Qwen2 and Qwen3 files are written unpermuted. A `qwen3moe` file
+holds each layer's experts stacked in one tensor per projection ([E, I, H]); `tensors()` gives them
+expert by expert under Hugging Face's names. Every problem is a `CheckpointError` naming the file
+and what is unsupported or missing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # Architectures whose Q/K rows llama.cpp's converter permuted.
 _PERMUTED = frozenset({"llama"})
@@ -138,6 +141,16 @@ class GGUFCheckpoint:
         }
         if a == "llama":
             config |= {"attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": False}
+        if a == "qwen3moe":  # every layer routed, weights renormalized (llama.cpp's qwen3moe graph)
+            moe = int(meta(f"{a}.expert_feed_forward_length"))
+            config |= {
+                "num_experts": int(meta(f"{a}.expert_count")),
+                "num_experts_per_tok": int(meta(f"{a}.expert_used_count")),
+                "moe_intermediate_size": moe,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
         return config
 
     @cached_property
@@ -200,6 +213,11 @@ class GGUFCheckpoint:
                     w = PackedSource(unpermute_rotary_rows(w.blocks, heads), w.format, w.shape)
                 else:
                     w = unpermute_rotary_rows(w, heads)
+            if len(shape) == 3:  # stacked experts: one tensor each, as Hugging Face names them
+                prefix, proj = hf.rsplit(".", 2)[0], hf.rsplit(".", 2)[1]
+                for e in range(shape[0]):
+                    yield f"{prefix}.{e}.{proj}.weight", w[e]
+                continue
             yield hf, w
 
 
@@ -221,7 +239,8 @@ def _hf_names(arch: str, blocks: int) -> dict[str, str]:
         hf_names += [f"model.layers.{i}.{m}" for m in (
             "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
             "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate",
+            "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")]
     out = {}
     for hf in hf_names:
         name = table.get_name(hf)

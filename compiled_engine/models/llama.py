@@ -14,6 +14,7 @@ from compiled_engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from compiled_engine.layers.moe import SparseMoeBlock
 from compiled_engine.layers.norm import RMSNorm
 from compiled_engine.layers.rotary import RotaryEmbedding
 from compiled_engine.models.registry import register
@@ -26,6 +27,8 @@ class DecoderOptions:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_windows: list[int] | None = None  # per layer; 0 = full attention
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts
+    shared_expert: bool = False  # Qwen2-MoE: a sigmoid-gated dense expert beside the routed ones
 
 
 class DecoderAttention(nn.Module):
@@ -75,15 +78,15 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, intermediate_size: int | None = None
+                 ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias
-        )
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -96,10 +99,16 @@ class DecoderLayer(nn.Module):
         opts: DecoderOptions,
         rotary: RotaryEmbedding,
         sliding_window: int,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, opts, rotary, sliding_window)
-        self.mlp = DecoderMLP(config, opts.mlp_bias)
+        if not sparse:
+            self.mlp = DecoderMLP(config, opts.mlp_bias)
+        else:
+            shared = (DecoderMLP(config, opts.mlp_bias, config.shared_expert_intermediate_size)
+                      if opts.shared_expert else None)
+            self.mlp = SparseMoeBlock(config, shared)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -113,7 +122,7 @@ class DecoderModel(nn.Module):
         )
         windows = opts.sliding_windows or [0] * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, opts, self.rotary, windows[i])
+            DecoderLayer(config, opts, self.rotary, windows[i], i in opts.sparse_layers)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

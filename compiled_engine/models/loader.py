@@ -23,6 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from compiled_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from compiled_engine.layers.linear import QUANTIZATIONS, quantize_linears
+from compiled_engine.layers.moe import expert_checkpoint_names, expert_target
 from compiled_engine.layers.weight_utils import WeightSource, default_weight_loader
 from compiled_engine.models.errors import CheckpointError
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
@@ -156,6 +157,9 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
     """Checkpoint tensor name -> (our parameter name, shard id)."""
+    expert = expert_target(name)
+    if expert is not None:
+        return expert
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -170,7 +174,11 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     for ckpt, (fused, _) in packed.items():
         by_fused.setdefault(fused, []).append(ckpt)
     names = set()
-    for pname, _ in model.named_parameters():
+    for pname, param in model.named_parameters():
+        experts = expert_checkpoint_names(pname, param.shape[0])
+        if experts is not None:
+            names.update(experts)
+            continue
         parts = pname.split(".")
         fused = next((i for i, p in enumerate(parts) if p in by_fused), None)
         if fused is None:

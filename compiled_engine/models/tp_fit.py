@@ -26,6 +26,9 @@ def _misfit(config: dict, tp: int) -> str | None:
         return f"num_key_value_heads={kv_heads} neither divides nor is divisible by {tp}"
     if config["intermediate_size"] % tp:
         return f"intermediate_size={config['intermediate_size']} is not divisible by {tp}"
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if config.get(name) and config[name] % tp:  # mixture of experts: each expert's is split
+            return f"{name}={config[name]} is not divisible by {tp}"
     return None
 
 

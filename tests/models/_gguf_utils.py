@@ -6,6 +6,7 @@ with its chat template."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -14,7 +15,8 @@ from safetensors.numpy import load_file
 
 from compiled_engine.models.demo import _SPM_FILE, CHAT_TEMPLATE, DEMO_CONFIG
 
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "Qwen3MoeForCausalLM": "qwen3moe"}
 TOKENIZER_VOCAB = DEMO_CONFIG["vocab_size"]
 
 
@@ -52,27 +54,48 @@ def write_gguf(
     )
     w.add_vocab_size(c["vocab_size"])
     w.add_file_type(int(qtype))
+    experts = c.get("num_experts") or c.get("num_local_experts")  # transformers 5 writes the latter
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     _copy_tokenizer(w)
     # tensor names and layout follow the model, whatever `arch` claims
     real = ARCHS[c["architectures"][0]]
     table = gguf.get_tensor_name_map(
         {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[real], c["num_hidden_layers"]
     )
-    for hf_name, t in load_file(str(Path(hf_dir, "model.safetensors"))).items():
+    for hf_name, t in _stacked_experts(load_file(str(Path(hf_dir, "model.safetensors")))).items():
         t = t.astype(np.float32)
         if real == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c["num_attention_heads"] if "q_proj" in hf_name else c["num_key_value_heads"]
             t = permute_rotary_rows(t, heads)
         tensor_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         kind = next((q for key, q in (mix or {}).items() if key in hf_name), qtype)
-        if t.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(tensor_name, quantize(t, kind), raw_dtype=kind)
+        if t.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32:
+            rows = quantize(t.reshape(-1, t.shape[-1]), kind)
+            w.add_tensor(tensor_name, rows.reshape(*t.shape[:-1], -1), raw_dtype=kind)
         else:
             w.add_tensor(tensor_name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """As llama.cpp's converter writes a mixture of experts: each layer's experts stacked into one
+    [E, ...] tensor per projection (`...mlp.experts.gate_proj.weight`)."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = t
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out
 
 

@@ -28,7 +28,12 @@ MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+# Mixture of experts: 4 experts of which each token takes 2, layer 0 dense, layer 1 sparse
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+           mlp_only_layers=[0])
 
 
 def make_checkpoint(

@@ -12,7 +12,7 @@ import gguf
 import pytest
 import torch
 from _gguf_utils import TOKENIZER_VOCAB, write_gguf
-from _model_utils import make_checkpoint
+from _model_utils import MOE, make_checkpoint
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.loader import CheckpointError, load_model
@@ -130,3 +130,23 @@ def test_missing_metadata_key(hf_dirs, tmp_path: Path) -> None:
     path.write_bytes(data)
     with pytest.raises(CheckpointError, match="'llama.block_count' is missing"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_gguf_qwen3moe_matches_transformers(tmp_path: Path, qtype: Q) -> None:
+    """A `qwen3moe` file as llama.cpp writes one (each layer's experts stacked per projection, every
+    layer routed): the engine's Qwen3-MoE equals transformers on the same file. The experts'
+    intermediate size is Qwen3-MoE's default, 768: transformers' GGUF reader ignores
+    `qwen3moe.expert_feed_forward_length` and takes the config default (the engine reads it)."""
+    hf_dir = make_checkpoint(str(tmp_path / "hf"), "Qwen3MoeForCausalLM",
+                             **SHAPE | MOE | {"mlp_only_layers": [], "norm_topk_prob": True,
+                                              "moe_intermediate_size": 768})
+    path = write_gguf(hf_dir, tmp_path / f"moe-{qtype.name}.gguf", qtype)
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_pages=512, max_running=4)
+    assert type(llm.engine.model).__name__ == "Qwen3MoeForCausalLM"
+    prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
+    tokens, logprobs = hf_greedy(path, prompts, GREEDY.max_tokens)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in outputs] == tokens
+    for out, expected in zip(outputs, logprobs):
+        assert out.logprobs == pytest.approx(expected, abs=1e-4)

@@ -1,0 +1,144 @@
+"""The mixture-of-experts MLP of Qwen3-MoE and Qwen2-MoE: a router picks each token's top-k experts
+(softmax over the router's logits in float32, top k, renormalized when the config's
+`norm_topk_prob` says), one fused op (`kernels.ops.fused_moe`) runs them, and Qwen2-MoE's shared
+expert, gated by a sigmoid, is added to every token.
+
+Tensor parallel: each expert's intermediate dimension is split over the ranks (vLLM's default), so
+every rank runs every expert on its slice and one all-reduce sums the partial outputs. Expert
+parallelism (whole experts per rank) would need an all-to-all that sends each token to the ranks of
+its experts and back, and balances load only as well as the router does: not built.
+
+Checkpoints name each expert's projections `...mlp.experts.{e}.{gate,up,down}_proj.weight` (the
+Hugging Face layout); `expert_target` maps them onto the fused `w13` / `w2` parameters."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from compiled_engine.layers.weight_utils import WeightSource, check_shape, dense, narrow
+from compiled_engine.parallel import parallel_state as ps
+from kernels import ops
+
+_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate|up|down)_proj\.weight$"
+)
+
+
+def expert_target(name: str) -> tuple[str, tuple[int, str]] | None:
+    """A checkpoint expert tensor's name -> (our parameter, (expert, "gate" | "up" | "down")); None
+    for any other tensor."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    param = "w2" if m["kind"] == "down" else "w13"
+    return f"{m['prefix']}.{param}", (int(m["expert"]), m["kind"])
+
+
+def expert_checkpoint_names(param_name: str, num_experts: int) -> list[str] | None:
+    """The checkpoint tensors a fused expert parameter is loaded from (None: not one)."""
+    prefix, _, leaf = param_name.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("w13", "w2"):
+        return None
+    kinds = ("down",) if leaf == "w2" else ("gate", "up")
+    return [f"{prefix}.{e}.{k}_proj.weight" for e in range(num_experts) for k in kinds]
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer: w13 [E, 2I/tp, H] (gate rows, then up rows), w2 [E, H, I/tp]."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.tp_rank, tp = ps.get_tp_rank(), ps.get_tp_size()
+        if intermediate_size % tp:
+            raise ValueError(
+                f"moe_intermediate_size={intermediate_size} is not divisible by tensor-parallel "
+                f"size {tp}"
+            )
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.full_intermediate, self.intermediate = intermediate_size, intermediate_size // tp
+        self.hidden_size = hidden_size
+        self.batch_invariant = False  # deterministic mode (layers/invariance.py)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False
+        )
+        for param in (self.w13, self.w2):
+            param.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, src: WeightSource,
+                      shard_id: tuple[int, str]) -> None:
+        """One expert's gate, up or down projection, this rank's slice of its intermediate dim."""
+        expert, kind = shard_id
+        inter, start = self.intermediate, self.tp_rank * self.intermediate
+        if kind == "down":
+            check_shape(src, (self.hidden_size, self.full_intermediate))
+            param.data[expert].copy_(dense(narrow(src, 1, start, inter)))
+            return
+        check_shape(src, (self.full_intermediate, self.hidden_size))
+        row = 0 if kind == "gate" else inter
+        param.data[expert, row : row + inter].copy_(dense(narrow(src, 0, start, inter)))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(router_logits.float(), dim=-1)
+        topk_weights, topk_ids = torch.topk(weights, self.top_k, dim=-1)
+        if self.renormalize:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        out = ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.batch_invariant)
+        return ps.all_reduce(out, ordered=self.batch_invariant)
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear every rank holds whole (the router, the shared expert's gate)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.batch_invariant = False
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, None, self.batch_invariant)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's sigmoid-gated shared expert, `shared`: a dense MLP)."""
+
+    def __init__(self, config: PretrainedConfig, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        self.experts = FusedMoE(
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            getattr(config, "norm_topk_prob", True),
+        )
+        self.shared_expert = shared
+        self.shared_expert_gate = (
+            ReplicatedLinear(config.hidden_size, 1) if shared is not None else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def sparse_layers(config: PretrainedConfig) -> tuple[int, ...]:
+    """The layers whose MLP is a mixture of experts, by the Hugging Face rule: every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+    if not getattr(config, "num_experts", 0):
+        return ()
+    return tuple(i for i in range(config.num_hidden_layers)
+                 if i not in dense_only and (i + 1) % step == 0)
