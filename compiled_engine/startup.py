@@ -23,6 +23,7 @@ from compiled_engine.engine import Engine
 from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
 from compiled_engine.kv_events.config import KVEventsConfig
+from compiled_engine.layers.moe import expert_load
 from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
@@ -207,6 +208,7 @@ def build_engine(
         finally:
             if bar is not None:
                 bar.close()
+        expert_load(model, reset=True)  # the warm-up's dummy tokens are no one's load
     draft_model = None
     if draft is not None:
         draft_model = start_draft_model(draft, config, runner.config, device)

@@ -96,6 +96,17 @@ atomics).
 for now (`kernels.portable.moe`)."""
 
 
+def expert_tokens(w13: torch.Tensor) -> list[int]:
+    """How many tokens each expert of a `fused_moe` layer (its `w13`) has computed in this process:
+    the layer's load, expert by expert."""
+    return portable_moe.expert_tokens(w13)
+
+
+def reset_expert_tokens(w13: torch.Tensor) -> None:
+    """Count a layer's expert load from zero again (after the warm-up's dummy steps)."""
+    portable_moe.reset_expert_tokens(w13)
+
+
 @torch.compiler.assume_constant_result
 def _packed_linears() -> bool:
     """Whether CPU bf16 linears take the op: always, unless a graph is being frozen (inductor's

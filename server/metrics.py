@@ -88,6 +88,11 @@ class Metrics:
         }
         self._prefix_seen = dict.fromkeys(self.prefix, 0)
         self.kv_pool_bytes = Gauge(p + "kv_pool_bytes", "bytes of rank 0's KV pool", registry=r)
+        # mixture of experts: the load of each expert of each routed layer (imbalance shows as
+        # unequal rates across one layer's experts)
+        self.expert_tokens = Counter(p + "moe_expert_tokens", "tokens computed by each expert",
+                                     ["layer", "expert"], registry=r)
+        self._expert_seen: dict[tuple[int, int], int] = {}
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram(
@@ -125,6 +130,12 @@ class Metrics:
             gauge.set(stats["kv_usage"])
         _add_new(self.spec, self._spec_seen, stats)
         _add_new(self.prefix, self._prefix_seen, stats)
+        for layer, counts in stats.get("expert_tokens", {}).items():
+            for expert, total in enumerate(counts):
+                grown = total - self._expert_seen.get((layer, expert), 0)
+                if grown > 0:
+                    self.expert_tokens.labels(str(layer), str(expert)).inc(grown)
+                    self._expert_seen[layer, expert] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

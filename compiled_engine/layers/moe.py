@@ -133,6 +133,19 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def expert_load(model: nn.Module, reset: bool = False) -> dict[int, list[int]]:
+    """Decoder layer -> the tokens each of its experts has computed so far (its mixture-of-experts
+    layers only); `reset`: and count from zero again."""
+    load = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FusedMoE):
+            layer = int(re.search(r"layers\.(\d+)\.", name)[1])
+            load[layer] = ops.expert_tokens(m.w13)
+            if reset:
+                ops.reset_expert_tokens(m.w13)
+    return load
+
+
 def sparse_layers(config: PretrainedConfig) -> tuple[int, ...]:
     """The layers whose MLP is a mixture of experts, by the Hugging Face rule: every
     `decoder_sparse_step`-th layer not in `mlp_only_layers`."""

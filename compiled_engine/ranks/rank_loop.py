@@ -23,6 +23,7 @@ import torch
 import kernels
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import ConstraintError
+from compiled_engine.layers.moe import expert_load
 from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
 from compiled_engine.ranks.messages import (
     Abort,
@@ -198,6 +199,7 @@ def _stats(engine, req: StatsRequest) -> StatsReply:
         "total_pages": sched.allocator.total,
         "idle": not engine.has_work(),
         "steps": engine.steps,
+        "expert_tokens": expert_load(engine.model),
     }
     error = None
     if req.check_integrity:

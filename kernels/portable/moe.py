@@ -16,6 +16,18 @@ import torch.nn.functional as F
 # CPU weight once per tensor object (its cache is keyed by the tensor), so a fresh `w[e]` view per
 # call would be prepared again at every step. Keyed by the weight's id, dropped with the weight.
 _experts: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+# A layer's w13 (by id) -> the tokens each of its experts has computed so far (`expert_tokens`)
+_tokens: dict[int, list[int]] = {}
+
+
+def expert_tokens(w13: torch.Tensor) -> list[int]:
+    """How many tokens each expert of the layer holding `w13` has computed (totals, this
+    process)."""
+    return list(_tokens.get(id(w13)) or [0] * w13.shape[0])
+
+
+def reset_expert_tokens(w13: torch.Tensor) -> None:
+    _tokens.pop(id(w13), None)
 
 
 def _expert_views(w: torch.Tensor) -> list[torch.Tensor]:
@@ -23,7 +35,12 @@ def _expert_views(w: torch.Tensor) -> list[torch.Tensor]:
     if entry is not None and entry[0]() is w:
         return entry[1]
     key, views = id(w), list(w.unbind(0))
-    _experts[key] = (weakref.ref(w, lambda _: _experts.pop(key, None)), views)
+
+    def forget(_: weakref.ref) -> None:
+        _experts.pop(key, None)
+        _tokens.pop(key, None)
+
+    _experts[key] = (weakref.ref(w, forget), views)
     return views
 
 
@@ -42,10 +59,13 @@ def fused_moe(
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert; within one, in (token, slot) order
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    up_projs, down_projs = _expert_views(w13), _expert_views(w2)
+    load = _tokens.setdefault(id(w13), [0] * len(counts))
+    for expert, n in enumerate(counts):
+        load[expert] += n
     rows = x.index_select(0, order // k)
     out = torch.empty(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)
     linear = torch.ops.kernels.linear.default
-    up_projs, down_projs = _expert_views(w13), _expert_views(w2)
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:

@@ -92,3 +92,30 @@ def test_tp2_compiled_equals_transformers_fp32(tmp_path_factory) -> None:
         assert greedy(llm) == [r.tokens for r in refs]
     finally:
         llm.engine.shutdown()
+
+
+def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoint) -> None:
+    """Each token computed through a routed layer is counted once per expert it went to (top-k:
+    k times; a step's padding rows, which run through the experts too, included: eager, one per
+    prefill step), and /metrics shows each layer's experts' totals."""
+    from compiled_engine.layers.moe import expert_load
+    from server.metrics import Metrics
+
+    path, _ = fp32_checkpoint
+    llm = LLM(path, dtype="float32", enforce_eager=True, **ENGINE)
+    assert expert_load(llm.engine.model) == {1: [0, 0, 0, 0]}  # layer 0 is dense
+    max_tokens = 5
+    llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    load = expert_load(llm.engine.model)
+    computed = sum(len(p) + max_tokens - 1 for p in PROMPTS)  # the last token is never fed back
+    k = MOE["num_experts_per_tok"]
+    assert computed * k <= sum(load[1]) <= (computed + llm.engine.steps) * k
+    assert sum(load[1]) % k == 0
+    metrics = Metrics()
+    stats = dict(num_waiting=0, num_running=0, kv_usage=0.0, cache_hit_rate=0.0,
+                 num_retractions=0, expert_tokens=load)
+    metrics.set_engine_stats(stats, 0)
+    text = metrics.render().decode()
+    for expert, n in enumerate(load[1]):
+        assert f'compiled_engine_moe_expert_tokens_total{{expert="{expert}",layer="1"}} {n:.1f}' \
+            in text
