@@ -24,7 +24,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from kernels import interleave
+from kernels import expert_load, interleave
 from kernels.cpu import build, isa
 from kernels.packed import BY_CODE, FORMATS, PackedWeight
 from kernels.portable import attention as portable_attention
@@ -92,19 +92,21 @@ x [T, H] -> [T, H], with w13 [E, 2I, H] (each expert's gate rows, then its up ro
 and each token's k experts and weights [T, k]: tokens sorted by expert, one GEMM per projection per
 expert, the weighted sum back in token order, each token's experts added in its slot order (no
 atomics).
-`invariant`: as `linear`'s, per token, whatever tokens share its experts. Portable on every device
-for now (`kernels.portable.moe`)."""
+`invariant`: as `linear`'s, per token, whatever tokens share its experts. Portable on the CPU
+(`kernels.portable.moe`), Triton's grouped GEMMs on CUDA (`kernels.triton.moe`, no host sync: a
+decode step stays one CUDA graph; always batch-invariant); either counts each expert's tokens
+(`expert_tokens`)."""
 
 
 def expert_tokens(w13: torch.Tensor) -> list[int]:
     """How many tokens each expert of a `fused_moe` layer (its `w13`) has computed in this process:
     the layer's load, expert by expert."""
-    return portable_moe.expert_tokens(w13)
+    return expert_load.tokens(w13)
 
 
 def reset_expert_tokens(w13: torch.Tensor) -> None:
     """Count a layer's expert load from zero again (after the warm-up's dummy steps)."""
-    portable_moe.reset_expert_tokens(w13)
+    expert_load.reset(w13)
 
 
 @torch.compiler.assume_constant_result
@@ -229,6 +231,14 @@ def _extend_attention_cuda(
     )
 
 
+def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, invariant=False):
+    from kernels.triton import moe
+
+    out, counts = moe.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    expert_load.record(w13, counts)
+    return out
+
+
 def _linear_cuda(x, weight, bias=None, invariant=False):
     if not invariant:
         return F.linear(x, weight, bias)
@@ -249,6 +259,7 @@ def _linear_packed_cuda(x, blocks, format, in_features, bias=None, invariant=Fal
 _lib.impl("store_kv", _store_kv_cuda, "CUDA")
 _lib.impl("linear_packed", _linear_packed_cuda, "CUDA")
 _lib.impl("linear", _linear_cuda, "CUDA")
+_lib.impl("fused_moe", _fused_moe_cuda, "CUDA")
 _lib.impl("decode_attention", _decode_attention_cuda, "CUDA")
 _lib.impl("extend_attention", _extend_attention_cuda, "CUDA")
 

@@ -114,8 +114,9 @@ def cached_folder(
 
 
 def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
-    """Every tensor of a Llama (or Qwen3) checkpoint with config `c`, each from its own seeded
-    generator (so the bytes do not depend on creation order); norms are ones."""
+    """Every tensor of a Llama (or Qwen3, or Qwen3-MoE with every layer routed) checkpoint with
+    config `c`, each from its own seeded generator (so the bytes do not depend on creation order);
+    norms are ones."""
     import torch
 
     hidden, inter, vocab, head_dim = (
@@ -135,11 +136,23 @@ def random_llama_weights(c: dict, dtype: str = "float32") -> dict:
             p + "self_attn.v_proj.weight": (kv_dim, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_dim),
             p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         }
-        if c.get("model_type") == "qwen3":  # per-head RMSNorms of q and k
+        experts = c.get("num_experts", 0)
+        if experts:
+            moe = c["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (experts, hidden)
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes |= {q + "gate_proj.weight": (moe, hidden),
+                           q + "up_proj.weight": (moe, hidden),
+                           q + "down_proj.weight": (hidden, moe)}
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        if c.get("model_type") in ("qwen3", "qwen3_moe"):  # per-head RMSNorms of q and k
             shapes |= {
                 p + "self_attn.q_norm.weight": (head_dim,),
                 p + "self_attn.k_norm.weight": (head_dim,),

@@ -3,7 +3,8 @@ expert with tokens (gate and up fused in one), the weighted sum back in token or
 
 Deterministic by construction: each (token, expert) row goes through `kernels::linear` (batch-
 invariant with `invariant`: a row's product never depends on which other tokens share its expert),
-and each token's k expert outputs are added in its own slot order (no atomics, no scatter-add)."""
+and each token's k expert outputs are added in its own slot order (no atomics, no scatter-add).
+Each call adds its tokens per expert to the layer's load (`kernels.expert_load`)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from kernels import expert_load
+
 # Stacked expert weights -> one persistent view per expert: the native `kernels::linear` prepares a
 # CPU weight once per tensor object (its cache is keyed by the tensor), so a fresh `w[e]` view per
 # call would be prepared again at every step. Keyed by the weight's id, dropped with the weight.
 _experts: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
-# A layer's w13 (by id) -> the tokens each of its experts has computed so far (`expert_tokens`)
-_tokens: dict[int, list[int]] = {}
-
-
-def expert_tokens(w13: torch.Tensor) -> list[int]:
-    """How many tokens each expert of the layer holding `w13` has computed (totals, this
-    process)."""
-    return list(_tokens.get(id(w13)) or [0] * w13.shape[0])
-
-
-def reset_expert_tokens(w13: torch.Tensor) -> None:
-    _tokens.pop(id(w13), None)
 
 
 def _expert_views(w: torch.Tensor) -> list[torch.Tensor]:
@@ -35,12 +26,7 @@ def _expert_views(w: torch.Tensor) -> list[torch.Tensor]:
     if entry is not None and entry[0]() is w:
         return entry[1]
     key, views = id(w), list(w.unbind(0))
-
-    def forget(_: weakref.ref) -> None:
-        _experts.pop(key, None)
-        _tokens.pop(key, None)
-
-    _experts[key] = (weakref.ref(w, forget), views)
+    _experts[key] = (weakref.ref(w, lambda _: _experts.pop(key, None)), views)
     return views
 
 
@@ -60,9 +46,7 @@ def fused_moe(
     order = torch.argsort(flat, stable=True)  # by expert; within one, in (token, slot) order
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     up_projs, down_projs = _expert_views(w13), _expert_views(w2)
-    load = _tokens.setdefault(id(w13), [0] * len(counts))
-    for expert, n in enumerate(counts):
-        load[expert] += n
+    expert_load.record(w13, counts)
     rows = x.index_select(0, order // k)
     out = torch.empty(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)
     linear = torch.ops.kernels.linear.default

@@ -8,6 +8,7 @@ from triton.backends.compiler import GPUTarget
 from kernels.triton.decode import decode_merge_kernel, decode_split_kernel
 from kernels.triton.extend import extend_kernel
 from kernels.triton.matmul import invariant_matmul_kernel
+from kernels.triton.moe import moe_down_kernel, moe_gate_up_kernel
 from kernels.triton.store import store_kv_kernel
 
 FLOATS = ("scale", "soft_cap")
@@ -86,6 +87,10 @@ def main() -> None:
             {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16"},
             {"HAS_BIAS": bias, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": False},
         )
+    moe = {"rows": "*i64", "block_expert": "*i32", "scratch": "*bf16"}
+    tiles = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": False}
+    compile_for_hopper(moe_gate_up_kernel, moe | {"x": "*bf16", "w13": "*bf16"}, tiles)
+    compile_for_hopper(moe_down_kernel, moe | {"w2": "*bf16", "out": "*bf16"}, tiles)
 
 
 if __name__ == "__main__":

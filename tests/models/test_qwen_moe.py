@@ -4,6 +4,7 @@ included)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,33 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     for expert, n in enumerate(load[1]):
         assert f'compiled_engine_moe_expert_tokens_total{{expert="{expert}",layer="1"}} {n:.1f}' \
             in text
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels run on the CPU in the interpreter only (make test "
+                           "sets TRITON_INTERPRET=1)")
+def test_triton_fused_moe_equals_the_portable_op_in_the_interpreter() -> None:
+    """The CUDA kernels (`kernels.triton.moe`) on CPU tensors: the portable op's output, tokens per
+    expert counted, ragged loads (an expert with none, one with most), each token the same alone."""
+    from kernels.triton.moe import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(1)
+    experts, hidden, inter, tokens, k = 5, 48, 40, 37, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / 8
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / 8
+    ids = torch.tensor([[0, [1, 2, 4][t % 3]] if t % 5 else [4, 0] for t in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+    got, counts = fused_moe_triton(x, w13, w2, weights, ids)
+    want = ops.fused_moe(x, w13, w2, weights, ids, False)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert counts.tolist() == torch.bincount(ids.reshape(-1), minlength=experts).tolist()
+    assert counts[3] == 0
+    # A token alone equals itself after a whole tile (16 rows) of tokens sharing its experts: the
+    # interpreter's tile product (numpy) may round a row differently at another position inside a
+    # tile, which a GPU's MMA does not (as test_kernels_triton_invariant.py says).
+    crowd = torch.cat([ids[:1].expand(16, k), ids])
+    together, _ = fused_moe_triton(torch.cat([x[5:21], x]), w13, w2,
+                                   torch.cat([weights[5:21], weights]), crowd)
+    alone, _ = fused_moe_triton(x[:1], w13, w2, weights[:1], ids[:1])
+    assert torch.equal(alone[0], together[16])

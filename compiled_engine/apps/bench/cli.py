@@ -17,7 +17,12 @@ from compiled_engine.apps.bench.datasets import (
     prefix_dataset,
     random_dataset,
 )
-from compiled_engine.apps.bench.models import BENCH_NAME, QWEN3_NAME, resolve_bench_model
+from compiled_engine.apps.bench.models import (
+    BENCH_NAME,
+    QWEN3_MOE_NAME,
+    QWEN3_NAME,
+    resolve_bench_model,
+)
 from compiled_engine.apps.bench.report import table, write_json
 
 # hf: transformers generate
@@ -374,7 +379,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     model_help = (
         f"'{BENCH_NAME}' (default: the random 768-hidden Llama), '{QWEN3_NAME}' (random, "
-        "Qwen3-0.6B's shape), 'demo', or a checkpoint directory"
+        f"Qwen3-0.6B's shape), '{QWEN3_MOE_NAME}' (random Qwen3-MoE, SmolLM2-135M's active "
+        "size), 'demo', or a checkpoint directory"
     )
 
     p = kinds.add_parser(

@@ -59,9 +59,32 @@ QWEN3_CONFIG = {
     "eos_token_id": 2,
     "torch_dtype": "bfloat16",
 }
+# A Qwen3-MoE of SmolLM2-135M's active size: its shape (hidden 576, 30 layers, GQA 9/3, vocab
+# 49152), every layer routed to 2 of 8 experts of intermediate 768 (the active MLP is SmolLM2's 1536
+# wide)
+QWEN3_MOE_NAME = "qwen3-moe"
+QWEN3_MOE_CONFIG = QWEN3_CONFIG | {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 BENCH_MODELS = {
     BENCH_NAME: (BENCH_DIR_NAME, BENCH_CONFIG),
     QWEN3_NAME: ("bench-qwen3-0.6b", QWEN3_CONFIG),
+    QWEN3_MOE_NAME: ("bench-qwen3-moe", QWEN3_MOE_CONFIG),
 }
 
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "README.md")
