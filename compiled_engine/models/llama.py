@@ -62,19 +62,28 @@ class DecoderAttention(nn.Module):
     def qkv(
         self, positions: torch.Tensor, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden states [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D] with the rotary
-        applied."""
+        """Normed hidden states [T, hidden] -> q [T, H, D] and k [T, Hkv, D] with the rotary
+        applied, and the whole projection [T, q + 2 kv], whose last columns are v (`value`).
+
+        v is taken from the projection outside the compile region: returned from it as a view of
+        the projection at an offset (inductor drops a clone), the caller's graph takes that view for
+        a buffer of the projection's size at offset 0 and may reuse it for a larger temporary, which
+        then runs past the end of the allocation (seen: heap corruption)."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        projection = self.qkv_proj(x)
+        q, k, _ = projection.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        # its own tensor, not a view of the projection: a compile region may not return aliased
-        # outputs
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim).clone()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return q, k, v
+        return q, k, projection
+
+    def value(self, projection: torch.Tensor) -> torch.Tensor:
+        """v [T, Hkv, D] from `qkv`'s projection: a view with the projection's token stride (the
+        KV store takes any token stride), so that no layer adds a kernel of its own."""
+        kv_size = self.qkv_proj.kv_size
+        return projection[:, -kv_size:].view(-1, self.num_kv_heads, self.head_dim)
 
 
 class DecoderMLP(nn.Module):
@@ -136,9 +145,10 @@ class DecoderModel(nn.Module):
         x = self.layers[0].input_layernorm(residual)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
-            q, k, v = attention_inputs(layer.self_attn, positions, x)
-            out = layer.self_attn.attn(q, k, v, meta)
-            x, residual = layer_outputs(layer, out, residual, next_norm)
+            q, k, projection = attention_inputs(layer.self_attn, positions, x)
+            out = layer.self_attn.attn(q, k, layer.self_attn.value(projection), meta)
+            region = moe_layer_outputs if isinstance(layer.mlp, SparseMoeBlock) else layer_outputs
+            x, residual = region(layer, out, residual, next_norm)
         return x
 
 
@@ -151,8 +161,7 @@ def attention_inputs(attn: DecoderAttention, positions: torch.Tensor, x: torch.T
     return attn.qkv(positions, x)
 
 
-@torch.compiler.nested_compile_region
-def layer_outputs(
+def _layer_outputs(
     layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
 ):
     """Attention output [T, H, D] -> (the next layer's normed input, the residual stream)."""
@@ -161,6 +170,22 @@ def layer_outputs(
         attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim)), residual
     )
     return next_norm(layer.mlp(x), residual)
+
+
+# One region per layer structure: torch reuses a region's compiled code for every call of the same
+# function, and a dense layer's code run with a mixture-of-experts layer's weights reads and writes
+# out of bounds (seen: heap corruption in a model with both kinds of layers). Two functions, two
+# regions.
+@torch.compiler.nested_compile_region
+def layer_outputs(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor,
+                  next_norm: RMSNorm):
+    return _layer_outputs(layer, attn_out, residual, next_norm)
+
+
+@torch.compiler.nested_compile_region
+def moe_layer_outputs(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor,
+                      next_norm: RMSNorm):
+    return _layer_outputs(layer, attn_out, residual, next_norm)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
