@@ -24,6 +24,15 @@ import triton.language as tl
 from kernels.triton.attention import MIN_DOT, dot_fp32
 
 
+@triton.jit
+def _block_rows(rows, num_rows, block, BLOCK_M: tl.constexpr):
+    """A block's places in the sorted list, the (token, slot) index at each (-1: padding), and
+    which are real."""
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(rows + offs_m, mask=offs_m < num_rows, other=-1)
+    return offs_m, flat, flat >= 0
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def moe_gate_up_kernel(
     x,
@@ -47,9 +56,7 @@ def moe_gate_up_kernel(
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
     if expert >= 0:
-        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        flat = tl.load(rows + offs_m, mask=offs_m < num_rows, other=-1)
-        m_mask = flat >= 0
+        offs_m, flat, m_mask = _block_rows(rows, num_rows, block, BLOCK_M)
         token = tl.where(m_mask, flat // top_k, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < inter
@@ -100,9 +107,7 @@ def moe_down_kernel(
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
     if expert >= 0:
-        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        flat = tl.load(rows + offs_m, mask=offs_m < num_rows, other=-1)
-        m_mask = flat >= 0
+        offs_m, flat, m_mask = _block_rows(rows, num_rows, block, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

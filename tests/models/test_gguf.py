@@ -68,6 +68,12 @@ def hf_greedy(
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_gguf_greedy_matches_transformers(hf_dirs, tmp_path: Path, arch: str, qtype: Q) -> None:
     path = write_gguf(hf_dirs[arch], tmp_path / f"model-{qtype.name}.gguf", qtype)
+    assert_matches_transformers(path, arch)
+
+
+def assert_matches_transformers(path: Path, arch: str) -> None:
+    """The engine (eager fp32) on the GGUF file: the model class `arch`, and transformers' greedy
+    tokens and log-probabilities on the same file."""
     llm = LLM(str(path), dtype="float32", enforce_eager=True, num_pages=512, max_running=4)
     assert type(llm.engine.model).__name__ == arch
     prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
@@ -142,11 +148,4 @@ def test_gguf_qwen3moe_matches_transformers(tmp_path: Path, qtype: Q) -> None:
                              **SHAPE | MOE | {"mlp_only_layers": [], "norm_topk_prob": True,
                                               "moe_intermediate_size": 768})
     path = write_gguf(hf_dir, tmp_path / f"moe-{qtype.name}.gguf", qtype)
-    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_pages=512, max_running=4)
-    assert type(llm.engine.model).__name__ == "Qwen3MoeForCausalLM"
-    prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
-    tokens, logprobs = hf_greedy(path, prompts, GREEDY.max_tokens)
-    outputs = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
-    assert [o.token_ids for o in outputs] == tokens
-    for out, expected in zip(outputs, logprobs):
-        assert out.logprobs == pytest.approx(expected, abs=1e-4)
+    assert_matches_transformers(path, "Qwen3MoeForCausalLM")
