@@ -156,8 +156,9 @@ class GGUFCheckpoint:
     @cached_property
     def tokenizer_digest(self) -> str:
         """A hash of everything transformers builds the tokenizer from (vocabulary, merges, special
-        ids, chat template): files that share a tokenizer share its converted copy."""
-        h = hashlib.sha256()
+        ids, chat template, and the architecture: transformers' conversion depends on it too):
+        files that share a tokenizer share its converted copy."""
+        h = hashlib.sha256(self.arch.encode() + b"\0")
         for key in sorted(k for k in self._reader.fields if k.startswith("tokenizer.")):
             h.update(key.encode() + b"\0" + repr(self.metadata(key)).encode() + b"\0")
         return h.hexdigest()[:16]

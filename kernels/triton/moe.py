@@ -135,7 +135,10 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     the device, no host sync."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (torch.bincount reads the ids' range back to the host: a sync, which a CUDA graph capture
+    # refuses)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     seg_start = torch.cumsum(padded, 0) - padded
     first = torch.cumsum(counts, 0) - counts  # each expert's first place in the sorted order

@@ -72,6 +72,8 @@ def write_gguf(
             t = permute_rotary_rows(t, heads)
         tensor_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         kind = next((q for key, q in (mix or {}).items() if key in hf_name), qtype)
+        if hf_name.endswith("mlp.gate.weight"):  # llama.cpp keeps a MoE router in F32
+            kind = gguf.GGMLQuantizationType.F32
         if t.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32:
             rows = quantize(t.reshape(-1, t.shape[-1]), kind)
             w.add_tensor(tensor_name, rows.reshape(*t.shape[:-1], -1), raw_dtype=kind)

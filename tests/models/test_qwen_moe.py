@@ -100,6 +100,8 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     k times; a step's padding rows, which run through the experts too, included: eager, one per
     prefill step), and /metrics shows each layer's experts' totals."""
     from compiled_engine.layers.moe import expert_load
+    from compiled_engine.ranks.messages import StatsRequest
+    from compiled_engine.ranks.rank_loop import _stats as rank_stats
     from server.metrics import Metrics
 
     path, _ = fp32_checkpoint
@@ -112,9 +114,9 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     k = MOE["num_experts_per_tok"]
     assert computed * k <= sum(load[1]) <= (computed + llm.engine.steps) * k
     assert sum(load[1]) % k == 0
-    metrics = Metrics()
-    stats = dict(num_waiting=0, num_running=0, kv_usage=0.0, cache_hit_rate=0.0,
-                 num_retractions=0, expert_tokens=load)
+    metrics = Metrics()  # fed as the server feeds it: rank 0's stats reply
+    stats = rank_stats(llm.engine, StatsRequest(0)).stats
+    assert stats["expert_tokens"] == load
     metrics.set_engine_stats(stats, 0)
     text = metrics.render().decode()
     for expert, n in enumerate(load[1]):
