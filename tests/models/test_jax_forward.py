@@ -28,7 +28,8 @@ def _agree(path: str, prompts: list[list[int]] = PROMPTS) -> None:
         assert np.abs(logprobs - ref.logprobs.numpy()).max() < 1e-4
 
 
-@pytest.mark.parametrize("arch", sorted(MODEL_TYPES))
+# the JAX reference forward is a dense decoder's (no mixture of experts)
+@pytest.mark.parametrize("arch", sorted(a for a in MODEL_TYPES if "Moe" not in a))
 def test_greedy_tokens_equal_transformers(tmp_path: Path, arch: str) -> None:
     _agree(make_checkpoint(str(tmp_path), arch))
 
