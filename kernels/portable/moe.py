@@ -58,7 +58,14 @@ def fused_moe(
         out[order[start : start + n]] = linear(F.silu(gate) * up, down_projs[expert], None,
                                                invariant)
         start += n
-    weighted = out.view(tokens, k, -1) * topk_weights.to(x.dtype)[:, :, None]
+    return combine(out, topk_weights)
+
+
+def combine(out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs (`out` [T*k, H], in (token, slot) order) weighted and added
+    in slot order: the same sum whatever the token's batch (no atomics)."""
+    tokens, k = topk_weights.shape
+    weighted = out.view(tokens, k, -1) * topk_weights.to(out.dtype)[:, :, None]
     total = weighted[:, 0]
     for j in range(1, k):
         total = total + weighted[:, j]

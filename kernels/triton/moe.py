@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.portable.moe import combine
 from kernels.triton.attention import MIN_DOT, dot_fp32
 
 
@@ -179,8 +180,4 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             scratch.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=fp32,
         )  # fmt: skip
-    weighted = out.view(tokens, k, hidden) * topk_weights.to(x.dtype)[:, :, None]
-    total = weighted[:, 0]
-    for j in range(1, k):
-        total = total + weighted[:, j]
-    return total, counts
+    return combine(out, topk_weights), counts
