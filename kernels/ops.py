@@ -47,7 +47,7 @@ _SCHEMAS = {
     "bool invariant=False) -> Tensor",
     "dequantize": "(Tensor blocks, int format, int in_features) -> Tensor",
     "fused_moe": "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-    "bool invariant=False) -> Tensor",
+    "bool invariant=False, int w13_format=-1, int w2_format=-1) -> Tensor",
 }
 _PORTABLE = {
     "store_kv": portable_attention.store_kv,
@@ -86,27 +86,40 @@ query and keys."""
 argmax = torch.ops.kernels.argmax.default
 """argmax(x [R, V]) -> [R] int64: `torch.argmax(x, -1)` (the first maximum, or the first NaN)."""
 
-fused_moe = torch.ops.kernels.fused_moe.default
-"""fused_moe(x, w13, w2, topk_weights, topk_ids, invariant=False): the mixture-of-experts MLP,
-x [T, H] -> [T, H], with w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]
-and each token's k experts and weights [T, k]: tokens sorted by expert, one GEMM per projection per
-expert, the weighted sum back in token order, each token's experts added in its slot order (no
-atomics).
-`invariant`: as `linear`'s, per token, whatever tokens share its experts. Portable on the CPU
-(`kernels.portable.moe`), Triton's grouped GEMMs on CUDA (`kernels.triton.moe`, no host sync: a
-decode step stays one CUDA graph; always batch-invariant); either counts each expert's tokens
-(`expert_tokens`)."""
+Experts = torch.Tensor | PackedWeight  # a layer's stacked expert weights [E, N, K]
 
 
-def expert_tokens(w13: torch.Tensor) -> list[int]:
+def fused_moe(x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """The mixture-of-experts MLP, x [T, H] -> [T, H], with w13 [E, 2I, H] (each expert's gate rows,
+    then its up rows), w2 [E, H, I] and each token's k experts and weights [T, k]: tokens sorted by
+    expert, one GEMM per projection per expert, the weighted sum back in token order, each token's
+    experts added in its slot order (no atomics). Either weight may be packed (a `PackedWeight` of
+    experts): its blocks are read as they are.
+    `invariant`: as `linear`'s, per token, whatever tokens share its experts. Portable on the CPU
+    (`kernels.portable.moe`), Triton's grouped GEMMs on CUDA (`kernels.triton.moe`, no host sync: a
+    decode step stays one CUDA graph; always batch-invariant; packed experts dequantized per call
+    there); either counts each expert's tokens (`expert_tokens`)."""
+    (w13, f13), (w2, f2) = _expert_tensor(w13), _expert_tensor(w2)
+    return torch.ops.kernels.fused_moe.default(x, w13, w2, topk_weights, topk_ids, invariant,
+                                               f13, f2)
+
+
+def _expert_tensor(w: Experts) -> tuple[torch.Tensor, int]:
+    """What the op takes for a stack of experts: the tensor, and its block format's code (-1:
+    dense)."""
+    return (w.blocks, w.code) if isinstance(w, PackedWeight) else (w, -1)
+
+
+def expert_tokens(w13: Experts) -> list[int]:
     """How many tokens each expert of a `fused_moe` layer (its `w13`) has computed in this process:
     the layer's load, expert by expert."""
-    return expert_load.tokens(w13)
+    return expert_load.tokens(_expert_tensor(w13)[0])
 
 
-def reset_expert_tokens(w13: torch.Tensor) -> None:
+def reset_expert_tokens(w13: Experts) -> None:
     """Count a layer's expert load from zero again (after the warm-up's dummy steps)."""
-    expert_load.reset(w13)
+    expert_load.reset(_expert_tensor(w13)[0])
 
 
 @torch.compiler.assume_constant_result
@@ -161,7 +174,9 @@ def prepare_packed(weight: PackedWeight, compute_dtype: torch.dtype) -> None:
             or weight.blocks.device.type != "cpu" or compute_dtype != torch.bfloat16
             or not _cpu_kernels_loaded()):
         return
-    weight.relayout(interleave.interleave(weight.blocks, weight.format), fmt)
+    rows = weight.blocks.reshape(-1, weight.blocks.shape[-1])  # experts: 16 rows never span two
+    groups = interleave.interleave(rows, weight.format)
+    weight.relayout(groups.view(*weight.blocks.shape[:-2], -1, groups.shape[-1]), fmt)
 
 
 def extend_request_counts(max_requests: int, device: torch.device) -> list[int]:
@@ -231,12 +246,27 @@ def _extend_attention_cuda(
     )
 
 
-def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, invariant=False):
+def _fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, invariant=False, w13_format=-1,
+                    w2_format=-1):
     from kernels.triton import moe
 
-    out, counts = moe.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    inter = portable_moe.expert_rows(w13, w13_format) // 2
+    out, counts = moe.fused_moe_triton(
+        x, _dense_experts(w13, w13_format, x.shape[-1], x.dtype),
+        _dense_experts(w2, w2_format, inter, x.dtype), topk_weights, topk_ids)
     expert_load.record(w13, counts)
     return out
+
+
+def _dense_experts(w: torch.Tensor, format: int, in_features: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Stacked experts as [E, N, K] in `dtype`: packed blocks dequantized (the Triton MoE kernels
+    read dense weights)."""
+    if format < 0:
+        return w
+    rows = w.reshape(-1, w.shape[-1])
+    dense = torch.ops.kernels.dequantize.default(rows, format, in_features)
+    return dense.to(dtype).view(w.shape[0], -1, in_features)
 
 
 def _linear_cuda(x, weight, bias=None, invariant=False):
@@ -309,7 +339,7 @@ def _(blocks, format, in_features):
 
 
 @torch.library.register_fake("kernels::fused_moe")
-def _(x, w13, w2, topk_weights, topk_ids, invariant=False):
+def _(x, w13, w2, topk_weights, topk_ids, invariant=False, w13_format=-1, w2_format=-1):
     return torch.empty_like(x)
 
 

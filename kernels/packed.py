@@ -71,7 +71,10 @@ BY_CODE: dict[int, BlockFormat] = {f.code: f for f in FORMATS.values()}
 class PackedWeight(nn.Module):
     """A weight [out_features, in_features] as rows of `format`'s blocks: `blocks` [N, row_bytes]
     uint8 ([N / 16, 16 row_bytes] in an interleaved format). A module, so that its bytes are a
-    buffer (moved, counted and seen by torch.compile as the model's other tensors are)."""
+    buffer (moved, counted and seen by torch.compile as the model's other tensors are).
+
+    A mixture-of-experts layer's experts are one stack of such weights, [E, out, in]: `blocks`
+    [E, N, row_bytes] (each expert's rows interleaved on their own), `experts` E."""
 
     def __init__(self, blocks: torch.Tensor, format: BlockFormat, in_features: int) -> None:
         super().__init__()
@@ -86,9 +89,8 @@ class PackedWeight(nn.Module):
                 f"{format.name}: in_features={in_features} is not a multiple of its block "
                 f"{format.block}"
             )
-        if blocks.dtype != torch.uint8 or blocks.shape[-1] != format.rows * format.row_bytes(
-            in_features
-        ):
+        if (blocks.dtype != torch.uint8 or blocks.dim() not in (2, 3)
+                or blocks.shape[-1] != format.rows * format.row_bytes(in_features)):
             raise ValueError(
                 f"{format.name}: blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of "
                 f"{in_features} weights"
@@ -98,41 +100,46 @@ class PackedWeight(nn.Module):
     def _set_format(self, format: BlockFormat) -> None:
         self.format = format
         self.code = format.code
-        self.out_features = self.blocks.shape[0] * format.rows
+        self.out_features = self.blocks.shape[-2] * format.rows
+        self.experts = self.blocks.shape[0] if self.blocks.dim() == 3 else 0
 
     def relayout(self, blocks: torch.Tensor, format: BlockFormat) -> None:
         """Hold the same weight in another layout (`ops.prepare_packed`), in place: a tied LM head
         shares this module with the embedding."""
         checked = self._checked(blocks, format, self.in_features)
-        if checked.shape[0] * format.rows != self.out_features:
-            raise ValueError(f"{format.name}: {checked.shape[0] * format.rows} rows, not "
-                             f"{self.out_features}")
+        if checked.shape[:-2] != self.blocks.shape[:-2] or (
+                checked.shape[-2] * format.rows != self.out_features):
+            raise ValueError(f"{format.name}: blocks {tuple(checked.shape)} do not hold the "
+                             f"weight {tuple(self.shape)}")
         self.blocks = checked
         self._set_format(format)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
+        return torch.Size((*self.blocks.shape[:-2], self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
     def dequantize(self) -> torch.Tensor:
-        """The weight in fp32 [N, K] (in row order, whatever the layout)."""
-        return torch.ops.kernels.dequantize.default(self.blocks, self.code, self.in_features)
+        """The weight in fp32 [N, K] (in row order, whatever the layout; [E, N, K] for experts)."""
+        rows = self.blocks.reshape(-1, self.blocks.shape[-1])
+        w = torch.ops.kernels.dequantize.default(rows, self.code, self.in_features)
+        return w.view(self.shape)
 
     def extra_repr(self) -> str:
         return f"{self.format.name}, out_features={self.out_features}, in={self.in_features}"
 
 
 def quantize(weight: torch.Tensor, format: BlockFormat) -> PackedWeight:
-    """`--quantization`: weight [N, K] -> I8 or I4 blocks by round-to-nearest per group of 32 with a
-    bf16 scale d = max|w| / qmax (qmax 127 or 7; the scale is rounded to bf16 first, and the
-    quants computed against the rounded scale)."""
+    """`--quantization`: weight [N, K] (or experts [E, N, K]) -> I8 or I4 blocks by round-to-nearest
+    per group of 32 with a bf16 scale d = max|w| / qmax (qmax 127 or 7; the scale is rounded to bf16
+    first, and the quants computed against the rounded scale)."""
     if format.name not in ("I8", "I4"):
         raise ValueError(f"quantize makes I8 or I4 blocks, not {format.name}")
-    n, k = weight.shape
+    *lead, k = weight.shape
+    n = weight.numel() // k
     groups = weight.detach().float().reshape(n, k // 32, 32)
     qmax = 127 if format.name == "I8" else 7
     d = (groups.abs().amax(-1, keepdim=True) / qmax).to(torch.bfloat16)
@@ -144,5 +151,5 @@ def quantize(weight: torch.Tensor, format: BlockFormat) -> PackedWeight:
     else:
         u = (q + 8).to(torch.uint8)
         quants = u[..., :16] | (u[..., 16:] << 4)
-    blocks = torch.cat([scale_bytes, quants], dim=-1).reshape(n, -1)
+    blocks = torch.cat([scale_bytes, quants], dim=-1).reshape(*lead, -1)
     return PackedWeight(blocks, format, k)

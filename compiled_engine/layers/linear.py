@@ -13,6 +13,7 @@ that cannot stay packed (columns off its blocks, a fused weight with a dense sha
 import torch
 from torch import nn
 
+from compiled_engine.layers.moe import FusedMoE
 from compiled_engine.layers.weight_utils import (
     PackedSource,
     WeightSource,
@@ -211,10 +212,14 @@ QUANTIZATIONS = {"int8": "I8", "int4": "I4"}
 
 def quantize_linears(model: nn.Module, quantization: str) -> None:
     """Weight-only `int8` / `int4` (group-wise round-to-nearest, groups of 32 along K, bf16
-    scales) of every dense linear weight of the model (this rank's shard), after loading. Packed
-    weights stay as they are; the embedding (and a tied LM head) stay dense."""
+    scales) of every dense linear weight of the model (this rank's shard), the experts of a
+    mixture of experts included, after loading. Packed weights stay as they are; the embedding (and
+    a tied LM head) stay dense."""
     fmt = FORMATS[QUANTIZATIONS[quantization]]
     for module in list(model.modules()):
+        if isinstance(module, FusedMoE):
+            module.quantize(fmt)
+            continue
         weight = getattr(module, "weight", None)
         if (isinstance(module, _Linear) and isinstance(weight, nn.Parameter)
                 and weight.shape[1] % fmt.block == 0):

@@ -9,7 +9,12 @@ parallelism (whole experts per rank) would need an all-to-all that sends each to
 its experts and back, and balances load only as well as the router does: not built.
 
 Checkpoints name each expert's projections `...mlp.experts.{e}.{gate,up,down}_proj.weight` (the
-Hugging Face layout); `expert_target` maps them onto the fused `w13` / `w2` parameters."""
+Hugging Face layout); `expert_target` maps them onto the fused `w13` / `w2` parameters.
+
+Quantized experts stay packed as the dense linears' weights do (`kernels.packed`): a GGUF file's
+expert blocks are stacked as they are into one `PackedWeight` of experts per projection (when every
+expert's parts share one format and this rank's slice cuts no block), and `--quantization int8 /
+int4` quantizes the experts as it does every linear."""
 
 from __future__ import annotations
 
@@ -19,9 +24,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from compiled_engine.layers.weight_utils import WeightSource, check_shape, dense, narrow
+from compiled_engine.layers.weight_utils import (
+    PackedSource,
+    WeightSource,
+    check_shape,
+    narrow,
+)
 from compiled_engine.parallel import parallel_state as ps
 from kernels import ops
+from kernels.packed import BlockFormat, PackedWeight, quantize
 
 _EXPERT = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate|up|down)_proj\.weight$"
@@ -47,8 +58,12 @@ def expert_checkpoint_names(param_name: str, num_experts: int) -> list[str] | No
     return [f"{prefix}.{e}.{k}_proj.weight" for e in range(num_experts) for k in kinds]
 
 
+_KINDS = {"w13": ("gate", "up"), "w2": ("down",)}
+
+
 class FusedMoE(nn.Module):
-    """The experts of one layer: w13 [E, 2I/tp, H] (gate rows, then up rows), w2 [E, H, I/tp]."""
+    """The experts of one layer: w13 [E, 2I/tp, H] (gate rows, then up rows), w2 [E, H, I/tp],
+    each a parameter or a `PackedWeight` of experts."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool) -> None:
@@ -71,19 +86,63 @@ class FusedMoE(nn.Module):
         )
         for param in (self.w13, self.w2):
             param.weight_loader = self.weight_loader
+        self._packed_parts: dict[tuple[str, int], PackedSource] = {}  # until finish_loading
 
     def weight_loader(self, param: nn.Parameter, src: WeightSource,
                       shard_id: tuple[int, str]) -> None:
-        """One expert's gate, up or down projection, this rank's slice of its intermediate dim."""
+        """One expert's gate, up or down projection, this rank's slice of its intermediate dim
+        (a packed one kept aside until `finish_loading`)."""
         expert, kind = shard_id
         inter, start = self.intermediate, self.tp_rank * self.intermediate
         if kind == "down":
             check_shape(src, (self.hidden_size, self.full_intermediate))
-            param.data[expert].copy_(dense(narrow(src, 1, start, inter)))
-            return
-        check_shape(src, (self.full_intermediate, self.hidden_size))
-        row = 0 if kind == "gate" else inter
-        param.data[expert, row : row + inter].copy_(dense(narrow(src, 0, start, inter)))
+            if isinstance(src, PackedSource) and not src.splits_at(1, inter):
+                src = src.dequantize()  # this rank's columns would cut its blocks
+            part = narrow(src, 1, start, inter)
+        else:
+            check_shape(src, (self.full_intermediate, self.hidden_size))
+            part = narrow(src, 0, start, inter)
+        if isinstance(part, PackedSource):
+            self._packed_parts[kind, expert] = part
+        else:
+            self._place(param, expert, kind).copy_(part[:])
+
+    def _place(self, param: nn.Parameter, expert: int, kind: str) -> torch.Tensor:
+        """Where one expert's projection goes in its dense parameter."""
+        if kind == "down":
+            return param.data[expert]
+        row = self.intermediate if kind == "up" else 0
+        return param.data[expert, row : row + self.intermediate]
+
+    def finish_loading(self) -> None:
+        """Stack each projection's packed experts into one `PackedWeight` (all of them in one
+        format), or dequantize them into the parameter."""
+        parts, self._packed_parts = self._packed_parts, {}
+        for leaf, kinds in _KINDS.items():
+            mine = {key: p for key, p in parts.items() if key[0] in kinds}
+            formats = {p.format for p in mine.values()}
+            if len(mine) == len(kinds) * self.num_experts and len(formats) == 1:
+                stacked = self._stack(mine, kinds, formats.pop())
+                delattr(self, leaf)
+                setattr(self, leaf, stacked)
+                continue
+            for (kind, expert), part in mine.items():
+                self._place(getattr(self, leaf), expert, kind).copy_(part.dequantize())
+
+    def _stack(self, parts: dict[tuple[str, int], PackedSource], kinds: tuple[str, ...],
+               fmt: BlockFormat) -> PackedWeight:
+        blocks = torch.stack([torch.cat([parts[kind, e].blocks for kind in kinds])
+                              for e in range(self.num_experts)])
+        return PackedWeight(blocks, fmt, parts[kinds[0], 0].shape[1])
+
+    def quantize(self, fmt: BlockFormat) -> None:
+        """`--quantization`: each dense expert stack (its input dim a multiple of the block) to
+        `fmt`'s blocks, after loading."""
+        for leaf in _KINDS:
+            weight = getattr(self, leaf)
+            if isinstance(weight, nn.Parameter) and weight.shape[-1] % fmt.block == 0:
+                delattr(self, leaf)
+                setattr(self, leaf, quantize(weight.data, fmt))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights = torch.softmax(router_logits.float(), dim=-1)

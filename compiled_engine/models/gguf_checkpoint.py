@@ -178,7 +178,8 @@ class GGUFCheckpoint:
     ) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
         """(Hugging Face name, tensor) for every tensor of the file, one at a time: a tensor in a
         block format the kernels know (`kernels.packed`) as a `PackedSource` of the file's bytes
-        (`keep_packed`), every other one dequantized to fp32 by the `gguf` package."""
+        (`keep_packed`; a stack of experts as one per expert), every other one dequantized to
+        fp32 by the `gguf` package."""
         import gguf
         import numpy as np
         import torch
@@ -196,9 +197,11 @@ class GGUFCheckpoint:
                 )
             shape = tuple(int(n) for n in reversed(t.shape))
             fmt = FORMATS.get(t.tensor_type.name)
-            if keep_packed and fmt is not None and fmt.name[0] == "Q" and len(shape) == 2:
-                blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shape[0], -1)
-                w: torch.Tensor | PackedSource = PackedSource(blocks, fmt, shape)
+            if keep_packed and fmt is not None and fmt.name[0] == "Q" and len(shape) in (2, 3):
+                blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(*shape[:-1], -1)
+                w: torch.Tensor | PackedSource | list[PackedSource] = (
+                    PackedSource(blocks, fmt, shape) if len(shape) == 2
+                    else [PackedSource(b, fmt, shape[1:]) for b in blocks])
             else:
                 try:
                     values = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -1,5 +1,8 @@
 """The portable fused mixture-of-experts MLP: tokens sorted by expert, one GEMM per projection per
-expert with tokens (gate and up fused in one), the weighted sum back in token order.
+expert with tokens (gate and up fused in one), the weighted sum back in token order. Either
+projection's experts may be dense [E, N, K] or packed ([E, N, row_bytes] blocks of a
+`kernels.packed` format): a packed expert goes through `kernels::linear_packed`, so on the CPU with
+bf16 activations the native packed kernel reads its blocks as they are.
 
 Deterministic by construction: each (token, expert) row goes through `kernels::linear` (batch-
 invariant with `invariant`: a row's product never depends on which other tokens share its expert),
@@ -9,11 +12,13 @@ Each call adds its tokens per expert to the layer's load (`kernels.expert_load`)
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kernels import expert_load
+from kernels.packed import BY_CODE
 
 # Stacked expert weights -> one persistent view per expert: the native `kernels::linear` prepares a
 # CPU weight once per tensor object (its cache is keyed by the tensor), so a fresh `w[e]` view per
@@ -30,6 +35,24 @@ def _expert_views(w: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
+def expert_rows(w: torch.Tensor, format: int) -> int:
+    """Output rows of each expert of a stacked projection: dense [E, N, K], or packed (`format`
+    >= 0) [E, N / rows, rows * row_bytes] blocks."""
+    return w.shape[1] * (BY_CODE[format].rows if format >= 0 else 1)
+
+
+def _projection(w: torch.Tensor, format: int, in_features: int,
+                invariant: bool) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """(rows, expert) -> the rows times that expert's weight, through the linear op its form
+    takes."""
+    views = _expert_views(w)
+    if format < 0:
+        linear = torch.ops.kernels.linear.default
+        return lambda rows, e: linear(rows, views[e], None, invariant)
+    packed = torch.ops.kernels.linear_packed.default
+    return lambda rows, e: packed(rows, views[e], format, in_features, None, invariant)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -37,26 +60,28 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     invariant: bool = False,
+    w13_format: int = -1,
+    w2_format: int = -1,
 ) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights, topk_ids
-    [T, k] -> [T, H]: sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e =
-    topk_ids[t, j], in x's dtype."""
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I] (either as blocks of
+    its `_format`, -1: dense); topk_weights, topk_ids [T, k] -> [T, H]: sum_j topk_weights[t, j] *
+    down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j], in x's dtype."""
     tokens, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert; within one, in (token, slot) order
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    up_projs, down_projs = _expert_views(w13), _expert_views(w2)
+    inter = expert_rows(w13, w13_format) // 2
+    gate_up = _projection(w13, w13_format, x.shape[-1], invariant)
+    down = _projection(w2, w2_format, inter, invariant)
     expert_load.record(w13, counts)
     rows = x.index_select(0, order // k)
-    out = torch.empty(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)
-    linear = torch.ops.kernels.linear.default
+    out = torch.empty(tokens * k, expert_rows(w2, w2_format), dtype=x.dtype, device=x.device)
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        gate, up = linear(rows[start : start + n], up_projs[expert], None, invariant).chunk(2, -1)
-        out[order[start : start + n]] = linear(F.silu(gate) * up, down_projs[expert], None,
-                                               invariant)
+        gate, up = gate_up(rows[start : start + n], expert).chunk(2, -1)
+        out[order[start : start + n]] = down(F.silu(gate) * up, expert)
         start += n
     return combine(out, topk_weights)
 
