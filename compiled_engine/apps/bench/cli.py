@@ -26,7 +26,8 @@ from compiled_engine.apps.bench.models import (
 from compiled_engine.apps.bench.report import table, write_json
 
 # hf: transformers generate
-COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic")
+COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic", "int8",
+                   "int4")
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_OUTPUT = {"random": "64:256", "prefix": "32"}
 
@@ -394,7 +395,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         choices=COMPARE_CHOICES,
         help="also run: hf (transformers generate in the checkpoint's dtype), hf-fp32 (in fp32: "
         "its best on CPUs without a bf16 GEMM), naive (prefix cache), overlap (toggled), eager, "
-        "nondeterministic (--no-deterministic)",
+        "nondeterministic (--no-deterministic), int8 / int4 (--quantization)",
     )
     p.add_argument(
         "--repeats",

@@ -26,8 +26,11 @@ def _variant(name: str, base: dict) -> tuple[str, dict]:
         return "eager", {"enforce_eager": True}
     if name == "nondeterministic":
         return "not deterministic", {"deterministic": False}
+    if name in ("int8", "int4"):
+        return f"--quantization {name}", {"quantization": name}
     raise ValueError(
-        f"unknown comparison {name!r}; use hf, naive, overlap, eager or nondeterministic"
+        f"unknown comparison {name!r}; use hf, naive, overlap, eager, nondeterministic, int8 or "
+        "int4"
     )
 
 
