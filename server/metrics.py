@@ -23,6 +23,8 @@ _LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
+# an expert's load relative to a balanced one (its layer's tokens spread evenly over its experts)
+_RELATIVE_LOAD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.5, 2.0, 4.0, 8.0)
 
 
 class Metrics:
@@ -92,6 +94,10 @@ class Metrics:
         # unequal rates across one layer's experts)
         self.expert_tokens = Counter(p + "moe_expert_tokens", "tokens computed by each expert",
                                      ["layer", "expert"], registry=r)
+        self.expert_load = Histogram(
+            p + "moe_expert_relative_load",
+            "each expert's tokens over its layer's mean per expert, per stats poll (1: balanced, "
+            "0: idle)", ["layer"], registry=r, buckets=_RELATIVE_LOAD_BUCKETS)
         self._expert_seen: dict[tuple[int, int], int] = {}
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -131,11 +137,20 @@ class Metrics:
         _add_new(self.spec, self._spec_seen, stats)
         _add_new(self.prefix, self._prefix_seen, stats)
         for layer, counts in stats.get("expert_tokens", {}).items():
-            for expert, total in enumerate(counts):
-                grown = total - self._expert_seen.get((layer, expert), 0)
-                if grown > 0:
-                    self.expert_tokens.labels(str(layer), str(expert)).inc(grown)
-                    self._expert_seen[layer, expert] = total
+            self._add_expert_load(layer, counts)
+
+    def _add_expert_load(self, layer: int, counts: list[int]) -> None:
+        """One layer's expert totals: each counter grows by its expert's new tokens, and when the
+        layer computed any since the last poll, each expert's share of them (times the number of
+        experts) goes into the histogram."""
+        grown = [total - self._expert_seen.get((layer, e), 0) for e, total in enumerate(counts)]
+        for expert, (total, n) in enumerate(zip(counts, grown, strict=True)):
+            if n > 0:
+                self.expert_tokens.labels(str(layer), str(expert)).inc(n)
+                self._expert_seen[layer, expert] = total
+        if sum(grown) > 0:
+            for n in grown:
+                self.expert_load.labels(str(layer)).observe(n * len(counts) / sum(grown))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -134,7 +134,7 @@ def test_tp2_equals_transformers_fp32(tmp_path_factory, arch: str, eager: bool) 
 def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoint) -> None:
     """Each token computed through a routed layer is counted once per expert it went to (top-k:
     k times; a step's padding rows, which run through the experts too, included: eager, one per
-    prefill step), and /metrics shows each layer's experts' totals."""
+    prefill step), and /metrics shows each layer's experts' totals and their relative loads."""
     from compiled_engine.layers.moe import expert_load
     from compiled_engine.ranks.messages import StatsRequest
     from compiled_engine.ranks.rank_loop import _stats as rank_stats
@@ -158,6 +158,17 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     for expert, n in enumerate(load[1]):
         assert f'compiled_engine_moe_expert_tokens_total{{expert="{expert}",layer="1"}} {n:.1f}' \
             in text
+    # the histogram: each expert's tokens over the layer's mean per expert, one observation each
+    relative = [n * len(load[1]) / sum(load[1]) for n in load[1]]
+    hist = 'compiled_engine_moe_expert_relative_load'
+    assert f'{hist}_count{{layer="1"}} 4.0' in text
+    assert f'{hist}_sum{{layer="1"}} {sum(relative)!r}' in text
+    for le in ("0.9", "1.1", "2.0"):
+        below = sum(r <= float(le) for r in relative)
+        assert f'{hist}_bucket{{layer="1",le="{le}"}} {below:.1f}' in text
+    # nothing computed since: a poll adds no observation
+    metrics.set_engine_stats(stats, 0)
+    assert f'{hist}_count{{layer="1"}} 4.0' in metrics.render().decode()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
