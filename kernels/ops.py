@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kernels import expert_load, interleave
 from kernels.cpu import build, isa
-from kernels.packed import BY_CODE, FORMATS, PackedWeight
+from kernels.packed import BY_CODE, FORMATS, PackedWeight, dequantize_stack
 from kernels.portable import attention as portable_attention
 from kernels.portable import dequantize as portable_dequantize
 from kernels.portable import linear as portable_linear
@@ -262,11 +262,7 @@ def _dense_experts(w: torch.Tensor, format: int, in_features: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """Stacked experts as [E, N, K] in `dtype`: packed blocks dequantized (the Triton MoE kernels
     read dense weights)."""
-    if format < 0:
-        return w
-    rows = w.reshape(-1, w.shape[-1])
-    dense = torch.ops.kernels.dequantize.default(rows, format, in_features)
-    return dense.to(dtype).view(w.shape[0], -1, in_features)
+    return w if format < 0 else dequantize_stack(w, format, in_features).to(dtype)
 
 
 def _linear_cuda(x, weight, bias=None, invariant=False):

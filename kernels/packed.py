@@ -124,12 +124,18 @@ class PackedWeight(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight in fp32 [N, K] (in row order, whatever the layout; [E, N, K] for experts)."""
-        rows = self.blocks.reshape(-1, self.blocks.shape[-1])
-        w = torch.ops.kernels.dequantize.default(rows, self.code, self.in_features)
-        return w.view(self.shape)
+        return dequantize_stack(self.blocks, self.code, self.in_features)
 
     def extra_repr(self) -> str:
         return f"{self.format.name}, out_features={self.out_features}, in={self.in_features}"
+
+
+def dequantize_stack(blocks: torch.Tensor, code: int, in_features: int) -> torch.Tensor:
+    """Blocks [..., N or N / 16, row bytes] of format `code` -> fp32 [..., N, in_features], in row
+    order whatever the layout (a stack of experts: each one's rows)."""
+    rows = torch.ops.kernels.dequantize.default(blocks.reshape(-1, blocks.shape[-1]), code,
+                                                in_features)
+    return rows.view(*blocks.shape[:-2], -1, in_features)
 
 
 def quantize(weight: torch.Tensor, format: BlockFormat) -> PackedWeight:

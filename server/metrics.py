@@ -142,12 +142,16 @@ class Metrics:
     def _add_expert_load(self, layer: int, counts: list[int]) -> None:
         """One layer's expert totals: each counter grows by its expert's new tokens, and when the
         layer computed any since the last poll, each expert's share of them (times the number of
-        experts) goes into the histogram."""
-        grown = [total - self._expert_seen.get((layer, e), 0) for e, total in enumerate(counts)]
+        experts) goes into the histogram. Totals below the last ones were counted from zero again
+        (the engine resets them): all of them are new."""
+        seen = [self._expert_seen.get((layer, e), 0) for e in range(len(counts))]
+        if any(total < last for total, last in zip(counts, seen, strict=True)):
+            seen = [0] * len(counts)
+        grown = [total - last for total, last in zip(counts, seen, strict=True)]
         for expert, (total, n) in enumerate(zip(counts, grown, strict=True)):
+            self._expert_seen[layer, expert] = total
             if n > 0:
                 self.expert_tokens.labels(str(layer), str(expert)).inc(n)
-                self._expert_seen[layer, expert] = total
         if sum(grown) > 0:
             for n in grown:
                 self.expert_load.labels(str(layer)).observe(n * len(counts) / sum(grown))
