@@ -208,3 +208,13 @@ def test_triton_fused_moe_equals_the_portable_op_in_the_interpreter() -> None:
                                    torch.cat([weights[5:21], weights]), crowd)
     alone, _ = fused_moe_triton(x[:1], w13, w2, weights[:1], ids[:1])
     assert torch.equal(alone[0], together[16])
+    # packed experts (the CUDA op's route: dequantized inside the op, then the same kernels), the
+    # load counted under the blocks; hidden and intermediate sizes in whole blocks of 32
+    x = torch.randn(tokens, 64, generator=gen)
+    packed13 = quantize(torch.randn(experts, 64, 64, generator=gen) / 8, FORMATS["I8"])
+    packed2 = quantize(torch.randn(experts, 64, 32, generator=gen) / 8, FORMATS["I8"])
+    got = ops._fused_moe_cuda(x, packed13.blocks, packed2.blocks, weights, ids, True,
+                              packed13.code, packed2.code)
+    want = reference_moe(x, packed13.dequantize(), packed2.dequantize(), weights, ids)
+    assert (got.double() - want).abs().max().item() <= 1e-4
+    assert ops.expert_tokens(packed13) == counts.tolist()
