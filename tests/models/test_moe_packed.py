@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from _gguf_utils import TOKENIZER_VOCAB, write_gguf
+from _gguf_utils import write_gguf
 
 from compiled_engine import LLM
 from compiled_engine.models.demo import demo_model_dir
@@ -25,24 +25,15 @@ from compiled_engine.models.loader import load_model
 from compiled_engine.parallel import parallel_state as ps
 from kernels.packed import FORMATS, PackedWeight, quantize
 from tests.models._model_utils import make_checkpoint
+from tests.models.test_packed_weights import SHAPE as DENSE_SHAPE
 from tests.parity.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
 
 Q = gguf.GGMLQuantizationType
-# K-quants need rows of 256: hidden 256; the experts' intermediate size is Qwen3-MoE's default, 768
-# (transformers' GGUF reader ignores `expert_feed_forward_length`), 384 per rank at TP=2
-SHAPE = dict(
-    hidden_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=TOKENIZER_VOCAB,
-    num_hidden_layers=2,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=768,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
+# the dense packed tests' shape (K-quant rows of 256), every layer routed; the experts' intermediate
+# size is Qwen3-MoE's default, 768 (transformers' GGUF reader ignores `expert_feed_forward_length`),
+# 384 per rank at TP=2
+SHAPE = DENSE_SHAPE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768,
+                           mlp_only_layers=[], norm_topk_prob=True)
 # beside Q4_K experts, one layer's down projections in Q6_K: a Q4_K_M file's choice varies by layer,
 # while every routed layer runs the same compiled region
 MIX = {"layers.0.mlp.experts.down_proj": Q.Q6_K}
