@@ -117,6 +117,21 @@ def test_fp32_equals_transformers_fp32(fp32_checkpoint, eager: bool) -> None:
     assert not agreement.divergences
 
 
+def test_sparse_step_picks_the_routed_layers_as_transformers_does(tmp_path: Path) -> None:
+    """`decoder_sparse_step=2` over 4 layers, none listed dense: layers 1 and 3 routed, 0 and 2
+    plain MLPs (transformers' rule), and the answers transformers fp32's."""
+    shape = MOE | {"norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": [],
+                   "num_hidden_layers": 4}
+    path = make_checkpoint(str(tmp_path / "moe"), "Qwen3MoeForCausalLM", **shape)
+    llm = LLM(path, dtype="float32", enforce_eager=True, **ENGINE)
+    routed = [i for i, layer in enumerate(llm.engine.model.model.layers)
+              if isinstance(getattr(layer.mlp, "experts", None), FusedMoE)]
+    assert routed == [1, 3]
+    agreement = check(llm, PROMPTS, hf_fp32_greedy(path, PROMPTS, NEW_TOKENS), FP32,
+                      "Qwen3-MoE sparse step 2 eager fp32")
+    assert not agreement.divergences
+
+
 # Qwen2-MoE's shared expert adds a second all-reduce per layer; eager there (the compiled TP path
 # is Qwen3-MoE's, the same decoder)
 @pytest.mark.parametrize("arch, eager", [("Qwen3MoeForCausalLM", False),
