@@ -44,9 +44,13 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """`auto`: the GPU when there is one; a GPU without an index is the current one (`cuda:0`
+    unless set), so that every later use names the same device."""
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                          "cpu" if name == "auto" else name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:

@@ -38,6 +38,9 @@ def tokens(w13: torch.Tensor) -> list[int]:
 def reset(w13: torch.Tensor) -> None:
     entry = _totals.get(id(w13))
     if entry is not None and isinstance(entry[1], torch.Tensor):
-        entry[1].zero_()  # the tensor a captured graph adds to stays the same
+        # the tensor a captured graph adds to stays the same; made in the warm-up's inference mode,
+        # it is written in that mode only
+        with torch.inference_mode():
+            entry[1].zero_()
     elif entry is not None:
         _totals.pop(id(w13), None)

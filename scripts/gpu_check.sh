@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared check for a lent GPU machine (#15; README "GPU check"). Every step runs under `timeout`, in
-# about 8 minutes together, and the summary lands in $OUT/gpu_check.md (./gpu_check_out/ when OUT is unset),
+# about 9 minutes together, and the summary lands in $OUT/gpu_check.md (./gpu_check_out/ when OUT is unset),
 # with the whole log and the benchmarks' JSON beside it:
 #   kernels   the CUDA kernels against the reference (decode, extend, store; fp32, fp16, bf16; head dims
 #             64-256; GQA 1-16; split-K and deterministic), a decode replayed in a CUDA graph
@@ -88,11 +88,11 @@ step() {
 step kernels 90 "passed|failed|skipped" "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_cuda.py
 step engine 170 "passed|failed|skipped|logprob error" "$py" -m pytest -q -s -p no:cacheprovider \
   tests/engine/test_cuda_engine.py
-step latency 90 "faster" "$py" -m compiled_engine bench latency --model "$model" --device "$device" \
+step latency 150 "faster" "$py" -m compiled_engine bench latency --model "$model" --device "$device" \
   --batch "$batches" --input-len 128 --output-len 64 --compare eager --json "$out/latency.json"
 step host 40 "host" "$py" -m compiled_engine.apps.bench.host_time --model "$model" --device "$device" \
   --batch "$host_batch" --steps "$steps" --json "$out/host_time.json"
-step offline 120 "x output" "$py" -m compiled_engine bench offline --model "$model" --device "$device" \
+step offline 200 "x output" "$py" -m compiled_engine bench offline --model "$model" --device "$device" \
   --num-prompts "$prompts" --input-len "$lengths" --output-len "$lengths" --compare hf --json "$out/offline.json"
 
 echo >>"$summary"
