@@ -21,19 +21,10 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/compiled-engine serve $(ARGS)
 
-# The whole suite, then the parity tests and the kernels' invariance tests again at each
-# COMPILED_ENGINE_CPU_ISA level below this CPU's (none on a CPU without AVX512: it runs the portable paths
-# natively; the native kernels' deterministic routes differ by ISA). The portable level (avx2) reruns the
-# parity tests all; an intermediate one (avx512 on an AMX CPU) the random checkpoints only: SmolLM2's cold
-# compile per level would take the suite past its time budget.
+# The whole suite, then the invariance and parity tests again at each COMPILED_ENGINE_CPU_ISA level below this
+# CPU's; every run runs, and the end names those that failed (scripts/run_tests.sh).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
-	for isa in $$($(PY) -c 'from kernels.cpu import isa; print(*isa.levels_below_native())'); do \
-	  select=""; [ "$$isa" = avx2 ] || select="not smollm2"; \
-	  echo "== invariance and parity tests with COMPILED_ENGINE_CPU_ISA=$$isa $${select:+(-k '$$select')}"; \
-	  COMPILED_ENGINE_CPU_ISA=$$isa $(PY) -m pytest -q $(PYTEST_ARGS) tests/kernels/test_kernels_invariant.py || exit 1; \
-	  COMPILED_ENGINE_CPU_ISA=$$isa $(PY) -m pytest -q -m parity -k "$$select" $(PYTEST_ARGS) tests/parity || exit 1; \
-	done
+	PY=$(PY) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/run_tests.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,8 +5,8 @@ the tests.
 
 Importing the package does nothing else. `init(device)`, called once by whatever builds an engine
 before the first op runs, applies `COMPILED_ENGINE_CPU_ISA` (see `kernels.cpu.isa`; a process entry
-point applies it earlier still, before torch first dispatches) and, for the CPU, builds and loads
-the native kernels."""
+point applies it earlier still, before torch first dispatches) and, for the CPU, holds inductor's
+vector ISA to it and builds and loads the native kernels."""
 
 from __future__ import annotations
 
@@ -34,4 +34,9 @@ def init(device: torch.device | str = "cpu") -> bool:
     from kernels import ops
 
     apply_isa_caps()
-    return torch.device(device).type == "cpu" and ops.load_cpu_kernels()
+    if torch.device(device).type != "cpu":
+        return False
+    from kernels.cpu import inductor_isa
+
+    inductor_isa.apply()
+    return ops.load_cpu_kernels()

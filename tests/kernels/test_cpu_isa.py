@@ -46,6 +46,17 @@ def probe(level: str) -> dict:
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the levels are x86's")
 
 
+@pytest.mark.parametrize("level", cpu_isa.LEVELS)
+def test_each_level_reaches_what_the_plan_says(level: str) -> None:
+    """This machine's real choices at each level are the plan's (tests/kernels/test_isa_plan.py
+    checks the plan for every CPU family)."""
+    got, want = probe(level), cpu_isa.here(level)
+    if want.inductor_vec_isa is not None:
+        assert got["inductor"] == want.inductor_vec_isa, (got, want)
+    if want.aten_capability is not None:
+        assert got["aten"] == want.aten_capability.upper(), (got, want)
+
+
 def test_avx2_level_leaves_no_avx512_or_amx_anywhere() -> None:
     got = probe("avx2")
     assert got["aten"] in ("AVX2", "DEFAULT"), got

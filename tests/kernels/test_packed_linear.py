@@ -196,7 +196,7 @@ def cpp_kernel(request, tmp_path_factory):
     from kernels.cpu import build, isa
 
     compiler = shutil.which("g++")
-    if compiler is None or not isa._x86():
+    if compiler is None or not isa.is_x86():
         pytest.skip("needs g++ on x86 to build the C++ with the vector ISA off (elsewhere the "
                     "native build is the portable path, tested above)")
     if request.param.startswith("avx2") and "avx2" not in isa.cpu_flags():
