@@ -1,4 +1,5 @@
-"""`make test` (scripts/run_tests.sh) runs every ISA-level rerun even when a run before it failed, then
+"""`make test` (scripts/run_tests.sh) runs every ISA-level rerun even when a run before it failed,
+then
 names the failed runs and exits with the first failure's status. Driven with a stand-in Python that
 reports two levels below native and fails chosen runs."""
 

@@ -10,12 +10,11 @@ A level caps, it never adds: `avx512` on an AVX2-only CPU runs AVX2. `plan(flags
 is the whole decision, a pure function from the CPU's flags and the level to what each layer that
 picks code by ISA gets: our native kernels (`-mno-...` on top of `-march=native`: the C++ takes its
 non-AMX / non-AVX512 branches), oneDNN (`ONEDNN_MAX_CPU_ISA`, read at its first use), ATen's kernels
-(`ATEN_CPU_CAPABILITY`, read once) and inductor's vector ISA (the ISA its generated C++ is built for;
-`kernels.cpu.inductor_isa` holds inductor to it). This module imports no torch: `apply()` must run
-before torch first dispatches (`kernels.apply_isa_caps()`, which each process entry point calls
+(`ATEN_CPU_CAPABILITY`, read once) and inductor's vector ISA (the ISA its generated C++ is built
+for; `kernels.cpu.inductor_isa` holds inductor to it). This module imports no torch: `apply()` must
+run before torch first dispatches (`kernels.apply_isa_caps()`, which each process entry point calls
 first, and `kernels.init`; `tests/conftest.py` before it imports torch); a variable the user set
-stays as set.
-"""
+stays as set."""
 
 from __future__ import annotations
 
@@ -54,13 +53,13 @@ class IsaPlan:
 def top_level(flags: Iterable[str], machine: str) -> str:
     """The most capable level a CPU with these flags has ("avx2" off x86: the portable paths)."""
     flags = set(flags)
-    if machine.lower() not in X86_MACHINES or not _AVX512 <= flags:
+    if machine.lower() not in X86_MACHINES or not flags >= _AVX512:
         return "avx2"
     return "native" if "amx_tile" in flags else "avx512"
 
 
 def _inductor_best(flags: set[str]) -> str:
-    if _AVX512 <= flags:
+    if flags >= _AVX512:
         if "avx512_vnni" not in flags:
             return "avx512"
         return INDUCTOR_LADDER[3] if "amx_tile" in flags else INDUCTOR_LADDER[2]

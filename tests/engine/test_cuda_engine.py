@@ -75,8 +75,9 @@ class CompileCounter:
 
 
 def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Ragged prompts (1-300 tokens) with ragged outputs (4-39 tokens: min_tokens 4 fits) and every kind of sampling, so that the
-    steps meet every batch size, prefill chunking, mixed steps and the sampler's paths."""
+    """Ragged prompts (1-300 tokens) with ragged outputs (4-39 tokens: min_tokens 4 fits) and
+    every kind of sampling, so that the steps meet every batch size, prefill chunking, mixed steps
+    and the sampler's paths."""
     rng = random.Random(seed)
     prompts = [
         [rng.randrange(3, 7990) for _ in range(rng.choice([1, 2, 7, 40, 129, 300]))]
@@ -190,7 +191,8 @@ def test_qwen3_moe_on_the_gpu(tmp_path, dtype: str) -> None:
 
     path = make_checkpoint(str(tmp_path), "Qwen3MoeForCausalLM", torch.float32,
                            **MOE | {"norm_topk_prob": True})
-    prompts = [[t % BASE["vocab_size"] for t in p[:40]] for p in PROMPTS[:6]]  # the demo's ids are larger
+    # the demo's ids, within this checkpoint's vocabulary
+    prompts = [[t % BASE["vocab_size"] for t in p[:40]] for p in PROMPTS[:6]]
     refs = hf_fp32_greedy(path, prompts, NEW_TOKENS, device="cuda")
     bounds = FP32 if dtype == "float32" else bf16_bounds(path, prompts, refs, "cuda")
     llm = LLM(path, dtype=dtype, **ENGINE)
