@@ -142,9 +142,16 @@ def build_engine(
         keep_freed_memory()
     if config.deterministic is None:
         on, why = deterministic_default(device)
+        if config.speculative and not on:
+            # a verify step computes a request's k+1 rows in one GEMM, plain decoding one: only
+            # batch-invariant kernels give the two the same bits, so that a draft never changes a token
+            on, why = True, f"{why}; on here all the same: speculation is exact only with it"
         if ps.get_tp_rank() == 0:
             log.info("%s (--deterministic / --no-deterministic to choose)", why)
         config = dataclasses.replace(config, deterministic=on)
+    elif config.speculative and not config.deterministic and ps.get_tp_rank() == 0:
+        log.warning("--no-deterministic with speculation: a request's tokens may differ from its "
+                    "tokens without speculation (verify rows and decode rows round differently)")
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
     model, hf_config = load_model(

@@ -167,3 +167,30 @@ def test_each_engine_accepts_and_rejects_and_stays_exact(engines, name):
     accepted = sched.spec.num_accepted_tokens - before[1]
     assert 0 < accepted < drafted, (accepted, drafted)
     assert REACHED["retracted"], REACHED
+
+
+def test_where_deterministic_defaults_off_speculation_turns_it_on(engines, demo_dir, monkeypatch):
+    """On a device whose deterministic default is off (an AMX CPU, CUDA), an engine with drafts and
+    no --deterministic / --no-deterministic runs the batch-invariant kernels all the same: its verify
+    rows and decode rows get the same bits, and every request's tokens equal plain decoding's."""
+    import compiled_engine.startup as startup
+
+    monkeypatch.setattr(startup, "deterministic_default", lambda device: (False, "off here"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "min_acceptance": 0.0}
+    engine = build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4],
+                                       max_running=16, speculative=spec, enforce_eager=True,
+                                       **TIGHT))
+    plain_off = build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", max_running=16,
+                                          enforce_eager=True, num_pages=256))
+    try:
+        assert engine.config.deterministic and not plain_off.config.deterministic
+        rng = random.Random(7)
+        requests = [(f"r{i}", *_request(rng, n, kind))
+                    for i, (n, kind) in enumerate([(8, "greedy"), (12, "seeded"), (6, "greedy")])]
+        before = engine.scheduler.spec.num_accepted_tokens
+        assert _run(engine, requests, check=True) == _run(engines["eager"], requests, check=False)
+        assert engine.scheduler.spec.num_accepted_tokens > before
+    finally:
+        engine.shutdown()
+        plain_off.shutdown()

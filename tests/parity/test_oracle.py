@@ -133,3 +133,29 @@ def _promote_low_ranked(p: int, step: int, lp: torch.Tensor) -> torch.Tensor:
 def test_each_way_of_being_wrong_fails(engine: FakeEngine, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         check(engine, PROMPTS, REFS, BOUNDS, "fake")
+
+
+def test_the_emulated_bf16_rounding_is_bf16_noise_and_the_same_for_a_seed() -> None:
+    """`bf16_rounding` rounds each value to one of its two bf16 neighbours, up as often as the
+    distance says (unbiased), and a seed gives the same bits every time."""
+    from tests.parity.oracle import bf16_rounding
+
+    linear = torch.nn.Linear(64, 64)  # the identity: what comes out is the input, rounded
+    with torch.no_grad():
+        linear.weight.copy_(torch.eye(64))
+        linear.bias.zero_()
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(3))
+    exact = x
+    with torch.no_grad(), bf16_rounding(linear, seed=5) as rounded:
+        once = rounded(x)
+    with torch.no_grad(), bf16_rounding(linear, seed=5) as rounded:
+        again = rounded(x)
+    assert torch.equal(once, again)
+    assert torch.equal(once, once.to(torch.bfloat16).float())  # bf16 values
+    down = exact.to(torch.bfloat16).float()  # a bf16 neighbour; the other is an ulp away
+    ulp = (down.abs() * 2 ** -7).clamp_min(1e-30)
+    assert ((once - exact).abs() <= 2 * ulp).all()
+    assert (once - exact).abs().max() > 0  # it rounded
+    bias = (once - exact).mean().abs().item()
+    assert bias < 0.05 * (once - exact).abs().mean().item()  # as often up as down
+    assert torch.equal(linear(x).detach(), exact)  # the hooks are gone
