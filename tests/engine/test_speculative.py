@@ -171,8 +171,9 @@ def test_each_engine_accepts_and_rejects_and_stays_exact(engines, name):
 
 def test_where_deterministic_defaults_off_speculation_turns_it_on(engines, demo_dir, monkeypatch):
     """On a device whose deterministic default is off (an AMX CPU, CUDA), an engine with drafts and
-    no --deterministic / --no-deterministic runs the batch-invariant kernels all the same: its verify
-    rows and decode rows get the same bits, and every request's tokens equal plain decoding's."""
+    no --deterministic / --no-deterministic runs the batch-invariant kernels all the same: its
+    verify rows and decode rows get the same bits, and every request's tokens equal plain
+    decoding's."""
     import compiled_engine.startup as startup
 
     monkeypatch.setattr(startup, "deterministic_default", lambda device: (False, "off here"))
