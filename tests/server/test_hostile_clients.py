@@ -1,0 +1,123 @@
+"""Hostile input through the served default (compiled demo model): while each hostile request runs, a
+probe keeps calling a route that needs no engine work and every answer comes within 1 s; the hostile
+request gets a 4xx in OpenAI's shape (or a plain answer); the server serves normally afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.conftest import RunningServer, assert_kv_all_free, wait_idle
+
+PROBE_LIMIT_S = 1.0
+
+
+@contextlib.contextmanager
+def probing(server: RunningServer) -> Iterator[list[float]]:
+    """GET /v1/models in a loop (at most 600 calls, 120 s) from before the block starts until it
+    ends; yields the latencies, checked after it."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with server.http() as client:
+            deadline = time.monotonic() + 120
+            while not stop.is_set() and len(latencies) < 600 and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                assert client.get("/v1/models").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not latencies and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the probe is answering before the hostile request goes out
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join(60)
+    assert latencies, "the probe never got an answer"
+    assert max(latencies) < PROBE_LIMIT_S, f"the probe waited {max(latencies):.2f} s"
+
+
+def _assert_openai_error(response: httpx.Response, status: int, param_prefix: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert (error["param"] or "").startswith(param_prefix), error
+    return error
+
+
+def _serves_normally(server: RunningServer, http: httpx.Client) -> None:
+    out = http.post("/v1/completions", json={"model": "demo", "prompt": "hello", "max_tokens": 4,
+                                             "temperature": 0})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
+    assert_kv_all_free(wait_idle(http))
+
+
+def _tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def test_a_backtracking_pattern_runs_in_linear_time(server: RunningServer, http) -> None:
+    """A forced call whose argument would take Python's `re` hours against `^(a+)+$`: validated in
+    RE2, it is not a call (its argument does not match), the answer stays content."""
+    hostile = "a" * 40 + "b"
+    call = f'<tool_call>\n{{"name": "f", "arguments": {{"s": "{hostile}"}}}}\n</tool_call>'
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+            "temperature": 0, "tool_choice": "auto",
+            "tools": _tool({"type": "object", "properties": {"s": {"type": "string",
+                                                                   "pattern": "^(a+)+$"}}}),
+            "structured_outputs": {"choice": [call]}}
+    with probing(server):
+        out = http.post("/v1/chat/completions", json=body, timeout=60)
+    assert out.status_code == 200, out.text
+    message = out.json()["choices"][0]["message"]
+    assert not message.get("tool_calls") and hostile in message["content"]
+    _serves_normally(server, http)
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"$ref": "#"}, "leads back into itself"),
+    ({"$defs": {"n": {"properties": {"n": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+     "leads back into itself"),
+    (json.loads('{"type": "object", "properties": {"a": ' * 200 + '{}' + "}}" * 200),
+     "nested deeper than"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "(x)\\1"}}},
+     "not a pattern this server evaluates"),
+])
+def test_recursive_deep_and_unsupported_schemas_are_400s(server: RunningServer, http, parameters,
+                                                        message) -> None:
+    with probing(server):
+        for route, body in [
+            ("/v1/chat/completions", {"tools": _tool(parameters), "tool_choice": "auto"}),
+            ("/v1/chat/completions", {"response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": parameters}}}),
+        ]:
+            out = http.post(route, json={"model": "demo", "max_tokens": 4,
+                                         "messages": [{"role": "user", "content": "hi"}], **body})
+            error = _assert_openai_error(out, 400, "tools[0]" if "tools" in body else
+                                         "response_format")
+            assert message in error["message"]
+        out = http.post("/generate", json={"text": "hi", "sampling_params": {
+            "max_new_tokens": 4, "json_schema": json.dumps(parameters)}})
+        assert message in _assert_openai_error(out, 400, "sampling_params.json_schema")["message"]
+    _serves_normally(server, http)
+
+
+def test_a_regex_constraint_outside_re2_is_a_400(server: RunningServer, http) -> None:
+    out = http.post("/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 4,
+                                             "structured_outputs": {"regex": "(?<=a)b"}})
+    _assert_openai_error(out, 400, "structured_outputs.regex")
+    out = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4,
+                                                                         "regex": "(a)\\1"}})
+    _assert_openai_error(out, 400, "sampling_params.regex")
