@@ -126,6 +126,11 @@ class EngineClient:
         runs."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
+        if len(subs) > self.max_in_flight:  # never fits, however long the client waits
+            raise EngineRejected(
+                f"this request asks for {len(subs)} sequences and the server runs at most "
+                f"{self.max_in_flight} at once (--max-queue): ask for fewer"
+            )
         if self.num_in_flight + len(subs) > self.max_in_flight:
             raise Overloaded(
                 f"the server is overloaded: {self.num_in_flight} sequences in flight, this request "

@@ -23,6 +23,7 @@ from server.state import ServerState
 from server.tools import ToolCall, ToolRequest, extract_calls
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = "1"  # a 429's Retry-After: the queue moves at the speed of a few steps
 
 
 def state_of(request: Request) -> ServerState:
@@ -73,6 +74,7 @@ def endpoint(name: str) -> Callable:
             except Overloaded as e:
                 response = error_response(ProtocolError(str(e), status=429, kind="rate_limit_error",
                                                         code="overloaded"))
+                response.headers["Retry-After"] = RETRY_AFTER_S
             except EngineDead as e:
                 response = error_response(
                     ProtocolError(

@@ -22,6 +22,7 @@ junk = st.recursive(
     ),
     max_leaves=6,
 )
+JSON = {"content-type": "application/json"}
 token_list = st.lists(st.integers(min_value=-5, max_value=9000), max_size=6)
 # any code point, lone surrogates included (json.dumps escapes them as \udXXX: valid JSON, invalid
 # text)
@@ -116,13 +117,13 @@ FUZZ = settings(
 @FUZZ
 @given(body=completion_body)
 def test_fuzz_completions(http: httpx.Client, body: dict) -> None:
-    _check(http.post("/v1/completions", content=json.dumps(body)))
+    _check(http.post("/v1/completions", content=json.dumps(body), headers=JSON))
 
 
 @FUZZ
 @given(body=chat_body)
 def test_fuzz_chat(http: httpx.Client, body: dict) -> None:
-    _check(http.post("/v1/chat/completions", content=json.dumps(body)))
+    _check(http.post("/v1/chat/completions", content=json.dumps(body), headers=JSON))
 
 
 def test_still_serving_after_fuzzing(http: httpx.Client) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import RunningServer, assert_kv_all_free, wait_idle
+from tests.server.conftest import RunningServer, assert_kv_all_free, start_server, wait_idle
 
 PROBE_LIMIT_S = 1.0
 
@@ -121,3 +122,81 @@ def test_a_regex_constraint_outside_re2_is_a_400(server: RunningServer, http) ->
     out = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4,
                                                                          "regex": "(a)\\1"}})
     _assert_openai_error(out, 400, "sampling_params.regex")
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"content-type": "text/plain"}, 415),  # a cross-site fetch with no preflight
+    ({"content-type": "application/x-www-form-urlencoded"}, 415),  # a cross-site form
+    ({"content-type": "multipart/form-data; boundary=x"}, 415),
+    ({}, 415),
+    ({"content-type": "application/json; charset=utf-8"}, 200),
+    ({"content-type": "application/vnd.api+json"}, 200),
+])
+def test_a_post_body_must_be_json(server: RunningServer, http, headers, status) -> None:
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2})
+    out = http.post("/v1/completions", content=body, headers=headers)
+    assert out.status_code == status, out.text
+    if status != 200:
+        error = out.json()["error"]
+        assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+
+
+@pytest.mark.parametrize(("host", "status"), [
+    ("evil.test", 421),  # a rebound name: DNS points it at 127.0.0.1, the browser sends it
+    ("evil.test:8000", 421),
+    ("127.0.0.1.evil.test", 421),
+    ("10.0.0.5", 421),
+    ("localhost", 200),
+    ("app.localhost:1234", 200),
+    ("127.0.0.1", 200),
+    ("127.1.2.3:80", 200),
+    ("[::1]:8000", 200),
+])
+def test_a_loopback_server_answers_loopback_hosts_only(server: RunningServer, http, host,
+                                                        status) -> None:
+    for method, path, kwargs in [("GET", "/v1/models", {}), ("GET", "/", {}),
+                                 ("POST", "/tokenize", {"json": {"prompt": "hi"}})]:
+        out = http.request(method, path, headers={"host": host}, **kwargs)
+        assert out.status_code == status, (path, out.text)
+        if status != 200:
+            error = out.json()["error"]
+            assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
+
+
+SEND_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def quick_drop() -> Iterator[RunningServer]:
+    """The default server with a short send timeout (60 s by default), so a test sees the drop."""
+    running = start_server(debug=True, send_timeout_s=SEND_TIMEOUT_S)
+    yield running
+    running.stop()
+
+
+def test_a_client_that_stops_reading_is_dropped(quick_drop: RunningServer) -> None:
+    """8 streams with 20 log-probs a token, never read: the server's writes stall, and within the
+    send timeout (plus the engine's abort) the requests are gone, their pages free, the connection
+    closed with the answer cut short; others are served all along."""
+    port = int(quick_drop.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True,
+                       "stream": True, "n": 8, "logprobs": 20})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    try:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        with quick_drop.http() as http, probing(quick_drop):
+            time.sleep(SEND_TIMEOUT_S)  # (streams start, then stall)
+            assert_kv_all_free(wait_idle(http, timeout_s=60))
+            out = http.post("/v1/completions", json={"model": "demo", "prompt": "hello",
+                                                     "max_tokens": 4, "temperature": 0})
+            assert out.status_code == 200
+        sock.settimeout(30)
+        received = b""
+        while chunk := sock.recv(1 << 16):  # what the kernel buffered, then the server's close
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    finally:
+        sock.close()
