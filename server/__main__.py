@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         allowed_hosts=tuple(args.allowed_hosts or ()),
         send_timeout_s=args.send_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,

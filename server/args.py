@@ -42,6 +42,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
     p.add_argument("--send-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="drop a client that takes no data for this long (its requests aborted)")
+    p.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="on SIGTERM, let requests in flight finish for up to this long")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
     p.add_argument(
         "--pooling",

@@ -55,14 +55,17 @@ TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special
                              "continue_final_message"})
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+HEALTH_MAX_AGE_S = 1.0  # /health reuses an engine ping this recent (polls cost the engine nothing)
 
 
 async def health(request: Request) -> Response:
     st = state_of(request)
     if not st.client.alive:
         return json_response({"status": "dead", "reason": st.client.dead_reason}, 503)
+    if st.client.draining:
+        return json_response({"status": "draining", "reason": "the server is shutting down"}, 503)
     try:
-        await st.client.stats(st.config.health_timeout_s)
+        await st.client.recent_stats(HEALTH_MAX_AGE_S, st.config.health_timeout_s)
     except (TimeoutError, EngineDead) as e:
         return json_response(
             {"status": "unavailable", "reason": str(e) or "the engine did not answer in time"}, 503

@@ -34,6 +34,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # the address served: a loopback one answers loopback Host names only
     allowed_hosts: tuple[str, ...] = ()  # Host names answered besides those
     send_timeout_s: float = 60.0  # a client that takes no data this long is dropped
+    shutdown_timeout_s: float = 20.0  # on SIGTERM, how long requests in flight may still run
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -200,3 +201,47 @@ def test_a_client_that_stops_reading_is_dropped(quick_drop: RunningServer) -> No
         assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
     finally:
         sock.close()
+
+
+def _stream(server: RunningServer, body: dict, into: dict, key: str) -> threading.Thread:
+    def run() -> None:
+        with server.http() as client, client.stream("POST", "/v1/completions", json=body) as r:
+            into[key] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_drains_then_exits(tmp_path) -> None:
+    """The first SIGTERM: /health 503, new requests 503, the streams in flight finish with their
+    finish_reason and [DONE]; one still running when --shutdown-timeout runs out ends with an error
+    event and [DONE]; then the server exits and its rank processes with it."""
+    running = start_server(shutdown_timeout_s=1.5)
+    procs = list(running.state.client.handle.procs)
+    got: dict = {}
+    base = {"model": "demo", "prompt": "hi", "stream": True, "ignore_eos": True, "temperature": 0}
+    threads = [_stream(running, base | {"max_tokens": 24}, got, f"short{i}") for i in range(3)]
+    threads.append(_stream(running, base | {"max_tokens": 1900}, got, "long"))
+    with running.http() as http:
+        deadline = time.monotonic() + 60
+        while running.state.client.num_in_flight < 4:
+            assert time.monotonic() < deadline, "the streams never started"
+            time.sleep(0.01)
+        running.server.handle_exit(signal.SIGTERM, None)
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    for thread in threads:
+        thread.join(60)
+    for i in range(3):
+        status, lines = got[f"short{i}"]
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    status, lines = got["long"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+    running.thread.join(60)
+    assert not running.thread.is_alive(), "the server did not exit after the drain"
+    assert not any(p.is_alive() for p in procs)
