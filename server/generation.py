@@ -76,6 +76,26 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
+MAX_LOGPROB_ENTRIES = 1 << 20  # per request: tens of MB of JSON at most
+
+
+def check_answer_size(prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """400 if the log-probabilities a request asks for (each sampled token's and its alternatives',
+    each prompt token's and its alternatives', for each of n samples) could exceed the limit."""
+    total, field = 0, "logprobs"
+    for ids, p in zip(prompts, params, strict=True):
+        if p.logprobs is not None:
+            total += p.n * p.max_tokens * (p.logprobs + 1)
+        if p.prompt_logprobs is not None:
+            total += p.n * len(ids) * (p.prompt_logprobs + 1)
+            field = "prompt_logprobs"
+    if total > MAX_LOGPROB_ENTRIES:
+        raise ProtocolError(
+            f"this request could answer {total:,} log-probabilities (n x tokens x (alternatives + "
+            f"1), prompts and outputs), more than the server's limit of {MAX_LOGPROB_ENTRIES:,}: "
+            "ask for fewer alternatives, tokens or samples", field)
+
+
 def expand_choices(
     request_id: str,
     tokenizer,
@@ -84,7 +104,9 @@ def expand_choices(
     constraint_param: str | None = None,
 ) -> Generation:
     """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names
-    the field of their constraint, for the 400 of one that does not compile in the engine."""
+    the field of their constraint, for the 400 of one that does not compile in the engine. A request
+    whose answer could hold more than MAX_LOGPROB_ENTRIES log-probabilities is a 400 up front."""
+    check_answer_size(prompts, params)
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):

@@ -245,3 +245,17 @@ def test_sigterm_drains_then_exits(tmp_path) -> None:
     running.thread.join(60)
     assert not running.thread.is_alive(), "the server did not exit after the drain"
     assert not any(p.is_alive() for p in procs)
+
+
+def test_an_oversized_answer_is_refused_up_front(server: RunningServer, http) -> None:
+    """64 prompts of 1,000 tokens with 20 alternatives per prompt token: over a million log-probs,
+    a 400 that says the limit before any work; the same request with 2 alternatives runs."""
+    prompts = [[(7 * i + j) % 900 + 10 for j in range(1000)] for i in range(64)]
+    body = {"model": "demo", "prompt": prompts, "max_tokens": 1, "prompt_logprobs": 20}
+    with probing(server):
+        out = http.post("/v1/completions", json=body)
+    error = _assert_openai_error(out, 400, "prompt_logprobs")
+    assert "limit of 1,048,576" in error["message"]
+    assert http.post("/v1/completions", json=body | {"prompt": prompts[:4],
+                                                     "prompt_logprobs": 2}).status_code == 200
+    _serves_normally(server, http)
