@@ -44,6 +44,6 @@ class ResponseStore:
     def get(self, response_id: str) -> list[dict]:
         if response_id not in self._kept:
             raise ProtocolError(f"no stored response {response_id!r} (the server keeps the latest "
-                                f"{self.capacity} up to {self.capacity_bytes >> 20} MiB, in memory)",
-                                "previous_response_id", 404, code="not_found")
+                                f"{self.capacity}, up to {self.capacity_bytes >> 20} MiB, in "
+                                "memory)", "previous_response_id", 404, code="not_found")
         return self._kept[response_id][0]

@@ -1,7 +1,7 @@
 """A client that stops reading is dropped: each body chunk the server sends must be taken within
 `send_timeout_s` (nginx's `send_timeout`, 60 s by default), else the send raises `TimeoutError`,
-which ends the response: a stream's generators close, which aborts its engine requests and frees their
-pages, and the connection is closed."""
+which ends the response: a stream's generators close, which aborts its engine requests and frees
+their pages, and the connection is closed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Memory a request can make the server hold is bounded: an answer that could hold more log-probs
-than the limit is a 400 up front, and the Responses store is bounded in bytes as well as in count."""
+than the limit is a 400 up front, and the Responses store is bounded in bytes as well as in
+count."""
 
 from __future__ import annotations
 

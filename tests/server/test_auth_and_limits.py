@@ -37,7 +37,8 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
         assert http.get("/health").status_code == 200
         body = {"prompt": "hi", "max_tokens": 2}
         err = _error(http.post("/v1/completions", json=body), 401)
-        assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_api_key")  # OpenAI's
+        # OpenAI's shape
+        assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_api_key")
         _error(
             http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
         )

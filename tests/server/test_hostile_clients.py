@@ -1,5 +1,5 @@
-"""Hostile input through the served default (compiled demo model): while each hostile request runs, a
-probe keeps calling a route that needs no engine work and every answer comes within 1 s; the hostile
+"""Hostile input through the served default (compiled demo model): while each hostile request runs,
+a probe keeps calling a route that needs no engine work and every answer comes within 1 s; the hostile
 request gets a 4xx in OpenAI's shape (or a plain answer); the server serves normally afterwards."""
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ def test_sigterm_drains_then_exits(tmp_path) -> None:
         running.server.handle_exit(signal.SIGTERM, None)
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
-        refused = http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 1})
+        refused = http.post("/v1/completions",
+                            json={"model": "demo", "prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     for thread in threads:
         thread.join(60)
