@@ -1,6 +1,7 @@
-"""Hostile input through the served default (compiled demo model): while each hostile request runs,
-a probe keeps calling a route that needs no engine work and every answer comes within 1 s; the hostile
-request gets a 4xx in OpenAI's shape (or a plain answer); the server serves normally afterwards."""
+"""Hostile input through the served default (compiled demo model): while each hostile request
+runs, a probe keeps calling a route that needs no engine work and every answer comes within 1 s;
+the hostile request gets a 4xx in OpenAI's shape (or a plain answer); the server serves normally
+afterwards. Also: stalled readers, SIGTERM's drain, browser-origin requests, oversized answers."""
 
 from __future__ import annotations
 
