@@ -3,6 +3,7 @@ SSE."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -10,6 +11,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -23,6 +25,7 @@ from server.state import ServerState
 from server.tools import ToolCall, ToolRequest, extract_calls
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 RETRY_AFTER_S = "1"  # a 429's Retry-After: the queue moves at the speed of a few steps
 
 
@@ -98,6 +101,16 @@ def endpoint(name: str) -> Callable:
 
 def tokenize_prompt(st: ServerState, prompt: str | list[int]) -> list[int]:
     return st.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """Run tokenizer and chat-template work in a worker thread: a large input never holds the event
+    loop (the tokenizer's Rust code releases the GIL)."""
+    return await asyncio.to_thread(work)
+
+
+async def tokenize_prompts(st: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    return await off_loop(lambda: [tokenize_prompt(st, p) for p in prompts])
 
 
 def check_model(st: ServerState, model: str | None) -> None:

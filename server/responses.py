@@ -26,6 +26,7 @@ from server.handlers import (
     json_response,
     model_name,
     new_generation,
+    off_loop,
     read_json,
     state_of,
     stream,
@@ -245,8 +246,8 @@ async def responses(request: Request) -> Response:
     chat = _chat_body(body, conversation)
     try:
         req = parse_chat(chat, st.limits)
-        prompt = encode_chat(st.tokenizer, req.messages,
-                             tools=req.tools.template_tools() if req.tools is not None else None)
+        tools = req.tools.template_tools() if req.tools is not None else None
+        prompt = await off_loop(lambda: encode_chat(st.tokenizer, req.messages, tools=tools))
         gen = new_generation(st, "resp", req, [prompt], None)
     except ProtocolError as e:
         raise _renamed(e) from None

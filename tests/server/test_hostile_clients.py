@@ -261,3 +261,16 @@ def test_an_oversized_answer_is_refused_up_front(server: RunningServer, http) ->
     assert http.post("/v1/completions", json=body | {"prompt": prompts[:4],
                                                      "prompt_logprobs": 2}).status_code == 200
     _serves_normally(server, http)
+
+
+def test_a_large_input_is_tokenized_off_the_event_loop(server: RunningServer, http) -> None:
+    """3.6 MB of text (about 2 s of tokenizing, 1.9 million tokens) through /tokenize, the chat
+    template and a completion that is refused as too long: the probe is answered all along."""
+    text = " ".join(f"word{i % 5000}" for i in range(400_000))
+    with probing(server):
+        plain = http.post("/tokenize", json={"prompt": text})
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": text}]})
+        long = http.post("/v1/completions", json={"model": "demo", "prompt": text, "max_tokens": 1})
+    assert plain.status_code == 200 and plain.json()["count"] > 1_000_000
+    assert chat.status_code == 200 and chat.json()["count"] > plain.json()["count"]
+    _assert_openai_error(long, 400, "")
