@@ -152,10 +152,12 @@ async def stream(
     head: list[str],
     chunk: Callable[[Delta], dict | None],
     tail: Callable[[], list[str]] | None = None,
+    failed: Callable[[str], list[str]] | None = None,
 ) -> EventStream:
     """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the
     response starts, so a request the engine refuses (or overload) still gets a proper status
-    code."""
+    code. An error after that: `failed(message)`'s events (default: one `{"error": ...}` event),
+    then [DONE]."""
     deltas = run(st.client, gen, st.metrics)
     try:
         first = await anext(deltas)
@@ -177,7 +179,9 @@ async def stream(
             for t in tail() if tail is not None else []:
                 yield t
         except (EngineDead, EngineRejected, ProtocolError) as e:
-            yield sse(ProtocolError(str(e), kind="server_error").body())
+            for event in (failed(str(e)) if failed is not None
+                          else [sse(ProtocolError(str(e), kind="server_error").body())]):
+                yield event
         finally:
             await deltas.aclose()
         yield "data: [DONE]\n\n"

@@ -272,7 +272,8 @@ async def responses(request: Request) -> Response:
 async def _stream(st, body, req, gen, rid, created, finish) -> Response:
     """The Responses event stream: created, in_progress; for a plain answer the message's item and
     part, a text delta per engine delta, their done events; with tools on, the items once the
-    answer is whole (a call is known only then); completed (or incomplete, or failed)."""
+    answer is whole (a call is known only then); completed (or incomplete, or failed); an engine
+    error mid-stream: `error` and `response.failed`."""
     seq = iter(range(1 << 62))
     calling = req.tools is not None and req.tools.choice != "none"
     msg_id = f"msg_{uuid.uuid4().hex}"
@@ -339,4 +340,10 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
         events.append(event(done, response=snapshot(answer.status, answer.items, answer)))
         return [sse(e) for e in events]
 
-    return await stream(st, gen, head, chunk, tail)
+    def failed(message: str) -> list[str]:
+        """An error mid-stream, as OpenAI's Responses stream reports one."""
+        return [sse(event("error", code="server_error", message=message, param=None)),
+                sse(event("response.failed", response=_response(
+                    st, body, req, rid, created, "failed", [], None, message)))]
+
+    return await stream(st, gen, head, chunk, tail, failed)
