@@ -274,3 +274,15 @@ def test_a_large_input_is_tokenized_off_the_event_loop(server: RunningServer, ht
     assert plain.status_code == 200 and plain.json()["count"] > 1_000_000
     assert chat.status_code == 200 and chat.json()["count"] > plain.json()["count"]
     _assert_openai_error(long, 400, "")
+
+
+def test_stop_lists_are_bounded(server: RunningServer, http) -> None:
+    """At most 16 stop strings of at most 256 characters (each one is held back and scanned at
+    every token): more is a 400 naming 'stop'; within them, a stop string ends the answer."""
+    base = {"model": "demo", "prompt": "hi", "max_tokens": 8, "temperature": 0}
+    for stop in (["x"] * 17, ["y" * 257], "z" * 5000):
+        _assert_openai_error(http.post("/v1/completions", json=base | {"stop": stop}), 400, "stop")
+    plain = http.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    cut = http.post("/v1/completions", json=base | {"stop": ["q" * 256, plain[2:4]]}).json()
+    assert cut["choices"][0]["text"] == plain[:plain.index(plain[2:4])]
+    assert cut["choices"][0]["finish_reason"] == "stop"
