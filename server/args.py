@@ -44,6 +44,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="drop a client that takes no data for this long (its requests aborted)")
     p.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="on SIGTERM, let requests in flight finish for up to this long")
+    p.add_argument("--read-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request body must arrive within this long (else 408)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end a generation that runs longer (408, or an error event in a stream)")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
     p.add_argument(
         "--pooling",

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -48,10 +49,16 @@ async def read_json(request: Request) -> object:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+    timeout = state_of(request).config.read_timeout_s
+    try:
+        with anyio.fail_after(timeout):  # a slow upload (slowloris) is cut
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+    except TimeoutError:
+        raise ProtocolError(f"the request body did not arrive within {timeout:g} s", status=408,
+                            code="request_timeout") from None
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError) as e:
@@ -139,7 +146,8 @@ def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts
 
 async def collect(request: Request, st: ServerState, gen: Generation) -> None:
     async def drain() -> None:
-        async with contextlib.aclosing(run(st.client, gen, st.metrics)) as deltas:
+        async with contextlib.aclosing(
+                run(st.client, gen, st.metrics, st.config.request_timeout_s)) as deltas:
             async for _ in deltas:
                 pass
 
@@ -158,7 +166,7 @@ async def stream(
     response starts, so a request the engine refuses (or overload) still gets a proper status
     code. An error after that: `failed(message)`'s events (default: one `{"error": ...}` event),
     then [DONE]."""
-    deltas = run(st.client, gen, st.metrics)
+    deltas = run(st.client, gen, st.metrics, st.config.request_timeout_s)
     try:
         first = await anext(deltas)
     except BaseException:

@@ -35,6 +35,8 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host names answered besides those
     send_timeout_s: float = 60.0  # a client that takes no data this long is dropped
     shutdown_timeout_s: float = 20.0  # on SIGTERM, how long requests in flight may still run
+    read_timeout_s: float = 60.0  # a request body must arrive within this
+    request_timeout_s: float | None = None  # a generation running longer is ended (None: no limit)
 
 
 @dataclass

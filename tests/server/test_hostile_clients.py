@@ -286,3 +286,40 @@ def test_stop_lists_are_bounded(server: RunningServer, http) -> None:
     cut = http.post("/v1/completions", json=base | {"stop": ["q" * 256, plain[2:4]]}).json()
     assert cut["choices"][0]["text"] == plain[:plain.index(plain[2:4])]
     assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def timeouts() -> Iterator[RunningServer]:
+    """The default server with short read and request timeouts (60 s and none by default)."""
+    running = start_server(debug=True, read_timeout_s=1.0, request_timeout_s=1.0)
+    yield running
+    running.stop()
+
+
+def test_a_slow_upload_is_cut_with_a_408(timeouts: RunningServer) -> None:
+    port = int(timeouts.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)  # (the rest of the body never comes)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def test_a_generation_past_the_request_timeout_ends(timeouts: RunningServer) -> None:
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 1900, "ignore_eos": True, "n": 3}
+    with timeouts.http() as http:
+        whole = http.post("/v1/completions", json=body)
+        assert whole.status_code == 408 and whole.json()["error"]["code"] == "request_timeout"
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert "--request-timeout" in json.loads(lines[-2][6:])["error"]["message"]
+        assert_kv_all_free(wait_idle(http))
+        short = http.post("/v1/completions", json=body | {"max_tokens": 4, "n": 1})
+        assert short.status_code == 200
