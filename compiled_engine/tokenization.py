@@ -94,6 +94,11 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+# Tokens an incomplete UTF-8 character may wait for (a character is at most 4 bytes); beyond that
+# the bytes are invalid and go out as U+FFFD, so that each token decodes a bounded window.
+MAX_WAIT_TOKENS = 8
+
+
 @dataclass
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a UTF-8 character, and finds
@@ -129,8 +134,9 @@ class IncrementalDetokenizer:
         )
         prefix = decode(self.ids[self._prefix_offset:self._read_offset])
         full = decode(self.ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for more bytes
+        waiting = len(self.ids) - self._read_offset
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and waiting < MAX_WAIT_TOKENS):
+            return ""  # an incomplete character: wait for more bytes (a few tokens at most)
         new = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return self._emit(new)

@@ -8,10 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest="${1:-.whl}"
 # What the engine, the server and the GPU check import that the image does not have, with their own needs
-# the image lacks too (xgrammar, apache-tvm-ffi, pydantic-core and rpds-py are binary wheels; the rest pure
-# Python).
+# the image lacks too (xgrammar, apache-tvm-ffi, pydantic-core, rpds-py and google-re2 are binary wheels; the
+# rest pure Python).
 names=(starlette uvicorn gguf xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
-       typing-extensions jsonschema jsonschema-specifications referencing rpds-py)
+       typing-extensions jsonschema jsonschema-specifications referencing rpds-py google-re2)
 python=.venv/bin/python
 [ -x "$python" ] || python=python3
 pins=()

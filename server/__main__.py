@@ -13,7 +13,7 @@ from compiled_engine.models.tp_fit import check_tp_size
 from compiled_engine.ranks.entry import run_rank
 from compiled_engine.ranks.rank_spec import RankSpec
 from compiled_engine.ranks.torchrun import torchrun_placement
-from server.args import add_serve_args
+from server.args import add_serve_args, resolve_api_key
 from server.serve import serve
 from server.state import ServerConfig
 
@@ -44,9 +44,20 @@ def main(argv: list[str] | None = None) -> int:
                           torchrun.local_rank, torchrun.local_world_size), None)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        api_key = resolve_api_key(args)
+    except OSError as e:
+        print(f"compiled-engine serve: error: --api-key-file: {e}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         engine=engine,
-        api_key=args.api_key,
+        api_key=api_key,
+        host=args.host,
+        allowed_hosts=tuple(args.allowed_hosts or ()),
+        send_timeout_s=args.send_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        read_timeout_s=args.read_timeout,
+        request_timeout_s=args.request_timeout,
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,

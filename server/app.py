@@ -26,7 +26,9 @@ from server import embeddings, info_routes, responses, routes
 from server.engine_client import EngineClient
 from server.handlers import error_response
 from server.metrics import Metrics
+from server.origin_guard import OriginGuardMiddleware
 from server.protocol import Limits, ProtocolError
+from server.send_timeout import SendTimeoutMiddleware
 from server.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,11 @@ def create_app(config: ServerConfig) -> Starlette:
         table.append(Route("/debug/integrity", routes.integrity, methods=["GET"]))
     app = Starlette(routes=table, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error})
+    app.add_middleware(SendTimeoutMiddleware, send_timeout_s=config.send_timeout_s)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    # outermost: a foreign Host or a non-JSON body is refused before anything else
+    app.add_middleware(OriginGuardMiddleware, bind=config.host, allowed_hosts=config.allowed_hosts)
     return app
 
 
@@ -129,7 +134,6 @@ class ApiKeyMiddleware:
                 err = ProtocolError(
                     "a valid API key is required: send 'Authorization: Bearer <key>'",
                     status=401,
-                    kind="authentication_error",
                     code="invalid_api_key",
                 )
                 await error_response(err)(scope, receive, send)

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from compiled_engine.engine_args import add_engine_args
 from compiled_engine.sampling_params import POOLINGS
 from server.tools import PARSERS
+
+API_KEY_ENV = "COMPILED_ENGINE_API_KEY"
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key-file's first line, else --api-key, else $COMPILED_ENGINE_API_KEY."""
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise OSError(f"{args.api_key_file} holds no key")
+        return key
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -14,9 +28,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+        "--allowed-hosts", nargs="+", default=None, metavar="NAME",
+        help="Host header names answered besides the loopback ones of a loopback bind (with them "
+             "set, any bind checks the Host)",
     )
+    p.add_argument(
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer KEY' (all but /health); visible in ps: prefer "
+             f"${API_KEY_ENV} or --api-key-file",
+    )
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line)")
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
+    p.add_argument("--send-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="drop a client that takes no data for this long (its requests aborted)")
+    p.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="on SIGTERM, let requests in flight finish for up to this long")
+    p.add_argument("--read-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request body must arrive within this long (else 408)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end a generation that runs longer (408, or an error event in a stream)")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
     p.add_argument(
         "--pooling",

@@ -21,7 +21,7 @@ from server.handlers import (
     new_generation,
     read_json,
     state_of,
-    tokenize_prompt,
+    tokenize_prompts,
 )
 from server.protocol import (
     GenerationRequest,
@@ -67,7 +67,7 @@ async def embeddings(request: Request) -> Response:
             "and cannot be shortened (it was not trained for that)",
             "dimensions",
         )
-    prompts = [tokenize_prompt(st, p) for p in prompts_field(body, st.limits, "input")]
+    prompts = await tokenize_prompts(st, prompts_field(body, st.limits, "input"))
     for i, ids in enumerate(prompts):
         if len(ids) >= st.limits.max_context:
             raise ProtocolError(f"input {i} has {len(ids)} tokens but the context limit is "

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -96,6 +97,9 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self.dead_reason: str | None = None
+        self.draining = False  # shutting down: no new requests, those in flight finish
+        self._recent: tuple[float, StatsReply] | None = None
+        self._stats_task: asyncio.Future[StatsReply] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +130,13 @@ class EngineClient:
         runs."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
+        if self.draining:
+            raise EngineDead("the server is shutting down: retry on another replica")
+        if len(subs) > self.max_in_flight:  # never fits, however long the client waits
+            raise EngineRejected(
+                f"this request asks for {len(subs)} sequences and the server runs at most "
+                f"{self.max_in_flight} at once (--max-queue): ask for fewer"
+            )
         if self.num_in_flight + len(subs) > self.max_in_flight:
             raise Overloaded(
                 f"the server is overloaded: {self.num_in_flight} sequences in flight, this request "
@@ -165,6 +176,17 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._stats_waiters.pop(token, None)
+
+    async def recent_stats(self, max_age_s: float, timeout_s: float) -> StatsReply:
+        """Stats at most `max_age_s` old: concurrent callers share one round trip, and callers
+        within `max_age_s` of the last reply get it (a /health poll costs the engine nothing)."""
+        if self._recent is not None and time.monotonic() - self._recent[0] <= max_age_s:
+            return self._recent[1]
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.ensure_future(self.stats(timeout_s))
+        reply = await asyncio.shield(self._stats_task)
+        self._recent = (time.monotonic(), reply)
+        return reply
 
     # ---- events (reader thread -> loop) -------------------------------------------------------
     def _read(self) -> None:

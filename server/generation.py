@@ -7,6 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
 
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
@@ -15,6 +18,8 @@ from compiled_engine.tokenization import IncrementalDetokenizer
 from server.engine_client import EngineClient, EngineRejected
 from server.metrics import Metrics
 from server.request_errors import ProtocolError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -76,6 +81,44 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
+MAX_LOGPROB_ENTRIES = 1 << 20  # per request: tens of MB of JSON at most
+
+
+def check_answer_size(prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """400 if the log-probabilities a request asks for (each sampled token's and its alternatives',
+    each prompt token's and its alternatives', for each of n samples) could exceed the limit."""
+    total, field = 0, "logprobs"
+    for ids, p in zip(prompts, params, strict=True):
+        if p.logprobs is not None:
+            total += p.n * p.max_tokens * (p.logprobs + 1)
+        if p.prompt_logprobs is not None:
+            total += p.n * len(ids) * (p.prompt_logprobs + 1)
+            field = "prompt_logprobs"
+    if total > MAX_LOGPROB_ENTRIES:
+        raise ProtocolError(
+            f"this request could answer {total:,} log-probabilities (n x tokens x (alternatives + "
+            f"1), prompts and outputs), more than the server's limit of {MAX_LOGPROB_ENTRIES:,}: "
+            "ask for fewer alternatives, tokens or samples", field)
+
+
+async def _until(events: AsyncIterator[T], timeout_s: float | None) -> AsyncIterator[T]:
+    """`events` until `timeout_s` has passed (None: all of them); then a 408."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            if deadline is None:
+                event = await anext(events)
+            else:
+                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                    event = await anext(events)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise ProtocolError(f"the request ran past the server's --request-timeout of "
+                                f"{timeout_s:g} s", status=408, code="request_timeout") from None
+        yield event
+
+
 def expand_choices(
     request_id: str,
     tokenizer,
@@ -84,7 +127,9 @@ def expand_choices(
     constraint_param: str | None = None,
 ) -> Generation:
     """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names
-    the field of their constraint, for the 400 of one that does not compile in the engine."""
+    the field of their constraint, for the 400 of one that does not compile in the engine. A request
+    whose answer could hold more than MAX_LOGPROB_ENTRIES log-probabilities is a 400 up front."""
+    check_answer_size(prompts, params)
     choices = []
     for j, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for i, sample in enumerate(expand_n(p)):
@@ -102,13 +147,15 @@ def expand_choices(
     return Generation(request_id, choices, [len(ids) for ids in prompts], constraint_param)
 
 
-async def run(client: EngineClient, gen: Generation, metrics: Metrics) -> AsyncIterator[Delta]:
+async def run(client: EngineClient, gen: Generation, metrics: Metrics,
+              timeout_s: float | None = None) -> AsyncIterator[Delta]:
     """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest. A
-    constraint the engine could not compile is a ProtocolError naming its field."""
+    constraint the engine could not compile is a ProtocolError naming its field; a generation still
+    running `timeout_s` after it started, a 408 ProtocolError."""
     by_rid = {c.rid: c for c in gen.choices}
     async with client.open(gen.choices) as group:
         try:
-            async for ev in group.events():
+            async for ev in _until(group.events(), timeout_s):
                 choice = by_rid[ev.rid]
                 if ev.token is not None and choice.first_token_at is None:
                     choice.first_token_at = time.monotonic()

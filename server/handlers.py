@@ -3,6 +3,7 @@ SSE."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -10,7 +11,9 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -23,6 +26,8 @@ from server.state import ServerState
 from server.tools import ToolCall, ToolRequest, extract_calls
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+RETRY_AFTER_S = "1"  # a 429's Retry-After: the queue moves at the speed of a few steps
 
 
 def state_of(request: Request) -> ServerState:
@@ -44,10 +49,16 @@ async def read_json(request: Request) -> object:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+    timeout = state_of(request).config.read_timeout_s
+    try:
+        with anyio.fail_after(timeout):  # a slow upload (slowloris) is cut
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+    except TimeoutError:
+        raise ProtocolError(f"the request body did not arrive within {timeout:g} s", status=408,
+                            code="request_timeout") from None
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError) as e:
@@ -73,6 +84,7 @@ def endpoint(name: str) -> Callable:
             except Overloaded as e:
                 response = error_response(ProtocolError(str(e), status=429, kind="rate_limit_error",
                                                         code="overloaded"))
+                response.headers["Retry-After"] = RETRY_AFTER_S
             except EngineDead as e:
                 response = error_response(
                     ProtocolError(
@@ -96,6 +108,16 @@ def endpoint(name: str) -> Callable:
 
 def tokenize_prompt(st: ServerState, prompt: str | list[int]) -> list[int]:
     return st.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """Run tokenizer and chat-template work in a worker thread: a large input never holds the event
+    loop (the tokenizer's Rust code releases the GIL)."""
+    return await asyncio.to_thread(work)
+
+
+async def tokenize_prompts(st: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    return await off_loop(lambda: [tokenize_prompt(st, p) for p in prompts])
 
 
 def check_model(st: ServerState, model: str | None) -> None:
@@ -124,7 +146,8 @@ def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts
 
 async def collect(request: Request, st: ServerState, gen: Generation) -> None:
     async def drain() -> None:
-        async with contextlib.aclosing(run(st.client, gen, st.metrics)) as deltas:
+        async with contextlib.aclosing(
+                run(st.client, gen, st.metrics, st.config.request_timeout_s)) as deltas:
             async for _ in deltas:
                 pass
 
@@ -137,11 +160,13 @@ async def stream(
     head: list[str],
     chunk: Callable[[Delta], dict | None],
     tail: Callable[[], list[str]] | None = None,
+    failed: Callable[[str], list[str]] | None = None,
 ) -> EventStream:
     """SSE of `head`, one chunk per delta, `tail()`, [DONE]. The first delta is awaited before the
     response starts, so a request the engine refuses (or overload) still gets a proper status
-    code."""
-    deltas = run(st.client, gen, st.metrics)
+    code. An error after that: `failed(message)`'s events (default: one `{"error": ...}` event),
+    then [DONE]."""
+    deltas = run(st.client, gen, st.metrics, st.config.request_timeout_s)
     try:
         first = await anext(deltas)
     except BaseException:
@@ -162,7 +187,9 @@ async def stream(
             for t in tail() if tail is not None else []:
                 yield t
         except (EngineDead, EngineRejected, ProtocolError) as e:
-            yield sse(ProtocolError(str(e), kind="server_error").body())
+            for event in (failed(str(e)) if failed is not None
+                          else [sse(ProtocolError(str(e), kind="server_error").body())]):
+                yield event
         finally:
             await deltas.aclose()
         yield "data: [DONE]\n\n"

@@ -17,6 +17,7 @@ MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 MAX_STOPS = 16
+MAX_STOP_CHARS = 256  # each stop string: what the detokenizer holds back and scans per token
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # The fields each body may carry. Any other field that is present (not null) is answered with a 400
@@ -291,6 +292,9 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise ProtocolError(
             f"'stop' has {len(value)} strings; at most {MAX_STOPS} are allowed", "stop"
         )
+    for i, s in enumerate(value):
+        if len(s) > MAX_STOP_CHARS:
+            raise ProtocolError(f"'stop[{i}]' is longer than {MAX_STOP_CHARS} characters", "stop")
     return tuple(s for s in value if s)
 
 

@@ -26,6 +26,7 @@ from server.handlers import (
     json_response,
     model_name,
     new_generation,
+    off_loop,
     read_json,
     state_of,
     stream,
@@ -245,8 +246,8 @@ async def responses(request: Request) -> Response:
     chat = _chat_body(body, conversation)
     try:
         req = parse_chat(chat, st.limits)
-        prompt = encode_chat(st.tokenizer, req.messages,
-                             tools=req.tools.template_tools() if req.tools is not None else None)
+        tools = req.tools.template_tools() if req.tools is not None else None
+        prompt = await off_loop(lambda: encode_chat(st.tokenizer, req.messages, tools=tools))
         gen = new_generation(st, "resp", req, [prompt], None)
     except ProtocolError as e:
         raise _renamed(e) from None
@@ -271,7 +272,8 @@ async def responses(request: Request) -> Response:
 async def _stream(st, body, req, gen, rid, created, finish) -> Response:
     """The Responses event stream: created, in_progress; for a plain answer the message's item and
     part, a text delta per engine delta, their done events; with tools on, the items once the
-    answer is whole (a call is known only then); completed (or incomplete, or failed)."""
+    answer is whole (a call is known only then); completed (or incomplete, or failed); an engine
+    error mid-stream: `error` and `response.failed`."""
     seq = iter(range(1 << 62))
     calling = req.tools is not None and req.tools.choice != "none"
     msg_id = f"msg_{uuid.uuid4().hex}"
@@ -338,4 +340,10 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
         events.append(event(done, response=snapshot(answer.status, answer.items, answer)))
         return [sse(e) for e in events]
 
-    return await stream(st, gen, head, chunk, tail)
+    def failed(message: str) -> list[str]:
+        """An error mid-stream, as OpenAI's Responses stream reports one."""
+        return [sse(event("error", code="server_error", message=message, param=None)),
+                sse(event("response.failed", response=_response(
+                    st, body, req, rid, created, "failed", [], None, message)))]
+
+    return await stream(st, gen, head, chunk, tail, failed)

@@ -20,10 +20,11 @@ from server.handlers import (
     json_response,
     model_name,
     new_generation,
+    off_loop,
     read_json,
     state_of,
     stream,
-    tokenize_prompt,
+    tokenize_prompts,
     usage_tail,
     whole,
 )
@@ -55,14 +56,17 @@ TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special
                              "continue_final_message"})
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+HEALTH_MAX_AGE_S = 1.0  # /health reuses an engine ping this recent (polls cost the engine nothing)
 
 
 async def health(request: Request) -> Response:
     st = state_of(request)
     if not st.client.alive:
         return json_response({"status": "dead", "reason": st.client.dead_reason}, 503)
+    if st.client.draining:
+        return json_response({"status": "draining", "reason": "the server is shutting down"}, 503)
     try:
-        await st.client.stats(st.config.health_timeout_s)
+        await st.client.recent_stats(HEALTH_MAX_AGE_S, st.config.health_timeout_s)
     except (TimeoutError, EngineDead) as e:
         return json_response(
             {"status": "unavailable", "reason": str(e) or "the engine did not answer in time"}, 503
@@ -105,13 +109,13 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = parse_completion(await read_json(request), st.limits)
-    prompts = [tokenize_prompt(st, p) for p in req.prompts]
+    prompts = await tokenize_prompts(st, req.prompts)
     gen = new_generation(st, "cmpl", req, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
     n = req.params.n
-    echo = [
+    echo = await off_loop(lambda: [
         (p if isinstance(p, str) else st.tokenizer.decode(ids)) if req.echo else ""
         for p, ids in zip(req.prompts, prompts, strict=True)
-    ]
+    ])
     want_logprobs = req.params.logprobs is not None
     token_text = TokenText(st.tokenizer)
     lp = [CompletionLogprobs(token_text) for _ in gen.choices]
@@ -154,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
     req: ChatRequest = parse_chat(await read_json(request), st.limits)
     tools = req.tools.template_tools() if req.tools is not None else None
     try:
-        prompt = encode_chat(st.tokenizer, req.messages, tools=tools)
+        prompt = await off_loop(lambda: encode_chat(st.tokenizer, req.messages, tools=tools))
     except ValueError as e:
         raise ProtocolError(str(e), "messages") from None
     gen = new_generation(st, "chatcmpl", req, [prompt], None)
@@ -247,7 +251,7 @@ async def generate(request: Request) -> Response:
     st = state_of(request)
     prompt, req = parse_native(await read_json(request), st.limits)
     gen = new_generation(
-        st, "gen", req, [tokenize_prompt(st, prompt)], COMPLETION_DEFAULT_MAX_TOKENS
+        st, "gen", req, await tokenize_prompts(st, [prompt]), COMPLETION_DEFAULT_MAX_TOKENS
     )
 
     def out(d: Delta) -> dict:
@@ -282,9 +286,8 @@ async def tokenize(request: Request) -> Response:
                 "add_special_tokens",
             )
         try:
-            ids = encode_chat(
-                st.tokenizer, parse_chat({"messages": body["messages"]}, st.limits).messages
-            )
+            messages = parse_chat({"messages": body["messages"]}, st.limits).messages
+            ids = await off_loop(lambda: encode_chat(st.tokenizer, messages))
         except ValueError as e:
             raise ProtocolError(str(e), "messages") from None
     else:
@@ -295,9 +298,8 @@ async def tokenize(request: Request) -> Response:
         )
         if text is None:
             raise ProtocolError("one of 'prompt', 'text' or 'messages' is required", "prompt")
-        ids = st.tokenizer(
-            text, add_special_tokens=get_bool(body, "add_special_tokens", True)
-        ).input_ids
+        special = get_bool(body, "add_special_tokens", True)
+        ids = await off_loop(lambda: st.tokenizer(text, add_special_tokens=special).input_ids)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": st.limits.max_context})
 
 
@@ -308,4 +310,4 @@ async def detokenize(request: Request) -> Response:
     check_fields(body, frozenset({"model", "tokens"}))
     check_model(st, get_str(body, "model", None))
     ids = token_ids(body.get("tokens"), "tokens", st.limits.vocab_size)
-    return json_response({"text": st.tokenizer.decode(ids)})
+    return json_response({"text": await off_loop(lambda: st.tokenizer.decode(ids))})

@@ -18,15 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
-    """uvicorn with in-flight requests aborted on the first signal (so the graceful shutdown does
-    not wait for long generations) and a plain exit 0 afterwards (uvicorn would re-raise the
-    signal)."""
+    """uvicorn that drains on the first signal (`handle_exit`) and exits 0 afterwards (uvicorn
+    would re-raise the signal)."""
 
     def __init__(self, config: uvicorn.Config, announce: bool = True) -> None:
         super().__init__(config)
         self.announce = announce
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_dead_since: float | None = None
+        self.drain_started: float | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -39,10 +39,12 @@ class Server(uvicorn.Server):
                   flush=True)
 
     async def on_tick(self, counter: int) -> bool:
-        """Also exit when the engine is gone (a rank died or hung): in-flight requests have failed
-        with the reason, /health answers 503 for `engine_dead_exit_s`, then the server exits so that
-        a process supervisor can restart it."""
+        """Exit when a drain is over, and when the engine is gone (a rank died or hung): in-flight
+        requests have failed with the reason, /health answers 503 for `engine_dead_exit_s`, then
+        the server exits so that a process supervisor can restart it."""
         state = self._state()
+        if state is not None and self.drain_started is not None and self._drained(state):
+            return True
         if state is not None and state.client.dead_reason is not None:
             now = time.monotonic()
             if self.engine_dead_since is None:
@@ -61,12 +63,27 @@ class Server(uvicorn.Server):
         )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
-            self.force_exit = True
+        """The first SIGTERM / SIGINT drains: /health answers 503, new requests 503, those in
+        flight finish for up to `shutdown_timeout_s` (then end with an error event), then the
+        server exits. A second signal exits at once."""
+        state = self._state()
+        if self.should_exit or self.drain_started is not None or state is None:
+            self.should_exit = self.force_exit = True
             return
-        self.should_exit = True
+        self.drain_started = time.monotonic()
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.abort_in_flight)
+            self.loop.call_soon_threadsafe(setattr, state.client, "draining", True)
+        log.warning("shutting down: %d sequences in flight get up to %gs to finish",
+                    state.client.num_in_flight, state.config.shutdown_timeout_s)
+
+    def _drained(self, state: ServerState) -> bool:
+        """Whether a drain is over: nothing in flight, or its time is up (the rest failed)."""
+        if not state.client.num_in_flight:
+            return True
+        if time.monotonic() - self.drain_started >= state.config.shutdown_timeout_s:
+            self.abort_in_flight()
+            return True
+        return False
 
     def abort_in_flight(self) -> None:
         state = self._state()

@@ -31,6 +31,12 @@ class ServerConfig:
     pooling: str = "last"  # /v1/embeddings: "last" | "mean" of the final hidden states
     # under torchrun (this process is its rank 0): the other engine ranks are torchrun's processes
     torchrun: TorchrunPlacement | None = None
+    host: str = "127.0.0.1"  # the address served: a loopback one answers loopback Host names only
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides those
+    send_timeout_s: float = 60.0  # a client that takes no data this long is dropped
+    shutdown_timeout_s: float = 20.0  # on SIGTERM, how long requests in flight may still run
+    read_timeout_s: float = 60.0  # a request body must arrive within this
+    request_timeout_s: float | None = None  # a generation running longer is ended (None: no limit)
 
 
 @dataclass

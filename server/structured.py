@@ -22,6 +22,7 @@ import json
 from compiled_engine.sampling_params import StructuredOutput
 from server.json_schemas import remote_ref, unenforced
 from server.request_errors import ProtocolError, check_fields
+from server.schema_guard import check_pattern, check_schema
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
@@ -54,9 +55,10 @@ def native_constraint(sp: dict) -> tuple[StructuredOutput | None, str | None]:
     where = f"sampling_params.{name}"
     if name == "json_schema":
         return StructuredOutput("json", _schema_text(sp[name], where)), where
-    return StructuredOutput(
-        "regex" if name == "regex" else "grammar", _string(sp[name], where)
-    ), where
+    text = _string(sp[name], where)
+    if name == "regex":
+        check_pattern(text, where)
+    return StructuredOutput("regex" if name == "regex" else "grammar", text), where
 
 
 def _response_format(body: dict) -> tuple[StructuredOutput | None, str | None]:
@@ -90,6 +92,8 @@ def _response_format(body: dict) -> tuple[StructuredOutput | None, str | None]:
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise ProtocolError(f"'{where}.strict' must be a boolean", f"{where}.strict")
     schema, strict = spec.get("schema"), spec.get("strict") is not False
+    if isinstance(schema, dict):
+        check_schema(schema, f"{where}.schema")
     if spec.get("strict") is True and isinstance(schema, dict):
         found = unenforced(schema, "schema")
         if found is not None:
@@ -132,7 +136,10 @@ def _structured_outputs(body: dict) -> tuple[StructuredOutput | None, str | None
         ):
             raise ProtocolError(f"'{where}' must be a non-empty array of non-empty strings", where)
         return StructuredOutput("choice", tuple(choices)), where
-    return StructuredOutput(name, _string(value[name], where)), where
+    text = _string(value[name], where)
+    if name == "regex":
+        check_pattern(text, where)
+    return StructuredOutput(name, text), where
 
 
 def _schema_text(value: object, where: str) -> str:
@@ -144,6 +151,7 @@ def _schema_text(value: object, where: str) -> str:
             raise ProtocolError(f"'{where}' is not valid JSON", where) from None
     if not isinstance(value, dict):
         raise ProtocolError(f"'{where}' must be a JSON schema object", where)
+    check_schema(value, where)
     remote = remote_ref(value, where)
     if remote is not None:
         raise ProtocolError(

@@ -34,6 +34,7 @@ from referencing.exceptions import Unresolvable
 from compiled_engine.sampling_params import StructuredOutput
 from server.json_schemas import closed_schema, remote_ref, unenforced
 from server.request_errors import ProtocolError, check_fields
+from server.schema_guard import check_schema, validator_class
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 TOOL_FIELDS = frozenset({"type", "function"})
@@ -52,9 +53,7 @@ class Function:
         closed)."""
         schema = closed_schema(self.parameters) if self.strict else self.parameters
         try:  # an empty registry: a $ref resolves inside the schema or not at all (never fetched)
-            return jsonschema.validators.validator_for(schema)(
-                schema, registry=Registry()
-            ).is_valid(arguments)
+            return validator_class(schema)(schema, registry=Registry()).is_valid(arguments)
         except Unresolvable:  # a $ref the schema does not hold
             return False
 
@@ -201,6 +200,7 @@ def _function(tool: object, where: str) -> Function:
     if not isinstance(parameters, dict):
         raise ProtocolError(f"'{where}.function.parameters' must be a JSON schema object",
                             f"{where}.function.parameters")
+    check_schema(parameters, f"{where}.function.parameters")  # before anything walks it
     try:
         jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except jsonschema.SchemaError as e:

@@ -4,6 +4,7 @@ group that carries rank 0's inputs and the debug digests (control traffic stays 
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -27,6 +28,10 @@ def init_distributed(
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if init_method.startswith("file://") and sys.platform == "linux":
+        # one host: gloo's (and NCCL's bootstrap) sockets on loopback, not the host's address
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout)
     init_tensor_parallel()

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import socket
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -30,6 +33,11 @@ class EngineStartError(RuntimeError):
 
 class EngineFailure(RuntimeError):
     """A rank died, hung or failed: the engine is gone."""
+
+
+def one_host_store_path() -> str:
+    """A new file path for the ranks' torch.distributed FileStore (removed by the last rank)."""
+    return os.path.join(tempfile.gettempdir(), f"compiled-engine-tp-{uuid.uuid4().hex}")
 
 
 def free_port() -> int:
@@ -110,8 +118,9 @@ def launch(
     server_end, rank_end = ctx.Pipe(duplex=True)
     procs: list[BaseProcess] = []
     if torchrun is None:
-        # the launcher's ranks share one host
-        init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""
+        # the launcher's ranks share one host: they meet in a file (a TCP store would listen on
+        # every interface), and gloo's sockets bind loopback (process_group.init_distributed)
+        init_method = f"file://{one_host_store_path()}" if world > 1 else ""
         heartbeats = ctx.RawArray("d", world)
         specs = [RankSpec(r, world, init_method, config, heartbeats=heartbeats)
                  for r in range(world)]

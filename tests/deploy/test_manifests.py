@@ -18,7 +18,8 @@ import yaml
 from sglang_router.launch_router import parse_router_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-FILES = ("replica-deployment.yaml", "router-deployment.yaml", "router-service.yaml")
+FILES = ("replica-deployment.yaml", "replica-network-policy.yaml", "router-deployment.yaml",
+         "router-service.yaml")
 # the oldest and newest schemas kubernetes-validate bundles
 K8S_VERSIONS = ("1.25", "1.37")
 REPLICA_PORT = 8000
@@ -92,6 +93,32 @@ def test_replica_probes_and_cache() -> None:
     assert any(cache_dir.startswith(m["mountPath"]) for m in container["volumeMounts"])
     assert container["resources"]["requests"]
     assert _pod_labels(replica).items() >= replica["spec"]["selector"]["matchLabels"].items()
+
+
+def test_replicas_drain_take_their_key_from_a_secret_and_only_the_router_reaches_them() -> None:
+    """SIGTERM's drain (--shutdown-timeout) plus preStop's sleep fit the grace period; the API key
+    comes from a Secret (never argv, which `ps` shows); the NetworkPolicy lets only the router's
+    pods reach the replicas' port."""
+    replica = _one("replica-deployment.yaml", "Deployment")
+    container = _container(replica)
+    command = container["command"]
+    assert "--api-key" not in command
+    drain = float(command[command.index("--shutdown-timeout") + 1])
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    grace = replica["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert drain + float(pre_stop[1]) + 5 <= grace
+    (key,) = [e for e in container["env"] if e["name"] == "COMPILED_ENGINE_API_KEY"]
+    assert set(key["valueFrom"]["secretKeyRef"]) == {"name", "key"}
+    policy = _one("replica-network-policy.yaml", "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= _pod_labels(replica).items()
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    router = _one("router-deployment.yaml", "Deployment")
+    assert source["podSelector"]["matchLabels"].items() <= _pod_labels(router).items()
+    assert rule["ports"] == [{"protocol": "TCP", "port": REPLICA_PORT}]
+    services = [doc for name in FILES for doc in _load(name) if doc["kind"] == "Service"]
+    assert [s["spec"]["selector"] for s in services] == [_pod_labels(router)]  # the one way in
 
 
 def test_router_flags_exist_and_parse() -> None:

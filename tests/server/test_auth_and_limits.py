@@ -19,7 +19,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[RunningServer]:
-    running = start_server(api_key=KEY, max_queue=1, max_body_bytes=2048)
+    running = start_server(api_key=KEY, max_queue=1, max_body_bytes=2048,
+                           allowed_hosts=("api.internal",))
     yield running
     running.stop()
 
@@ -35,9 +36,9 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
     with limited.http() as http:
         assert http.get("/health").status_code == 200
         body = {"prompt": "hi", "max_tokens": 2}
-        assert (
-            _error(http.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
-        )
+        err = _error(http.post("/v1/completions", json=body), 401)
+        # OpenAI's shape
+        assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_api_key")
         _error(
             http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
         )
@@ -45,6 +46,10 @@ def test_api_key_required_except_health(limited: RunningServer) -> None:
         _error(http.get("/metrics"), 401)
         assert http.post("/v1/completions", json=body, headers=AUTH).status_code == 200
         assert http.get("/v1/models", headers=AUTH).status_code == 200
+        # --allowed-hosts: that name too, besides loopback ones; others refused before the key
+        assert http.get("/v1/models", headers=AUTH | {"host": "api.internal:80"}).status_code == 200
+        assert _error(http.get("/health", headers={"host": "evil.test"}), 421)["code"] == \
+            "host_not_allowed"
 
 
 def test_body_too_large_is_413(limited: RunningServer) -> None:
@@ -58,7 +63,8 @@ def test_body_too_large_is_413(limited: RunningServer) -> None:
             for _ in range(10):
                 yield b" " * 1000
 
-        _error(http.post("/v1/completions", content=chunks()), 413)
+        _error(http.post("/v1/completions", content=chunks(),
+                         headers={"content-type": "application/json"}), 413)
 
 
 def test_overload_is_429_and_clears(limited: RunningServer) -> None:
@@ -69,8 +75,14 @@ def test_overload_is_429_and_clears(limited: RunningServer) -> None:
             # keep it referenced: dropping the iterator closes the connection
             lines = r.iter_lines()
             next(lines)
-            err = _error(b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
+            refused = b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            err = _error(refused, 429)
             assert "overloaded" in err["message"] and "--max-queue" in err["message"]
+            assert refused.headers["Retry-After"] == "1"
+            # more sequences than the server ever runs at once: no retry helps, a 400
+            never = b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 2})
+            err = _error(never, 400)
+            assert "at most 1 at once (--max-queue)" in err["message"]
         deadline = time.monotonic() + 30
         while (
             r2 := b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})

@@ -22,6 +22,7 @@ junk = st.recursive(
     ),
     max_leaves=6,
 )
+JSON = {"content-type": "application/json"}
 token_list = st.lists(st.integers(min_value=-5, max_value=9000), max_size=6)
 # any code point, lone surrogates included (json.dumps escapes them as \udXXX: valid JSON, invalid
 # text)
@@ -116,13 +117,97 @@ FUZZ = settings(
 @FUZZ
 @given(body=completion_body)
 def test_fuzz_completions(http: httpx.Client, body: dict) -> None:
-    _check(http.post("/v1/completions", content=json.dumps(body)))
+    _check(http.post("/v1/completions", content=json.dumps(body), headers=JSON))
 
 
 @FUZZ
 @given(body=chat_body)
 def test_fuzz_chat(http: httpx.Client, body: dict) -> None:
-    _check(http.post("/v1/chat/completions", content=json.dumps(body)))
+    _check(http.post("/v1/chat/completions", content=json.dumps(body), headers=JSON))
+
+
+# JSON schemas as users write them, odd ones included: patterns (some not RE2's), local and remote
+# $refs (some recursive), nesting, keywords of every draft
+schema = st.recursive(
+    st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["object", "string", "integer", "array", "null", "nonsense"]),
+        "pattern": st.sampled_from(["^a+$", "(a+)+$", "(x)\\1", "(?=a)", "[", "\\d{2,3}"]),
+        "enum": st.lists(st.integers(0, 3) | st.text(max_size=3), max_size=3),
+        "maxLength": st.integers(-1, 5),
+        "$ref": st.sampled_from(["#", "#/properties/a", "#/$defs/x", "#/nowhere", "http://x/s"]),
+    }),
+    lambda children: st.fixed_dictionaries({}, optional={
+        "type": st.just("object"),
+        "properties": st.dictionaries(st.sampled_from(["a", "b", "x"]), children, max_size=2),
+        "patternProperties": st.dictionaries(st.sampled_from(["^a", "(b+)+", "(?!c)"]), children,
+                                             max_size=1),
+        "additionalProperties": st.booleans() | children,
+        "items": children,
+        "anyOf": st.lists(children, max_size=2),
+        "$defs": st.fixed_dictionaries({"x": children}),
+        "required": st.lists(st.sampled_from(["a", "b"]), max_size=2),
+    }),
+    max_leaves=8,
+)
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "get_x", "bad name"]), "parameters": schema | junk},
+    optional={"strict": st.booleans()})})
+tools_body = bodies(
+    {"max_tokens": max_tokens, "messages": st.lists(message, min_size=1, max_size=2)},
+    {"tools": st.lists(tool, max_size=2),
+     "tool_choice": st.sampled_from(["auto", "required", "none"]),
+     "response_format": st.fixed_dictionaries({
+         "type": st.just("json_schema"),
+         "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": schema},
+                                              optional={"strict": st.booleans()})}),
+     "structured_outputs": st.fixed_dictionaries({}, optional={
+         "regex": st.sampled_from(["[a-c]{1,3}", "(a)\\1", "("]), "choice": st.lists(
+             st.text(max_size=4), max_size=2)})},
+)
+OTHER_ROUTES = {
+    "/v1/responses": bodies({"max_output_tokens": max_tokens, "input": unicode_text},
+                            {"instructions": unicode_text, "temperature": st.floats(0, 2),
+                             "stream": st.booleans(), "store": st.booleans(),
+                             "previous_response_id": st.text(max_size=8),
+                             "text": st.fixed_dictionaries({"format": st.fixed_dictionaries({
+                                 "type": st.just("json_schema"), "name": st.just("x"),
+                                 "schema": schema})})}),
+    "/v1/embeddings": bodies({"input": unicode_text | token_list | st.lists(unicode_text,
+                                                                             max_size=2)},
+                             {"model": st.just("demo"), "encoding_format": st.sampled_from(
+                                 ["float", "base64", "hex"]), "dimensions": st.integers(-1, 70)}),
+    "/generate": bodies({"text": unicode_text},
+                        {"input_ids": token_list, "stream": st.booleans(),
+                         "sampling_params": st.fixed_dictionaries({"max_new_tokens": max_tokens},
+                                                                  optional={
+                             "json_schema": schema.map(json.dumps),
+                             "regex": st.sampled_from(["[0-9]+", "(a)\\1"]),
+                             "temperature": st.floats(0, 2)})}),
+    "/tokenize": bodies({}, {"prompt": unicode_text, "messages": st.lists(message, max_size=2),
+                             "add_special_tokens": st.booleans()}),
+    "/detokenize": bodies({"tokens": token_list}, {"model": st.just("demo")}),
+}
+
+
+@FUZZ
+@given(body=tools_body)
+def test_fuzz_tools_and_schemas(http: httpx.Client, body: dict) -> None:
+    """Tools, response formats and structured outputs with any schema: never a 5xx."""
+    _check(http.post("/v1/chat/completions", content=json.dumps(body), headers=JSON))
+
+
+@FUZZ
+@given(data=st.data(), route=st.sampled_from(sorted(OTHER_ROUTES)))
+def test_fuzz_every_other_route(http: httpx.Client, data, route: str) -> None:
+    """Every other POST route (and the GET info routes after each): a 200 or a 4xx in OpenAI's
+    error shape, never a 5xx."""
+    r = http.post(route, content=json.dumps(data.draw(OTHER_ROUTES[route])), headers=JSON)
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (route, r.status_code, r.text[:500])
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["type"] == "invalid_request_error", err
+    for info in ("/v1/models", "/server_info", "/model_info", "/get_load"):
+        assert http.get(info).status_code == 200, info
 
 
 def test_still_serving_after_fuzzing(http: httpx.Client) -> None:

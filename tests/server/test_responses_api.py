@@ -155,3 +155,29 @@ def test_what_it_does_not_take_is_refused(client: OpenAI) -> None:
     kept = client.responses.create(model="demo", input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(NotFoundError):
         client.responses.create(model="demo", input="Hi", previous_response_id=kept.id)
+
+
+def kinds_of(events: list) -> list[str]:
+    return [e.type for e in events]
+
+
+def test_an_engine_error_mid_stream_is_response_failed(server: RunningServer,
+                                                       client: OpenAI) -> None:
+    """The engine fails the request after the stream has started (as SIGTERM's drain does when its
+    time is up): the stream ends with an `error` event and `response.failed`, as OpenAI's does;
+    the server serves on."""
+    stream = client.responses.create(model="demo", input="Tell me a long story.", stream=True,
+                                     max_output_tokens=1500, temperature=0)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta" and kinds_of(events).count(event.type) == 1:
+            loop = server.server.loop
+            loop.call_soon_threadsafe(server.state.client.fail_all, "the engine went away")
+    kinds = kinds_of(events)
+    assert kinds[-2:] == ["error", "response.failed"], kinds[-5:]
+    assert events[-2].message == "the engine went away"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.message == "the engine went away"
+    again = client.responses.create(model="demo", input="hi", max_output_tokens=4)
+    assert again.status in ("completed", "incomplete")

@@ -59,3 +59,18 @@ def test_tp2_prompt_logprobs_and_embeddings_equal_tp1(
         vectors = [c.post("/v1/embeddings", json=embed).json()["data"] for c in (http, client)]
         for a, b in zip(*vectors, strict=True):
             assert b["embedding"] == pytest.approx(a["embedding"], abs=1e-5)
+
+
+def test_tp2_ranks_listen_on_loopback_only(tp2: RunningServer) -> None:
+    """One host's ranks meet in a file and gloo binds loopback: no rank listens on another address
+    (a TCP store would listen on every interface)."""
+    import ipaddress
+
+    import psutil
+
+    for proc in tp2.state.client.handle.procs:
+        conns = psutil.Process(proc.pid).net_connections("inet")
+        listening = [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+        assert listening, "gloo listens for its peer"
+        assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback
+                   for ip in listening), listening
