@@ -24,7 +24,7 @@ serve: $(STAMP)
 # The whole suite, then the invariance and parity tests again at each COMPILED_ENGINE_CPU_ISA level below this
 # CPU's; every run runs, and the end names those that failed (scripts/run_tests.sh).
 test: $(STAMP)
-	PY=$(PY) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/run_tests.sh
+	PY=$(PY) PYTEST_ARGS='$(PYTEST_ARGS)' scripts/run_tests.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

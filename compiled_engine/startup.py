@@ -141,11 +141,7 @@ def build_engine(
         # a prefill step's large activations reuse pages instead of faulting fresh ones
         keep_freed_memory()
     if config.deterministic is None:
-        on, why = deterministic_default(device)
-        if config.speculative and not on:
-            # a verify step computes a request's k+1 rows in one GEMM, plain decoding one: only
-            # batch-invariant kernels give the two the same bits (a draft never changes a token)
-            on, why = True, f"{why}; on here all the same: speculation is exact only with it"
+        on, why = deterministic_default(device, bool(config.speculative))
         if ps.get_tp_rank() == 0:
             log.info("%s (--deterministic / --no-deterministic to choose)", why)
         config = dataclasses.replace(config, deterministic=on)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STUB = """#!/usr/bin/env bash
 # -c: the levels below native; -m pytest: log the call, fail where a FAIL_WHEN pattern (;) matches
 if [ "$1" = -c ]; then echo "avx512 avx2"; exit 0; fi
-echo "pytest ${COMPILED_ENGINE_CPU_ISA:-native} $*" >>"$LOG"
+echo "pytest ${COMPILED_ENGINE_CPU_ISA:-native} $(printf '[%s]' "$@")" >>"$LOG"
 IFS=';' read -r -a patterns <<<"$FAIL_WHEN"
 for pattern in "${patterns[@]}"; do
   case "${COMPILED_ENGINE_CPU_ISA:-native} $*" in $pattern) exit 1;; esac
@@ -29,7 +29,7 @@ def _run(tmp_path: Path, fail_when: str) -> tuple[subprocess.CompletedProcess, l
     stub.chmod(0o755)
     log = tmp_path / "calls.log"
     env = os.environ | {"PY": str(stub), "LOG": str(log), "FAIL_WHEN": fail_when,
-                        "PYTEST_ARGS": "-x"}
+                        "PYTEST_ARGS": '-x -m "not gpu"'}
     env.pop("COMPILED_ENGINE_CPU_ISA", None)
     done = subprocess.run(["bash", "scripts/run_tests.sh"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
@@ -40,8 +40,8 @@ def test_a_failed_suite_still_runs_every_level_and_is_named(tmp_path: Path) -> N
     done, calls = _run(tmp_path, "native*--durations*")
     assert done.returncode == 1
     assert [c.split()[1] for c in calls] == ["native", "avx512", "avx512", "avx2", "avx2"]
-    assert all("-x" in c for c in calls)
-    assert "-k not smollm2" in calls[2] and "smollm2" not in calls[4]
+    assert all("[-x][-m][not gpu]" in c for c in calls)  # PYTEST_ARGS quoted as the shell does
+    assert "[-k][not smollm2]" in calls[2] and "smollm2" not in calls[4]
     assert done.stdout.strip().splitlines()[-1] == "== make test: failed runs: the suite (exit 1)"
 
 

@@ -16,6 +16,10 @@ from kernels import ops
 class DeviceDefault:
     deterministic: bool
     why: str
+    # With speculation the mode is on where a fast batch-invariant path exists: a verify step
+    # computes a request's 1 + k rows in one GEMM, plain decoding one row, and only batch-invariant
+    # kernels give the two the same bits (a draft never changes a token).
+    with_speculation: bool = True
 
 
 DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
@@ -30,6 +34,7 @@ DETERMINISTIC_BY_DEVICE: dict[str, DeviceDefault] = {
         False,
         "no native kernels (one row at a time) or no AVX2 (ARM: scalar C++ "
         "kernels): not measured, slow",
+        with_speculation=False,
     ),
     "cuda": DeviceDefault(False, "not measured on a GPU yet"),
 }
@@ -48,12 +53,15 @@ def device_kind(device: torch.device) -> str:
     return "cpu-avx512-bf16" if "avx512bf16" in native else "cpu-avx2"
 
 
-def deterministic_default(device: torch.device) -> tuple[bool, str]:
-    """(on or off, a one-line reason) for this device."""
+def deterministic_default(device: torch.device, speculative: bool = False) -> tuple[bool, str]:
+    """(on or off, a one-line reason) for this device, with or without speculation."""
     kind = device_kind(device)
     row = DETERMINISTIC_BY_DEVICE[kind]
-    return (
-        row.deterministic,
-        f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: "
-        f"{row.why}",
-    )
+    why = (f"deterministic mode {'on' if row.deterministic else 'off'} by default on {kind}: "
+           f"{row.why}")
+    if not speculative or row.deterministic:
+        return row.deterministic, why
+    if row.with_speculation:
+        return True, f"{why}; on with speculation, which is exact only with it"
+    return False, (f"{why}; left off with speculation (one row at a time): drafts may change a "
+                   "token at a near tie")

@@ -53,8 +53,8 @@ class IsaPlan:
 def top_level(flags: Iterable[str], machine: str) -> str:
     """The most capable level a CPU with these flags has ("avx2" off x86: the portable paths)."""
     flags = set(flags)
-    if machine.lower() not in X86_MACHINES or not flags >= _AVX512:
-        return "avx2"
+    if machine.lower() not in X86_MACHINES or "avx512f" not in flags:
+        return "avx2"  # (an AVX512F-only CPU such as Knights Landing is an avx512 one to gcc)
     return "native" if "amx_tile" in flags else "avx512"
 
 
@@ -84,7 +84,8 @@ def plan(flags: Iterable[str], level: str, machine: str) -> IsaPlan:
         return IsaPlan(effective, ("-march=native", *_NO_AMX), "AVX512_CORE_BF16", "avx512",
                        inductor)
     inductor = "avx2" if "avx2" in flags else ""
-    return IsaPlan(effective, ("-march=native", *_NO_AMX, "-mno-avx512f"), "AVX2", "avx2", inductor)
+    return IsaPlan(effective, ("-march=native", *_NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2",
+                   "avx2", inductor)
 
 
 def level() -> str:
@@ -113,10 +114,11 @@ def apply() -> None:
 
 
 def levels_below_native() -> list[str]:
-    """The levels that change something on this CPU (an AMX machine: avx512 and avx2; an AVX512 one
-    without AMX: avx2; an AVX2-only or non-x86 one: none, it runs the portable paths natively)."""
-    native = here("native")
-    return [name for name in LEVELS[1:] if here(name) != native]
+    """The levels below the requested one (native by default) that change something on this CPU
+    (natively: an AMX machine avx512 and avx2; an AVX512 one without AMX avx2; an AVX2-only or
+    non-x86 one none, it runs the portable paths natively)."""
+    asked = here()
+    return [name for name in LEVELS[LEVELS.index(level()) + 1:] if here(name) != asked]
 
 
 def cpu_flags() -> set[str]:

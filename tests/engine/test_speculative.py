@@ -170,13 +170,18 @@ def test_each_engine_accepts_and_rejects_and_stays_exact(engines, name):
 
 
 def test_where_deterministic_defaults_off_speculation_turns_it_on(engines, demo_dir, monkeypatch):
-    """On a device whose deterministic default is off (an AMX CPU, CUDA), an engine with drafts and
-    no --deterministic / --no-deterministic runs the batch-invariant kernels all the same: its
-    verify rows and decode rows get the same bits, and every request's tokens equal plain
-    decoding's."""
-    import compiled_engine.startup as startup
+    """On a device whose deterministic default is off but has a fast batch-invariant path (an AMX
+    CPU, CUDA: this CPU's row is made so), an engine with drafts and no --deterministic /
+    --no-deterministic runs the batch-invariant kernels all the same: its verify rows and decode
+    rows get the same bits, and every request's tokens equal plain deterministic decoding's. Where
+    the invariant path is one row at a time (`cpu-portable`), it stays off."""
+    import torch
 
-    monkeypatch.setattr(startup, "deterministic_default", lambda device: (False, "off here"))
+    from compiled_engine.runner import device_defaults as defaults
+
+    kind = defaults.device_kind(torch.device("cpu"))
+    monkeypatch.setitem(defaults.DETERMINISTIC_BY_DEVICE, kind,
+                        defaults.DeviceDefault(False, "off here"))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "min_acceptance": 0.0}
     engine = build_engine(EngineConfig(model=demo_dir, dtype="bfloat16", buckets=[1, 4],
@@ -195,3 +200,6 @@ def test_where_deterministic_defaults_off_speculation_turns_it_on(engines, demo_
     finally:
         engine.shutdown()
         plain_off.shutdown()
+    monkeypatch.setitem(defaults.DETERMINISTIC_BY_DEVICE, kind,
+                        defaults.DeviceDefault(False, "slow here", with_speculation=False))
+    assert defaults.deterministic_default(torch.device("cpu"), speculative=True)[0] is False

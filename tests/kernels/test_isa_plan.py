@@ -20,6 +20,8 @@ FAMILIES = {
     "skylake_x": AVX512,
     # Zen3: AVX2 only
     "zen3": AVX2,
+    # Knights Landing: AVX512F (and CD, ER, PF) without BW / DQ / VL: not AVX512 to ATen or inductor
+    "knl": AVX2 | {"avx512f", "avx512cd", "avx512er", "avx512pf"},
 }
 ARM = {"fp", "asimd", "sve", "bf16", "i8mm"}
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
@@ -28,13 +30,16 @@ NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 EXPECTED = {
     ("amx_xeon", "native"): ("native", (), None, None, "avx512 avx512_vnni amx_tile"),
     ("amx_xeon", "avx512"): ("avx512", NO_AMX, "AVX512_CORE_BF16", "avx512", "avx512 avx512_vnni"),
-    ("amx_xeon", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f"), "AVX2", "avx2", "avx2"),
+    ("amx_xeon", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
     ("zen4", "native"): ("native", (), None, None, "avx512 avx512_vnni"),
     ("zen4", "avx512"): ("native", (), None, None, "avx512 avx512_vnni"),
-    ("zen4", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f"), "AVX2", "avx2", "avx2"),
+    ("zen4", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
     ("skylake_x", "native"): ("native", (), None, None, "avx512"),
     ("skylake_x", "avx512"): ("native", (), None, None, "avx512"),
-    ("skylake_x", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f"), "AVX2", "avx2", "avx2"),
+    ("skylake_x", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
+    ("knl", "native"): ("native", (), None, None, "avx2"),
+    ("knl", "avx512"): ("native", (), None, None, "avx2"),
+    ("knl", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
     ("zen3", "native"): ("native", (), None, None, "avx2"),
     ("zen3", "avx512"): ("native", (), None, None, "avx2"),
     ("zen3", "avx2"): ("native", (), None, None, "avx2"),
@@ -58,7 +63,9 @@ def test_a_level_caps_and_never_adds(family: str) -> None:
     ranks = [ladder.index(p.inductor_vec_isa) for p in plans]
     assert ranks == sorted(ranks, reverse=True)
     for p in plans[1:]:
-        assert "amx" not in p.inductor_vec_isa and "-mamx-tile" not in p.gcc_flags
+        assert "amx" not in p.inductor_vec_isa
+        if p.level != "native":  # a level that caps takes AMX out of the native kernels' build
+            assert "-mno-amx-tile" in p.gcc_flags
 
 
 @pytest.mark.parametrize("level", isa.LEVELS)
@@ -75,11 +82,18 @@ def test_an_unknown_level_names_the_choices() -> None:
 def test_the_reruns_are_the_levels_that_change_something(monkeypatch) -> None:
     """`make test` reruns the suite at each level below native that changes a layer's choice."""
     expected = {"amx_xeon": ["avx512", "avx2"], "zen4": ["avx2"], "skylake_x": ["avx2"],
-                "zen3": []}
+                "knl": ["avx2"], "zen3": []}
+    monkeypatch.delenv(isa.ENV, raising=False)
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
     for family, below in expected.items():
         monkeypatch.setattr(isa, "cpu_flags", lambda f=FAMILIES[family]: set(f))
         assert isa.levels_below_native() == below, family
+    monkeypatch.setattr(isa, "cpu_flags", lambda: set(FAMILIES["amx_xeon"]))
+    monkeypatch.setenv(isa.ENV, "avx512")  # asked for a level: the reruns go below it only
+    assert isa.levels_below_native() == ["avx2"]
+    monkeypatch.setenv(isa.ENV, "avx2")
+    assert isa.levels_below_native() == []
+    monkeypatch.delenv(isa.ENV)
     monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(isa, "cpu_flags", lambda: set(ARM))
     assert isa.levels_below_native() == []

@@ -123,7 +123,8 @@ def bf16_rounding(model: torch.nn.Module, seed: int):
     """An fp32 model run as a bf16 one: every linear's input and output and every decoder layer's
     hidden state rounded to bf16, stochastically (up or down with the odds of the distance, from a
     generator seeded with `seed`), fp32 arithmetic in between, which every CPU does alike up to
-    summation order. Each seed is one bf16 implementation's worth of rounding noise."""
+    summation order. Each seed is one sample of bf16-sized rounding noise (stochastic rounding is
+    somewhat noisier than rounding to nearest: a bound set by it errs wide, never tight)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rounded(value):
@@ -164,7 +165,8 @@ def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], t
     """How far a bf16 forward of this checkpoint may be from fp32: on the CPU the worst of
     transformers' own bf16 run, measured in a new process capped at the portable ISA level
     (`kernels.cpu.isa.PORTABLE`: a bound that followed the machine's best GEMMs would be tightest
-    exactly where the oracle is best), and of `EMULATED_SEEDS` emulated bf16 runs. One bf16 run is
+    exactly where the oracle is best), and of `EMULATED_SEEDS` emulated bf16 runs (of the largest
+    low-ranked error, the noisiest figure, their median). One bf16 run is
     one sample of rounding noise (its chosen-token error varies by 2x from sample to sample,
     docs/benchmarks.md), and transformers' own sample differs by CPU family even when capped; the
     emulated ones are the same on every machine, so no machine's oracle can tighten the bound below
@@ -172,7 +174,12 @@ def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], t
     if device != "cpu":
         return _spread_here(path, prompts, refs, top, device)
     emulated = [emulated_bf16_spread(path, prompts, refs, top, seed) for seed in EMULATED_SEEDS]
-    return Spread.worst([_portable_hf_bf16_spread(path, prompts, refs, top), *emulated])
+    hf = _portable_hf_bf16_spread(path, prompts, refs, top)
+    worst = Spread.worst([hf, *emulated])
+    # the low-ranked maximum, the noisiest figure, from the emulated runs' median: no one seed widens
+    # the sanity bound on it
+    return Spread(worst.chosen, max(hf.top, statistics.median(e.top for e in emulated)),
+                  worst.typical)
 
 
 def _portable_hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference],

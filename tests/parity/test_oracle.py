@@ -158,4 +158,10 @@ def test_the_emulated_bf16_rounding_is_bf16_noise_and_the_same_for_a_seed() -> N
     assert (once - exact).abs().max() > 0  # it rounded
     bias = (once - exact).mean().abs().item()
     assert bias < 0.05 * (once - exact).abs().mean().item()  # as often up as down
+    quarter = torch.full((512, 64), 1.0 + 2 ** -7 / 4)  # a quarter of the way from 1 to its next
+    with torch.no_grad(), bf16_rounding(linear, seed=6) as rounded:
+        up = (rounded(quarter) > 1).float().mean().item()
+    assert 0.22 < up < 0.28  # up a quarter of the time: stochastic (nearest would never go up)
+    with torch.no_grad(), bf16_rounding(linear, seed=7) as rounded:
+        assert not torch.equal(rounded(x), once)  # another seed, other noise
     assert torch.equal(linear(x).detach(), exact)  # the hooks are gone
