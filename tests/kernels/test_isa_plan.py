@@ -25,21 +25,22 @@ FAMILIES = {
 }
 ARM = {"fp", "asimd", "sve", "bf16", "i8mm"}
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+BELOW_AVX2 = (*NO_AMX, "-mno-avx512f", "-mno-avxvnni")
 
 # (family, level) -> (effective level, gcc flags after -march=native, oneDNN, ATen, inductor)
 EXPECTED = {
     ("amx_xeon", "native"): ("native", (), None, None, "avx512 avx512_vnni amx_tile"),
     ("amx_xeon", "avx512"): ("avx512", NO_AMX, "AVX512_CORE_BF16", "avx512", "avx512 avx512_vnni"),
-    ("amx_xeon", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
+    ("amx_xeon", "avx2"): ("avx2", BELOW_AVX2, "AVX2", "avx2", "avx2"),
     ("zen4", "native"): ("native", (), None, None, "avx512 avx512_vnni"),
     ("zen4", "avx512"): ("native", (), None, None, "avx512 avx512_vnni"),
-    ("zen4", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
+    ("zen4", "avx2"): ("avx2", BELOW_AVX2, "AVX2", "avx2", "avx2"),
     ("skylake_x", "native"): ("native", (), None, None, "avx512"),
     ("skylake_x", "avx512"): ("native", (), None, None, "avx512"),
-    ("skylake_x", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
+    ("skylake_x", "avx2"): ("avx2", BELOW_AVX2, "AVX2", "avx2", "avx2"),
     ("knl", "native"): ("native", (), None, None, "avx2"),
     ("knl", "avx512"): ("native", (), None, None, "avx2"),
-    ("knl", "avx2"): ("avx2", (*NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2", "avx2"),
+    ("knl", "avx2"): ("avx2", BELOW_AVX2, "AVX2", "avx2", "avx2"),
     ("zen3", "native"): ("native", (), None, None, "avx2"),
     ("zen3", "avx512"): ("native", (), None, None, "avx2"),
     ("zen3", "avx2"): ("native", (), None, None, "avx2"),

@@ -176,8 +176,8 @@ def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], t
     emulated = [emulated_bf16_spread(path, prompts, refs, top, seed) for seed in EMULATED_SEEDS]
     hf = _portable_hf_bf16_spread(path, prompts, refs, top)
     worst = Spread.worst([hf, *emulated])
-    # the low-ranked maximum, the noisiest figure, from the emulated runs' median: no one seed widens
-    # the sanity bound on it
+    # the low-ranked maximum, the noisiest figure, from the emulated runs' median: no one seed
+    # widens the sanity bound on it
     return Spread(worst.chosen, max(hf.top, statistics.median(e.top for e in emulated)),
                   worst.typical)
 
