@@ -187,8 +187,10 @@ async def stream(
             for t in tail() if tail is not None else []:
                 yield t
         except (EngineDead, EngineRejected, ProtocolError) as e:
-            for event in (failed(str(e)) if failed is not None
-                          else [sse(ProtocolError(str(e), kind="server_error").body())]):
+            # a client's error (a request timeout) keeps its type; the engine's are the server's
+            error = (e if isinstance(e, ProtocolError)
+                     else ProtocolError(str(e), kind="server_error"))
+            for event in failed(str(e)) if failed is not None else [sse(error.body())]:
                 yield event
         finally:
             await deltas.aclose()

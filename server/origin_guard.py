@@ -49,7 +49,7 @@ class OriginGuardMiddleware:
         self.app = app
         self.check_host = is_loopback(bind) or bool(allowed_hosts)
         self.loopback = is_loopback(bind)
-        self.allowed = frozenset(h.lower().rstrip(".") for h in allowed_hosts)
+        self.allowed = frozenset(host_name(h).lower().rstrip(".") for h in allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -7,6 +7,7 @@ regex out of bounds is a 400 naming the field."""
 from __future__ import annotations
 
 import functools
+import urllib.parse
 
 import re2
 from jsonschema import Draft202012Validator, ValidationError, validators
@@ -15,9 +16,15 @@ from server.request_errors import ProtocolError
 
 MAX_DEPTH = 32  # nesting of objects and arrays in a schema
 MAX_NODES = 4096  # objects, arrays and values in a schema
+MAX_REFS = 256  # `$ref`s in a schema (the cycle check is quadratic in them)
 MAX_PATTERN_CHARS = 1024
 _RE2_OPTIONS = re2.Options()
-_RE2_OPTIONS.max_mem = 8 << 20  # a pattern's compiled program (RE2 refuses a larger one)
+_RE2_OPTIONS.max_mem = 2 << 20  # a pattern's compiled program (RE2 refuses a larger one)
+# Keywords that would take validation out of this module's hands: a nested `$schema` picks the stock
+# validator (Python's `re`) for its subtree; anchors, embedded resources and dynamic references
+# resolve where the cycle check cannot follow.
+ROOT_ONLY = ("$schema", "$id")
+REFUSED = ("$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor")
 
 
 def check_pattern(pattern: str, where: str) -> None:
@@ -34,38 +41,54 @@ def check_pattern(pattern: str, where: str) -> None:
         ) from None
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _compile(pattern: str) -> re2._Regexp:
     return re2.compile(pattern, _RE2_OPTIONS)
+
+
+# Where a schema holds subschemas: keyword -> {name: schema}, [schema], or one schema (draft 2020-12
+# and the older drafts' names)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+               "dependencies")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items", "additionalItems")
+SCHEMA_ONES = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else",
+               "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
 
 
 def check_schema(schema: object, where: str) -> None:
     """400 unless `schema` is within MAX_DEPTH and MAX_NODES, its patterns compile in RE2 and no
     local `$ref` leads back into itself. Iterative: no input can exhaust Python's stack here."""
-    nodes, pattern_properties, unevaluated = 0, False, False
+    if _size(schema, MAX_DEPTH) > MAX_NODES:
+        raise ProtocolError(f"'{where}' has more than {MAX_NODES} values or is nested deeper "
+                            f"than {MAX_DEPTH} levels", where)
+    pattern_properties, unevaluated = False, False
     refs: dict[str, str] = {}  # the JSON pointer of each `$ref` site -> where it points
-    stack: list[tuple[object, str, int]] = [(schema, "", 0)]
+    stack: list[tuple[object, str]] = [(schema, "")]
     while stack:
-        node, pointer, depth = stack.pop()
-        nodes += 1
-        if nodes > MAX_NODES:
-            raise ProtocolError(f"'{where}' has more than {MAX_NODES} values", where)
-        if depth > MAX_DEPTH:
-            raise ProtocolError(f"'{where}' is nested deeper than {MAX_DEPTH} levels", where)
-        if isinstance(node, dict):
-            field = f"{where}{_dotted(pointer)}"
-            if isinstance(node.get("pattern"), str):
-                check_pattern(node["pattern"], f"{field}.pattern")
-            if isinstance(node.get("patternProperties"), dict):
-                for key in node["patternProperties"]:
-                    check_pattern(key, f"{field}.patternProperties")
-            pattern_properties |= "patternProperties" in node
-            unevaluated |= "unevaluatedProperties" in node
-            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
-                refs[pointer] = node["$ref"][1:]
-            stack += [(v, f"{pointer}/{_escaped(k)}", depth + 1) for k, v in node.items()]
-        elif isinstance(node, list):
-            stack += [(v, f"{pointer}/{i}", depth + 1) for i, v in enumerate(node)]
+        node, pointer = stack.pop()
+        if not isinstance(node, dict):
+            continue  # true / false, or not a schema (the metaschema check says so)
+        field = f"{where}{_dotted(pointer)}"
+        _check_keywords(node, field, at_root=not pointer)
+        if isinstance(node.get("pattern"), str):
+            check_pattern(node["pattern"], f"{field}.pattern")
+        if isinstance(node.get("patternProperties"), dict):
+            for key in node["patternProperties"]:
+                check_pattern(key, f"{field}.patternProperties")
+        pattern_properties |= "patternProperties" in node
+        unevaluated |= "unevaluatedProperties" in node
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            refs[pointer] = urllib.parse.unquote(node["$ref"][1:])
+            if len(refs) > MAX_REFS:
+                raise ProtocolError(f"'{where}' has more than {MAX_REFS} '$ref's", where)
+        for key in SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack += [(v, f"{pointer}/{_escaped(key)}/{_escaped(k)}")
+                          for k, v in node[key].items()]
+        for key in SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack += [(v, f"{pointer}/{key}/{i}") for i, v in enumerate(node[key])]
+        stack += [(node[key], f"{pointer}/{key}") for key in SCHEMA_ONES if key in node]
     if pattern_properties and unevaluated:
         raise ProtocolError(f"'{where}': 'unevaluatedProperties' in a schema with "
                             "'patternProperties' is not supported", where)
@@ -76,6 +99,28 @@ def check_schema(schema: object, where: str) -> None:
             "supported",
             where,
         )
+
+
+def _check_keywords(node: dict, field: str, at_root: bool) -> None:
+    for key in REFUSED + (() if at_root else ROOT_ONLY):
+        if key in node:
+            raise ProtocolError(f"'{field}.{key}' is not supported"
+                                + ("" if key in REFUSED else " below the schema's root"), field)
+
+
+def _size(value: object, max_depth: int) -> int:
+    """How many values `value` holds (itself included), MAX_NODES + 1 once past MAX_NODES or
+    `max_depth` levels; iteratively."""
+    count, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_NODES or depth > max_depth:
+            return MAX_NODES + 1
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) \
+            else ()
+        stack += [(child, depth + 1) for child in children]
+    return count
 
 
 def _ref_cycle(refs: dict[str, str]) -> str | None:

@@ -40,6 +40,7 @@ PARSERS = ("hermes", "llama3_json", "mistral")
 TOOL_FIELDS = frozenset({"type", "function"})
 FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128  # OpenAI's limit: each schema is checked on the event loop
 MAX_PARALLEL_CALLS = 8  # calls in one `required` answer (so that even a weak model's answer ends)
 @dataclass(frozen=True)
 class Function:
@@ -54,7 +55,7 @@ class Function:
         schema = closed_schema(self.parameters) if self.strict else self.parameters
         try:  # an empty registry: a $ref resolves inside the schema or not at all (never fetched)
             return validator_class(schema)(schema, registry=Registry()).is_valid(arguments)
-        except Unresolvable:  # a $ref the schema does not hold
+        except (Unresolvable, RecursionError):  # a $ref the schema does not hold; a last guard
             return False
 
 
@@ -146,6 +147,9 @@ def parse_tool_request(body: dict) -> ToolRequest | None:
         return None
     if not isinstance(tools, list) or not tools:
         raise ProtocolError("'tools' must be a non-empty array", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise ProtocolError(f"'tools' has {len(tools)} functions; at most {MAX_TOOLS} are allowed",
+                            "tools")
     functions = [_function(t, f"tools[{i}]") for i, t in enumerate(tools)]
     names = [f.name for f in functions]
     if len(set(names)) != len(names):

@@ -20,7 +20,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def limited() -> Iterator[RunningServer]:
     running = start_server(api_key=KEY, max_queue=1, max_body_bytes=2048,
-                           allowed_hosts=("api.internal",))
+                           allowed_hosts=("API.internal:8000",))  # (its port and case ignored)
     yield running
     running.stop()
 

@@ -218,15 +218,17 @@ def test_sigterm_drains_then_exits(tmp_path) -> None:
     """The first SIGTERM: /health 503, new requests 503, the streams in flight finish with their
     finish_reason and [DONE]; one still running when --shutdown-timeout runs out ends with an error
     event and [DONE]; then the server exits and its rank processes with it."""
-    running = start_server(shutdown_timeout_s=1.5)
+    running = start_server(shutdown_timeout_s=3.0)
     procs = list(running.state.client.handle.procs)
     got: dict = {}
     base = {"model": "demo", "prompt": "hi", "stream": True, "ignore_eos": True, "temperature": 0}
-    threads = [_stream(running, base | {"max_tokens": 24}, got, f"short{i}") for i in range(3)]
-    threads.append(_stream(running, base | {"max_tokens": 1900}, got, "long"))
+    threads = [_stream(running, base | {"max_tokens": 8}, got, f"short{i}") for i in range(3)]
+    # 4 x 1,900 tokens with 20 log-probs each: far more than the drain's 3 s
+    threads.append(_stream(running, base | {"max_tokens": 1900, "n": 4, "logprobs": 20}, got,
+                           "long"))
     with running.http() as http:
         deadline = time.monotonic() + 60
-        while running.state.client.num_in_flight < 4:
+        while running.state.client.num_in_flight < 7:
             assert time.monotonic() < deadline, "the streams never started"
             time.sleep(0.01)
         running.server.handle_exit(signal.SIGTERM, None)
@@ -319,7 +321,8 @@ def test_a_generation_past_the_request_timeout_ends(timeouts: RunningServer) -> 
         with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
             lines = [line for line in r.iter_lines() if line]
         assert r.status_code == 200 and lines[-1] == "data: [DONE]"
-        assert "--request-timeout" in json.loads(lines[-2][6:])["error"]["message"]
+        error = json.loads(lines[-2][6:])["error"]
+        assert "--request-timeout" in error["message"] and error["type"] == "invalid_request_error"
         assert_kv_all_free(wait_idle(http))
         short = http.post("/v1/completions", json=body | {"max_tokens": 4, "n": 1})
         assert short.status_code == 200

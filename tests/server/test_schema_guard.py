@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import jsonschema._keywords
+import jsonschema._legacy_keywords
 import jsonschema._utils
 import pytest
 from referencing import Registry
@@ -43,6 +44,14 @@ def _nested(levels: int) -> dict:
     ({"type": "string", "pattern": "a" * 2000}, "longer than 1024 characters"),
     ({"patternProperties": {"a": {}}, "unevaluatedProperties": False},
      "'unevaluatedProperties' in a schema with 'patternProperties'"),
+    # a nested $schema would pick the stock validator (Python's re) for its subtree
+    ({"properties": {"s": {"$schema": "http://json-schema.org/draft-07/schema#",
+                           "pattern": "^(a+)+$"}}}, r"properties\.s\.\$schema' is not supported"),
+    ({"$anchor": "r", "$ref": "#r"}, r"\$anchor' is not supported"),
+    ({"$defs": {"a": {"$ref": "#/%24defs/a"}}, "$ref": "#/$defs/a"}, "leads back into itself"),
+    ({"properties": {"enum": {"type": "string", "pattern": "(x)\\1"}}},
+     r"properties\.enum\.pattern' is not a pattern"),
+    ({"anyOf": [{"$ref": f"#/$defs/d{i}"} for i in range(300)]}, "more than 256 '\\$ref's"),
 ])
 def test_a_schema_out_of_bounds_is_a_400_naming_the_field(schema, message) -> None:
     _refused(schema, message)
@@ -55,6 +64,11 @@ def test_what_stays_within_bounds_passes() -> None:
                  "schema")
     check_schema({"type": "string", "pattern": "^(a+)+$"}, "schema")  # RE2 runs it in linear time
     check_pattern(r"\d{3}-[a-z]+", "structured_outputs.regex")
+    # data, not schemas: an enum of objects with "$ref" / "pattern" keys is no recursion or pattern
+    check_schema({"enum": [{"$ref": "#"}, {"pattern": "(x)\\1"}], "default": {"$ref": "#"}},
+                 "schema")
+    check_schema({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "string"},
+                 "schema")
 
 
 def test_patterns_never_reach_pythons_re(monkeypatch) -> None:
@@ -64,7 +78,7 @@ def test_patterns_never_reach_pythons_re(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("Python's backtracking re was called")
 
-    for module in (jsonschema._keywords, jsonschema._utils):
+    for module in (jsonschema._keywords, jsonschema._utils, jsonschema._legacy_keywords):
         monkeypatch.setattr(module, "re", type("NoRe", (), {"search": refuse, "match": refuse,
                                                              "compile": refuse}))
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}},
@@ -78,4 +92,7 @@ def test_patterns_never_reach_pythons_re(monkeypatch) -> None:
     assert not valid.is_valid({"x-aa": "three"})
     assert not valid.is_valid({"x-" + hostile: 3})  # matches no pattern: an additional property
     assert not valid.is_valid({"other": 1})
+    draft7 = schema | {"$schema": "http://json-schema.org/draft-07/schema#"}  # a legacy dialect
+    check_schema(draft7, "schema")
+    assert not validator_class(draft7)(draft7).is_valid({"s": hostile})
     assert re.search("^(a+)+$", "aaaa")  # (the real re, untouched outside jsonschema)
