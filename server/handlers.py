@@ -42,7 +42,20 @@ def json_response(obj: object, status: int = 200) -> Response:
     return Response(dumps(obj), status_code=status, media_type="application/json")
 
 
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
 async def read_json(request: Request) -> object:
+    """The body as JSON: 415 unless it says it is JSON, 413 past the size limit, 408 past the read
+    timeout, 400 unless it parses."""
+    given = request.headers.get("content-type", "")
+    if not is_json(given):
+        raise ProtocolError(f"request bodies must be JSON: send 'Content-Type: application/json' "
+                            f"(got '{given[:64] or 'none'}')", status=415,
+                            code="unsupported_media_type")
     limit = state_of(request).config.max_body_bytes
     too_big = ProtocolError(f"the request body is larger than {limit} bytes", status=413)
     declared = request.headers.get("content-length")

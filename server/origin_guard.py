@@ -1,8 +1,8 @@
-"""What keeps a web page the user opens from driving a local server: a POST body must be JSON
-(`application/json` or `...+json`: a cross-site form or `text/plain` fetch needs no CORS preflight,
-JSON does), and a server bound to loopback answers only requests whose `Host` names a loopback
-host (a page on a name that DNS rebinding pointed at 127.0.0.1 sends its own name), or one of
-`--allowed-hosts`."""
+"""What keeps a web page the user opens from driving a local server: a server bound to loopback
+answers only requests whose `Host` names a loopback host (a page on a name that DNS rebinding
+pointed at 127.0.0.1 sends its own name), or one of `--allowed-hosts`; and a request body must be
+JSON (checked where bodies are read: `server.handlers.read_json`), since a cross-site
+form or `text/plain` fetch needs no CORS preflight and JSON does."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from server.handlers import error_response
 from server.request_errors import ProtocolError
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 def is_loopback(host: str) -> bool:
@@ -33,12 +32,6 @@ def host_name(header: str) -> str:
     if header.startswith("["):
         return header[1:].split("]", 1)[0]
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
-def is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/")
-                                           and media.endswith("+json"))
 
 
 class OriginGuardMiddleware:
@@ -69,14 +62,5 @@ class OriginGuardMiddleware:
                     "loopback names only (--allowed-hosts adds others)",
                     status=421,
                     code="host_not_allowed",
-                )
-        if scope["method"] in _BODY_METHODS:
-            given = headers.get(b"content-type", b"").decode("latin-1")
-            if not is_json(given):
-                return ProtocolError(
-                    f"request bodies must be JSON: send 'Content-Type: application/json' (got "
-                    f"'{given[:64] or 'none'}')",
-                    status=415,
-                    code="unsupported_media_type",
                 )
         return None

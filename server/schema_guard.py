@@ -20,6 +20,7 @@ MAX_REFS = 256  # `$ref`s in a schema (the cycle check is quadratic in them)
 MAX_PATTERN_CHARS = 1024
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.max_mem = 2 << 20  # a pattern's compiled program (RE2 refuses a larger one)
+_RE2_OPTIONS.log_errors = False  # a bad pattern is the client's 400, not a line in the log
 # Keywords that would take validation out of this module's hands: a nested `$schema` picks the stock
 # validator (Python's `re`) for its subtree; anchors, embedded resources and dynamic references
 # resolve where the cycle check cannot follow.

@@ -295,7 +295,8 @@ LONG = "hello " * 3000
     ],
 )
 def test_400_names_the_field(http: httpx.Client, path: str, body: dict | str, param: str) -> None:
-    r = http.post(path, content=body) if isinstance(body, str) else http.post(path, json=body)
+    r = (http.post(path, content=body, headers={"content-type": "application/json"})
+         if isinstance(body, str) else http.post(path, json=body))
     err = _error(r)
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param, err

@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from server.args import API_KEY_ENV, resolve_api_key
-from server.origin_guard import host_name, is_json, is_loopback
+from server.handlers import is_json
+from server.origin_guard import host_name, is_loopback
 
 
 @pytest.mark.parametrize(("host", "loopback"), [

@@ -346,7 +346,8 @@ def test_a_constraint_no_token_can_continue_ends_in_error(server) -> None:
     [
         (
             "/v1/chat/completions",
-            {"messages": MESSAGES, "n": 2, "structured_outputs": {"regex": "(unclosed"}},
+            # RE2 takes it (server/schema_guard.py), xgrammar does not
+            {"messages": MESSAGES, "n": 2, "structured_outputs": {"regex": "\\pL+"}},
             "structured_outputs.regex",
         ),
         (
@@ -356,7 +357,7 @@ def test_a_constraint_no_token_can_continue_ends_in_error(server) -> None:
         ),
         (
             "/generate",
-            {"text": "x", "sampling_params": {"regex": "[z-a]", "max_new_tokens": 4}},
+            {"text": "x", "sampling_params": {"regex": "(?P<n>a)", "max_new_tokens": 4}},
             "sampling_params.regex",
         ),
     ],
