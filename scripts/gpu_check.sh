@@ -26,18 +26,19 @@ py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export COMPILED_ENGINE_CACHE="${COMPILED_ENGINE_CACHE:-/tmp/compiled-engine-cache}"
 
+if [ "$dry" = 0 ] && ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$log"; then
+  echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); this check needs a GPU." \
+    "'scripts/gpu_check.sh --dry-run' runs its steps on the CPU." | tee "$summary" >&2
+  exit 2
+fi
+
+# the wheels the GPU image lacks (after the GPU check: they are built for that image's Python)
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-check-site \
     .whl/*.whl >>"$log" 2>&1 || { echo "gpu_check: installing .whl failed (see $log)" | tee "$summary"; exit 3; }
   export PYTHONPATH="/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-if [ "$dry" = 0 ] && ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$log"; then
-  echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); this check needs a GPU." \
-    "'scripts/gpu_check.sh --dry-run' runs its steps on the CPU." | tee "$summary" >&2
-  exit 2
-fi
 
 unset TRITON_INTERPRET  # the CUDA kernels compile for the GPU (the CPU suite interprets them)
 if [ "$dry" = 1 ]; then
