@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,6 @@ import pytest
 import uvicorn
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.ranks.launcher import free_port
 from server.app import create_app
 from server.serve import Server
 from server.state import ServerConfig
@@ -53,7 +53,12 @@ class RunningServer:
 
 def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
     engine = EngineConfig(**(ENGINE | overrides.pop("engine", {})))
-    port = free_port()
+    # bound now and handed to uvicorn: the engine's ranks start first and bind ports of their own,
+    # which could take a port picked but not yet bound
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     app = create_app(ServerConfig(engine=engine, **overrides))
     server = Server(
         uvicorn.Config(
@@ -66,7 +71,8 @@ def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
         ),
         announce=False,
     )
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}",
+                              daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     while not server.started:
