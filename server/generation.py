@@ -101,16 +101,18 @@ def check_answer_size(prompts: list[list[int]], params: list[SamplingParams]) ->
             "ask for fewer alternatives, tokens or samples", field)
 
 
-async def _until(events: AsyncIterator[T], timeout_s: float | None) -> AsyncIterator[T]:
-    """`events` until `timeout_s` has passed (None: all of them); then a 408."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def _until(events: AsyncIterator[T], timeout_s: float | None) -> AsyncIterator[T]:
+    """`events` until `timeout_s` has passed, then a 408; without a timeout, `events` itself (no
+    extra layer per token)."""
+    return events if timeout_s is None else _timed(events, timeout_s)
+
+
+async def _timed(events: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if deadline is None:
+            with anyio.fail_after(max(0.0, deadline - time.monotonic())):
                 event = await anext(events)
-            else:
-                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
-                    event = await anext(events)
         except StopAsyncIteration:
             return
         except TimeoutError:
