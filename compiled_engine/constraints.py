@@ -8,6 +8,10 @@ mask after every other rule (logit_bias, penalties, logits processors), so no ru
 token the grammar excludes, and log-probabilities are those of the masked distribution. The
 request's own stop_token_ids are allowed wherever the grammar allows its EOS (where the document may
 end). xgrammar is imported on the first constrained request: it costs seconds to import.
+
+`compile_async` compiles on the book's own thread (xgrammar releases the GIL, so steps go on): the
+served engine holds a constrained request out of its steps until its grammar is ready
+(`ranks.grammar_wait`). The compiler caches by the constraint's text, bounded in bytes.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from compiled_engine.sampling_params import StructuredOutput
 
 ANY_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
+CACHE_BYTES = 512 * 2**20  # compiled grammars kept by the compiler (LRU)
 
 
 class ConstraintError(ValueError):
@@ -29,20 +35,41 @@ class ConstraintError(ValueError):
 
 class GrammarBook:
     def __init__(self, tokenizer: Callable[[], object], vocab_size: int,
-                 stop_token_ids: Sequence[int] | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None,
+                 cache_bytes: int = CACHE_BYTES) -> None:
         """`tokenizer`: loads the Hugging Face tokenizer (called once, on the first constrained
         request); `vocab_size`: the model's (the logits' width); `stop_token_ids`: the ids that end
-        a request (None: the tokenizer's EOS)."""
+        a request (None: the tokenizer's EOS); `cache_bytes`: the compiler's cache (0: none)."""
         self._load_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = None if stop_token_ids is None else list(stop_token_ids)
+        self.cache_bytes = cache_bytes
         self._compiler = None
         self._info = None
         self._json_mask: torch.Tensor | None = None
         self._lock = threading.RLock()
+        self._compiling: dict[StructuredOutput, Future] = {}
+        self._thread: ThreadPoolExecutor | None = None
+
+    def compile_async(self, spec: StructuredOutput) -> Future:
+        """Start compiling `spec` on the book's thread; the next `compile(spec)` takes the result.
+        The future's exception is the ConstraintError of a bad constraint."""
+        with self._lock:
+            future = self._compiling.get(spec)
+            if future is None:
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(1, "grammar")
+                future = self._compiling[spec] = self._thread.submit(self._compile, spec)
+            return future
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar of `spec`; ConstraintError saying what is wrong with it."""
+        """The compiled grammar of `spec` (that of `compile_async` if one was started);
+        ConstraintError saying what is wrong with it."""
+        with self._lock:
+            future = self._compiling.pop(spec, None)
+        return future.result() if future is not None else self._compile(spec)
+
+    def _compile(self, spec: StructuredOutput):
         compiler = self._get_compiler()
         try:
             # compact JSON: no runs of whitespace a weak model could fill its budget with
@@ -97,7 +124,10 @@ class GrammarBook:
                     vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids,
                 )
-                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(
+                    self._info, max_threads=1, cache_enabled=self.cache_bytes > 0,
+                    cache_limit_bytes=self.cache_bytes or -1,
+                )
             return self._compiler
 
 

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         read_timeout_s=args.read_timeout,
         request_timeout_s=args.request_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,

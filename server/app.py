@@ -24,6 +24,7 @@ from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
 from server import embeddings, info_routes, responses, routes
 from server.engine_client import EngineClient
+from server.grammar_check import GrammarChecker
 from server.handlers import error_response
 from server.metrics import Metrics
 from server.origin_guard import OriginGuardMiddleware
@@ -64,12 +65,15 @@ def create_app(config: ServerConfig) -> Starlette:
         metrics = Metrics()
         metrics.weight_bytes.set(handle.ready.weight_bytes)
         metrics.kv_pool_bytes.set(handle.ready.kv_pool_bytes)
+        grammars = GrammarChecker(resolve_model(config.engine.model), handle.ready.vocab_size,
+                                  handle.ready.eos_token_ids, config.grammar_compile_timeout_s)
         app.state.server = ServerState(
-            config, client, tokenizer, limits, metrics, config.engine.model
+            config, client, tokenizer, limits, metrics, config.engine.model, grammars
         )
         try:
             yield
         finally:
+            grammars.close()
             await client.close()
 
     table = [

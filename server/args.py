@@ -48,6 +48,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a request body must arrive within this long (else 408)")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="end a generation that runs longer (408, or an error event in a stream)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="an output constraint (JSON schema, regex, grammar) that takes longer to "
+                        "compile is refused with a 400")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
     p.add_argument(
         "--pooling",

@@ -16,6 +16,7 @@ from compiled_engine.sampling_params import SamplingParams, expand_n
 from compiled_engine.scheduler.plan import PromptLogprob
 from compiled_engine.tokenization import IncrementalDetokenizer
 from server.engine_client import EngineClient, EngineRejected
+from server.grammar_check import GrammarChecker
 from server.metrics import Metrics
 from server.request_errors import ProtocolError
 
@@ -150,10 +151,15 @@ def expand_choices(
 
 
 async def run(client: EngineClient, gen: Generation, metrics: Metrics,
-              timeout_s: float | None = None) -> AsyncIterator[Delta]:
+              timeout_s: float | None = None,
+              grammars: GrammarChecker | None = None) -> AsyncIterator[Delta]:
     """Deltas until every choice has finished. Leaving early (disconnect, error) aborts the rest. A
-    constraint the engine could not compile is a ProtocolError naming its field; a generation still
-    running `timeout_s` after it started, a 408 ProtocolError."""
+    constraint that does not compile (in `grammars` first, within its budget; else in the engine)
+    is a ProtocolError naming its field; a generation still running `timeout_s` after it started, a
+    408 ProtocolError."""
+    constraint = gen.choices[0].params.structured if gen.choices else None
+    if constraint is not None and grammars is not None:
+        await grammars.check(constraint, gen.constraint_param)
     by_rid = {c.rid: c for c in gen.choices}
     async with client.open(gen.choices) as group:
         try:

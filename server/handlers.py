@@ -160,7 +160,8 @@ def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts
 async def collect(request: Request, st: ServerState, gen: Generation) -> None:
     async def drain() -> None:
         async with contextlib.aclosing(
-                run(st.client, gen, st.metrics, st.config.request_timeout_s)) as deltas:
+                run(st.client, gen, st.metrics, st.config.request_timeout_s,
+                    st.grammars)) as deltas:
             async for _ in deltas:
                 pass
 
@@ -179,7 +180,7 @@ async def stream(
     response starts, so a request the engine refuses (or overload) still gets a proper status
     code. An error after that: `failed(message)`'s events (default: one `{"error": ...}` event),
     then [DONE]."""
-    deltas = run(st.client, gen, st.metrics, st.config.request_timeout_s)
+    deltas = run(st.client, gen, st.metrics, st.config.request_timeout_s, st.grammars)
     try:
         first = await anext(deltas)
     except BaseException:

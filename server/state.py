@@ -10,6 +10,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.models.demo import DEMO_NAME
 from compiled_engine.ranks.torchrun import TorchrunPlacement
 from server.engine_client import EngineClient
+from server.grammar_check import GrammarChecker
 from server.metrics import Metrics
 from server.protocol import Limits
 from server.response_store import ResponseStore
@@ -37,6 +38,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 20.0  # on SIGTERM, how long requests in flight may still run
     read_timeout_s: float = 60.0  # a request body must arrive within this
     request_timeout_s: float | None = None  # a generation running longer is ended (None: no limit)
+    grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is a 400
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ServerState:
     limits: Limits
     metrics: Metrics
     model_name: str  # the id /v1/models lists
+    grammars: GrammarChecker  # each output constraint compiles here first, within a time budget
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored
 

@@ -43,6 +43,15 @@ class Shutdown:
     pass
 
 
+# ---- rank 0 -> every rank (inside the broadcast of inputs) ---------------------------------------
+@dataclass(slots=True)
+class Admit:
+    """These requests' constraints have compiled (or failed to) on rank 0: every rank now adds
+    them, at the same step (`grammar_wait`)."""
+
+    rids: tuple[str, ...]
+
+
 # ---- rank 0 -> server ----------------------------------------------------------------------------
 @dataclass(slots=True)
 class Ready:

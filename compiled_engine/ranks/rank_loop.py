@@ -3,7 +3,8 @@
 Rank 0 drains its private channel (a `multiprocessing` Connection from the launcher), forwards every
 input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo
 control group), so each rank's scheduler consumes the same inputs at the same step, then every rank
-applies the inputs and steps. Rank 0 sends each step's events back over the channel as one list.
+applies the inputs and steps. A constrained request waits outside the engine until its grammar
+has compiled (grammar_wait.py). Rank 0 sends each step's events back over the channel as one list.
 Each iteration stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode,
 checks that every rank planned and sampled the same (see digest.py).
 """
@@ -25,9 +26,11 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import ConstraintError
 from compiled_engine.layers.moe import expert_load
 from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
+from compiled_engine.ranks.grammar_wait import GrammarWait
 from compiled_engine.ranks.messages import (
     Abort,
     Add,
+    Admit,
     Fatal,
     Finish,
     Ready,
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # rank 0's longest wait on the channel when idle (so also the idle heartbeat period)
 IDLE_POLL_S = 0.5
+# rank 0's wait on the channel when idle but for requests whose grammar compiles
+GRAMMAR_POLL_S = 0.005
 # A collective waiting this long fails (start-up skew between ranks must fit; the launcher's monitor
 # detects hangs sooner, from heartbeats: EngineConfig.rank_timeout_s).
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
@@ -122,17 +127,18 @@ def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
 
 
 def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
+    waiting = GrammarWait(engine.grammars)
     while True:
         if spec.heartbeats is not None:
             spec.heartbeats[spec.rank] = time.monotonic()
-        inputs, local = _receive(spec, conn, engine.has_work(), control)
+        inputs, local = _receive(spec, conn, engine.has_work(), waiting, control)
         events: list = []
         stop = False
         for msg in inputs:
             if isinstance(msg, Shutdown):
                 stop = True
             else:
-                _apply(engine, msg, events)
+                _apply(engine, waiting, msg, events)
         if stop:
             return
         stepped = engine.has_work()
@@ -142,24 +148,27 @@ def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool)
             plan = engine.last_plan if stepped else None
             compare_across_ranks(engine.steps, ledger_digest(engine.steps, plan, events), control)
         for req in local:
-            events.append(_stats(engine, req))
+            events.append(_stats(engine, waiting, req))
         if conn is not None and events:
             conn.send(events)
 
 
 def _receive(
-    spec: RankSpec, conn: Connection | None, busy: bool, control
+    spec: RankSpec, conn: Connection | None, busy: bool, waiting: GrammarWait, control
 ) -> tuple[list, list[StatsRequest]]:
-    """Rank 0: this iteration's inputs from the channel. Every rank: the same list, in the same
-    order."""
+    """Rank 0: this iteration's inputs from the channel, then the admission of the requests whose
+    grammar has compiled. Every rank: the same list, in the same order."""
     inputs: list = []
     local: list[StatsRequest] = []
     if conn is not None:
-        timeout = 0.0 if busy else IDLE_POLL_S
+        timeout = 0.0 if busy else GRAMMAR_POLL_S if waiting else IDLE_POLL_S
         while conn.poll(timeout):
             for msg in _as_list(conn.recv()):
                 (local if isinstance(msg, StatsRequest) else inputs).append(msg)
             timeout = 0.0
+        ready = waiting.ready()
+        if ready:
+            inputs.append(Admit(ready))
     if control is not None:
         import torch.distributed as dist
 
@@ -174,30 +183,42 @@ def _as_list(received: object) -> list:
     return received if isinstance(received, list) else [received]
 
 
-def _apply(engine, msg: Add | Abort | Finish, events: list) -> None:
+def _apply(engine, waiting: GrammarWait, msg: Add | Admit | Abort | Finish, events: list) -> None:
     if isinstance(msg, Add):
-        try:
-            engine.add_request(msg.rid, msg.prompt_ids, msg.params)
-        # RequestRejected, bad parameters, a bad constraint: answer that request only
-        except ValueError as e:
-            events.append(
-                RequestError(
-                    msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None
-                )
-            )
+        if not waiting.hold(msg):
+            _add(engine, msg, events)
+    elif isinstance(msg, Admit):
+        for add in waiting.admit(msg.rids):
+            _add(engine, add, events)
     elif isinstance(msg, Abort):
-        engine.abort(msg.rid)
+        if not waiting.drop(msg.rid):
+            engine.abort(msg.rid)
     elif isinstance(msg, Finish):
-        engine.finish(msg.rid, msg.reason)
+        if not waiting.drop(msg.rid):
+            engine.finish(msg.rid, msg.reason)
     else:
         raise TypeError(f"unknown engine input {msg!r}")
 
 
-def _stats(engine, req: StatsRequest) -> StatsReply:
+def _add(engine, msg: Add, events: list) -> None:
+    try:
+        engine.add_request(msg.rid, msg.prompt_ids, msg.params)
+    # RequestRejected, bad parameters, a bad constraint: answer that request only
+    except ValueError as e:
+        events.append(
+            RequestError(msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None)
+        )
+
+
+def _stats(engine, waiting: GrammarWait, req: StatsRequest) -> StatsReply:
     sched = engine.scheduler
-    stats = asdict(sched.stats()) | {
+    own = sched.stats()
+    stats = asdict(own) | {
         "total_pages": sched.allocator.total,
-        "idle": not engine.has_work(),
+        "idle": not engine.has_work() and not waiting,
+        # waiting for its grammar is waiting (vLLM's WAITING_FOR_FSM too)
+        "num_waiting": own.num_waiting + len(waiting),
+        "num_waiting_grammar": len(waiting),
         "steps": engine.steps,
         "expert_tokens": expert_load(engine.model),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -141,3 +142,14 @@ def sse_events(lines) -> list[str]:
         events.append(line[len("data: "):])
         expect_blank = True
     return events
+
+
+def slow_schema(properties: int, tag: str = "") -> str:
+    """An object schema whose compile takes seconds (each property's pattern is its own automaton
+    over the whole vocabulary); `tag` makes its text unique (no cache has it)."""
+    return json.dumps({
+        "type": "object",
+        "properties": {f"p{i}{tag}": {"type": "string", "pattern": "[a-z]{1,20}"}
+                       for i in range(properties)},
+        "required": [f"p{i}{tag}" for i in range(properties)],
+    })

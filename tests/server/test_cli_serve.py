@@ -1,12 +1,14 @@
-"""`compiled-engine serve` as a user runs it: URL printed when ready, SIGTERM -> exit 0, no
-orphans."""
+"""`compiled-engine serve` as a user runs it: URL printed when ready, SIGTERM drains, a second
+SIGTERM exits at once, exit 0, no orphans."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,23 +33,39 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def test_serve_prints_url_serves_and_exits_cleanly_on_sigterm() -> None:
+def _stream(port: int, body: dict, into: dict, key: str) -> threading.Thread:
+    """POST a streamed completion on a thread; `into[key]`: its `data:` lines, the first one as
+    soon as it comes (`into[key + ":first"]` set)."""
+    started = into[key + ":first"] = threading.Event()
+
+    def run() -> None:
+        lines = into[key] = []
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+        except httpx.HTTPError as e:
+            lines.append(f"cut: {type(e).__name__}")
+        started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_serve_drains_on_sigterm_and_exits_on_a_second_one() -> None:
+    """A user's `compiled-engine serve` and real signals: ready, serves; the first SIGTERM makes
+    /health 503 while the stream in flight finishes with its finish_reason and [DONE]; a second
+    SIGTERM ends the drain at once (a long stream still running is cut), the process exits 0 and
+    no engine rank outlives it."""
     port = free_port()
     cli = Path(sys.executable).with_name("compiled-engine")
     proc = subprocess.Popen(
-        [
-            str(cli),
-            "serve",
-            "--model",
-            "demo",
-            "--port",
-            str(port),
-            "--enforce-eager",
-            "--num-pages",
-            "1024",
-            "--max-running",
-            "8",
-        ],
+        [str(cli), "serve", "--model", "demo", "--port", str(port), "--enforce-eager",
+         "--num-pages", "1024", "--max-running", "8", "--shutdown-timeout", "300"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -68,14 +86,32 @@ def test_serve_prints_url_serves_and_exits_cleanly_on_sigterm() -> None:
         )
         ranks = _children(proc.pid)
         assert ranks, "no engine rank process"
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # the log never blocks it
+        base = {"prompt": "hi", "stream": True, "ignore_eos": True, "temperature": 0}
+        got: dict = {}
+        short = _stream(port, base | {"max_tokens": 24}, got, "short")
+        long = _stream(port, base | {"max_tokens": 1900, "n": 4}, got, "long")
+        for key in ("short", "long"):
+            assert got[key + ":first"].wait(120), f"the {key} stream never started"
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-            assert http.get("/health").status_code == 200
-            out = http.post(
-                "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
-            ).json()
-            assert out["usage"]["completion_tokens"] == 3
+            proc.send_signal(signal.SIGTERM)
+            health = http.get("/health")
+            for _ in range(100):  # the signal's handler runs on the server's next tick
+                if health.status_code == 503:
+                    break
+                time.sleep(0.05)
+                health = http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+        short.join(120)
+        assert got["short"][-1] == "data: [DONE]", got["short"][-3:]
+        assert json.loads(got["short"][-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.poll() is None and long.is_alive(), "the drain did not wait for the stream"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        long.join(60)
+        finished = [c.get("finish_reason") for line in got["long"] if line.startswith("data: {")
+                    for c in json.loads(line[6:]).get("choices", [])]
+        assert finished.count("length") < 4, "the second SIGTERM did not cut the long stream"
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in ranks):
             assert time.monotonic() < deadline, "engine rank processes were orphaned"

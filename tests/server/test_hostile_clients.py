@@ -16,7 +16,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import RunningServer, assert_kv_all_free, start_server, wait_idle
+from tests.server.conftest import (
+    RunningServer,
+    assert_kv_all_free,
+    slow_schema,
+    start_server,
+    wait_idle,
+)
 
 PROBE_LIMIT_S = 1.0
 
@@ -124,6 +130,37 @@ def test_a_regex_constraint_outside_re2_is_a_400(server: RunningServer, http) ->
     out = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4,
                                                                          "regex": "(a)\\1"}})
     _assert_openai_error(out, 400, "sampling_params.regex")
+
+
+def _schema_format(schema: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": json.loads(schema)}}
+
+
+def test_a_grammar_compiles_outside_the_engine_steps(server: RunningServer, http) -> None:
+    """A constraint that takes seconds to compile: once the server's check has passed it, the rank
+    compiles it again while the request waits outside the steps, and another request runs whole
+    meanwhile (the engine's step counter moves on, the constrained request still waiting)."""
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 2,
+            "response_format": _schema_format(slow_schema(600, "steps"))}
+    got: dict = {}
+    slow = threading.Thread(target=lambda: got.update(out=server.http().post(
+        "/v1/completions", json=body, timeout=120)), daemon=True)
+    with probing(server):
+        slow.start()
+        deadline = time.monotonic() + 120
+        while (stats := http.get("/debug/integrity").json())["num_waiting_grammar"] == 0:
+            assert slow.is_alive() and time.monotonic() < deadline, got
+            time.sleep(0.02)
+        other = http.post("/v1/completions", json={"model": "demo", "prompt": "hello",
+                                                   "max_tokens": 8, "ignore_eos": True})
+        after = http.get("/debug/integrity").json()
+        slow.join(120)
+    assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 8
+    assert after["num_waiting_grammar"] == 1 and after["num_waiting"] >= 1
+    assert after["steps"] - stats["steps"] >= 7
+    assert got["out"].status_code == 200, got["out"].text
+    assert got["out"].json()["choices"][0]["finish_reason"] == "length"
+    _serves_normally(server, http)
 
 
 @pytest.mark.parametrize(("headers", "status"), [
@@ -292,8 +329,10 @@ def test_stop_lists_are_bounded(server: RunningServer, http) -> None:
 
 @pytest.fixture(scope="module")
 def timeouts() -> Iterator[RunningServer]:
-    """The default server with short read and request timeouts (60 s and none by default)."""
-    running = start_server(debug=True, read_timeout_s=1.0, request_timeout_s=1.0)
+    """The default server with short read, request and grammar compile timeouts (60 s, none and
+    10 s by default)."""
+    running = start_server(debug=True, read_timeout_s=1.0, request_timeout_s=1.0,
+                           grammar_compile_timeout_s=0.5)
     yield running
     running.stop()
 
@@ -326,3 +365,21 @@ def test_a_generation_past_the_request_timeout_ends(timeouts: RunningServer) -> 
         assert_kv_all_free(wait_idle(http))
         short = http.post("/v1/completions", json=body | {"max_tokens": 4, "n": 1})
         assert short.status_code == 200
+
+
+def test_a_grammar_past_its_compile_budget_is_a_400(timeouts: RunningServer) -> None:
+    """A schema whose compile takes seconds, against a 0.5 s budget: a 400 naming the field and the
+    flag (streamed or not, and again from the cache); the engine never saw it; constraints that
+    compile are served."""
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 4,
+            "response_format": _schema_format(slow_schema(800, "budget"))}
+    with timeouts.http() as http, probing(timeouts):
+        for extra in ({}, {"stream": True}):
+            out = http.post("/v1/completions", json=body | extra)
+            error = _assert_openai_error(out, 400, "response_format")
+            assert "--grammar-compile-timeout" in error["message"]
+        ok = http.post("/v1/completions", json=body | {"response_format": _schema_format(
+            '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'),
+            "max_tokens": 16})
+        assert ok.status_code == 200, ok.text
+        assert_kv_all_free(wait_idle(http))
