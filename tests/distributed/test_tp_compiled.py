@@ -6,8 +6,10 @@ by custom_op_wrapper`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ import pytest
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.ranks.launcher import free_port
 from compiled_engine.runner.compile_cache import list_entries
+from compiled_engine.sampling_params import StructuredOutput
 from tests.distributed.conftest import hf_greedy, ragged_prompts
 from tests.server.conftest import start_server
 
@@ -91,8 +94,17 @@ def test_offline_tp2_compiled_starts_warm_and_equals_tp1(
         got = tp2.generate(prompts, GREEDY)  # one concurrent ragged batch
         repeat = tp2.generate(prompts[2:6], GREEDY)  # radix hits, in a batch of 4
         alone = tp2.generate(prompts[7:8], GREEDY)
+        # constrained requests wait for their grammar outside the steps; rank 0 admits them for
+        # both ranks at once (tp_debug compares the ranks' plans at every step)
+        digits = dataclasses.replace(GREEDY, ignore_eos=False,
+                                     structured=StructuredOutput("regex", "[0-9]{3}"))
+        pick = dataclasses.replace(digits, structured=StructuredOutput("choice", ("yes", "no")))
+        mixed = tp2.generate(prompts[:4], [digits, GREEDY, pick, GREEDY])
     finally:
         tp2.engine.shutdown()
+    assert re.fullmatch("[0-9]{3}", mixed[0].outputs[0].text), mixed[0].outputs[0].text
+    assert mixed[2].outputs[0].text in ("yes", "no")
+    assert [mixed[1].token_ids, mixed[3].token_ids] == [tp1_tokens[1], tp1_tokens[3]]
     assert [o.token_ids for o in got] == tp1_tokens
     assert [o.token_ids for o in repeat] == tp1_tokens[2:6]
     # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit
