@@ -9,9 +9,10 @@ token the grammar excludes, and log-probabilities are those of the masked distri
 request's own stop_token_ids are allowed wherever the grammar allows its EOS (where the document may
 end). xgrammar is imported on the first constrained request: it costs seconds to import.
 
-`compile_async` compiles on the book's own thread (xgrammar releases the GIL, so steps go on): the
+`compile_async` compiles on a thread of its own (xgrammar releases the GIL, so steps go on): the
 served engine holds a constrained request out of its steps until its grammar is ready
-(`ranks.grammar_wait`). The compiler caches by the constraint's text, bounded in bytes.
+(`ranks.grammar_wait`), then `compile` finds it in the compiler's cache (by the constraint's text,
+bounded in bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -48,28 +49,36 @@ class GrammarBook:
         self._info = None
         self._json_mask: torch.Tensor | None = None
         self._lock = threading.RLock()
+        # compiles running on their threads (one per constraint; the same constraint shares one)
         self._compiling: dict[StructuredOutput, Future] = {}
-        self._thread: ThreadPoolExecutor | None = None
+        self._compiling_lock = threading.Lock()
 
     def compile_async(self, spec: StructuredOutput) -> Future:
-        """Start compiling `spec` on the book's thread; the next `compile(spec)` takes the result.
-        The future's exception is the ConstraintError of a bad constraint."""
-        with self._lock:
+        """Compile `spec` on a daemon thread; the future's result is the compiled grammar, its
+        exception the ConstraintError of a bad constraint. Needs the compiler's cache for `compile`
+        to find the result afterwards."""
+        with self._compiling_lock:
             future = self._compiling.get(spec)
             if future is None:
-                if self._thread is None:
-                    self._thread = ThreadPoolExecutor(1, "grammar")
-                future = self._compiling[spec] = self._thread.submit(self._compile, spec)
+                future = self._compiling[spec] = Future()
+                threading.Thread(target=self._compile_into, args=(spec, future),
+                                 name="grammar", daemon=True).start()
             return future
 
-    def compile(self, spec: StructuredOutput):
-        """The compiled grammar of `spec` (that of `compile_async` if one was started);
-        ConstraintError saying what is wrong with it."""
-        with self._lock:
-            future = self._compiling.pop(spec, None)
-        return future.result() if future is not None else self._compile(spec)
+    def _compile_into(self, spec: StructuredOutput, future: Future) -> None:
+        try:
+            result, error = self.compile(spec), None
+        except BaseException as e:  # the future carries it to the request
+            result, error = None, e
+        with self._compiling_lock:
+            del self._compiling[spec]
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
-    def _compile(self, spec: StructuredOutput):
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar of `spec`; ConstraintError saying what is wrong with it."""
         compiler = self._get_compiler()
         try:
             # compact JSON: no runs of whitespace a weak model could fill its budget with

@@ -23,6 +23,14 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+def seconds(text: str) -> float:
+    """A timeout flag's value: a positive number of seconds."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a timeout is a positive number of seconds, not {text}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -40,15 +48,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (its first line)")
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
-    p.add_argument("--send-timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--send-timeout", type=seconds, default=60.0, metavar="SECONDS",
                    help="drop a client that takes no data for this long (its requests aborted)")
-    p.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
+    p.add_argument("--shutdown-timeout", type=seconds, default=20.0, metavar="SECONDS",
                    help="on SIGTERM, let requests in flight finish for up to this long")
-    p.add_argument("--read-timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--read-timeout", type=seconds, default=60.0, metavar="SECONDS",
                    help="a request body must arrive within this long (else 408)")
-    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="end a generation that runs longer (408, or an error event in a stream)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--grammar-compile-timeout", type=seconds, default=10.0, metavar="SECONDS",
                    help="an output constraint (JSON schema, regex, grammar) that takes longer to "
                         "compile is refused with a 400")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")

@@ -159,7 +159,10 @@ async def run(client: EngineClient, gen: Generation, metrics: Metrics,
     408 ProtocolError."""
     constraint = gen.choices[0].params.structured if gen.choices else None
     if constraint is not None and grammars is not None:
+        started = time.monotonic()
         await grammars.check(constraint, gen.constraint_param)
+        if timeout_s is not None:  # the request's time includes its constraint's check
+            timeout_s = max(0.0, timeout_s - (time.monotonic() - started))
     by_rid = {c.rid: c for c in gen.choices}
     async with client.open(gen.choices) as group:
         try:

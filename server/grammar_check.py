@@ -4,8 +4,9 @@ A constraint that does not compile is a 400 naming its field; one whose compile 
 `--grammar-compile-timeout` is a 400 too, and the worker is killed (a fresh one starts on the next
 constraint). So the engine's ranks only compile constraints known to compile within the budget, and
 they do it outside their steps (`compiled_engine.ranks.grammar_wait`). Verdicts are cached by the
-constraint's text: a constraint seen before is answered at once. One worker compiles one constraint
-at a time; requests without a constraint never wait for it.
+constraint's text: a constraint seen before is answered at once (a timeout for TIMEOUT_VERDICT_S,
+since a loaded machine may have caused it). One worker compiles one constraint at a time; at most
+MAX_PENDING wait for it (then 429); requests without a constraint never wait for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import json
 import multiprocessing
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +24,12 @@ from multiprocessing.connection import Connection
 
 from compiled_engine.grammar_worker import READY, serve_compiles
 from compiled_engine.sampling_params import StructuredOutput
+from server.engine_client import Overloaded
 from server.request_errors import ProtocolError
 
 MAX_VERDICTS = 4096  # constraints whose verdict is remembered (LRU)
+MAX_PENDING = 64  # constraints waiting for the worker before a 429
+TIMEOUT_VERDICT_S = 600.0  # how long a timeout is remembered
 WORKER_START_S = 300.0  # the worker's start (imports, the tokenizer): outside the budget
 
 
@@ -37,18 +42,28 @@ class GrammarChecker:
         self.stop_token_ids = list(stop_token_ids)
         self.timeout_s = timeout_s
         self.compiles = 0  # constraints sent to a worker (the rest were answered from the cache)
-        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self.pending = 0  # constraints waiting for the worker or in it
+        # key -> (the 400's message or None, when it expires or None)
+        self._verdicts: OrderedDict[bytes, tuple[str | None, float | None]] = OrderedDict()
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, "grammar-check")
         self._worker: multiprocessing.Process | None = None
         self._conn: Connection | None = None
 
     async def check(self, spec: StructuredOutput, field: str | None) -> None:
-        """A 400 naming `field` unless `spec` compiles within the budget."""
+        """A 400 naming `field` unless `spec` compiles within the budget; Overloaded when
+        MAX_PENDING constraints wait already."""
         key = _key(spec)
         verdict = self._cached(key)
         if verdict is _UNKNOWN:
-            verdict = await asyncio.wrap_future(self._thread.submit(self._compile, spec, key))
+            if self.pending >= MAX_PENDING:
+                raise Overloaded(f"{self.pending} output constraints are waiting to be compiled; "
+                                 "retry later")
+            self.pending += 1
+            try:
+                verdict = await asyncio.wrap_future(self._thread.submit(self._compile, spec, key))
+            finally:
+                self.pending -= 1
         if verdict is not None:
             raise ProtocolError(verdict, field)
 
@@ -63,39 +78,43 @@ class GrammarChecker:
             return verdict
         conn = self._connection()
         self.compiles += 1
-        conn.send(spec)
-        if not conn.poll(self.timeout_s):
-            self._stop_worker()
-            verdict = (f"the constraint did not compile within {self.timeout_s:g} s (the "
-                       "server's --grammar-compile-timeout): make it smaller or simpler")
-        else:
-            try:
+        expires = None
+        try:
+            conn.send(spec)
+            if conn.poll(self.timeout_s):
                 verdict = conn.recv()
-            except EOFError:
+            else:
                 self._stop_worker()
-                verdict = "the constraint could not be compiled: its compiler failed"
+                verdict = (f"the constraint did not compile within {self.timeout_s:g} s (the "
+                           "server's --grammar-compile-timeout): make it smaller or simpler")
+                expires = time.monotonic() + TIMEOUT_VERDICT_S
+        except (EOFError, OSError):  # the worker died (killed, out of memory): not remembered
+            self._stop_worker()
+            raise ProtocolError("the server's constraint compiler failed on this constraint",
+                                status=503, kind="server_error") from None
         with self._lock:
-            self._verdicts[key] = verdict
+            self._verdicts[key] = (verdict, expires)
             if len(self._verdicts) > MAX_VERDICTS:
                 self._verdicts.popitem(last=False)
         return verdict
 
     def _connection(self) -> Connection:
-        if self._conn is not None and self._worker is not None and self._worker.is_alive():
-            return self._conn
+        worker, conn = self._worker, self._conn
+        if conn is not None and worker is not None and worker.is_alive():
+            return conn
         self._stop_worker()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._worker = ctx.Process(
+        worker = ctx.Process(
             target=serve_compiles, name="grammar-check", daemon=True,
             args=(child, self.model_path, self.vocab_size, self.stop_token_ids),
         )
-        self._worker.start()
+        worker.start()
         child.close()
-        self._conn = parent
+        self._worker, self._conn = worker, parent
         try:
             started = parent.poll(WORKER_START_S) and parent.recv() == READY
-        except EOFError:
+        except (EOFError, OSError):
             started = False
         if not started:
             self._stop_worker()
@@ -104,19 +123,21 @@ class GrammarChecker:
         return parent
 
     def _stop_worker(self) -> None:
-        if self._worker is not None:
-            self._worker.kill()
-            self._worker.join(10)
-        if self._conn is not None:
-            self._conn.close()
+        worker, conn = self._worker, self._conn
         self._worker = self._conn = None
+        if worker is not None:
+            worker.kill()
+            worker.join(10)
+        if conn is not None:
+            conn.close()
 
     def _cached(self, key: bytes) -> str | None | object:
         with self._lock:
-            if key not in self._verdicts:
+            entry = self._verdicts.get(key)
+            if entry is None or (entry[1] is not None and time.monotonic() >= entry[1]):
                 return _UNKNOWN
             self._verdicts.move_to_end(key)
-            return self._verdicts[key]
+            return entry[0]
 
 
 _UNKNOWN = object()

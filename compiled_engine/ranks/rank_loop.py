@@ -188,8 +188,13 @@ def _apply(engine, waiting: GrammarWait, msg: Add | Admit | Abort | Finish, even
         if not waiting.hold(msg):
             _add(engine, msg, events)
     elif isinstance(msg, Admit):
-        for add in waiting.admit(msg.rids):
-            _add(engine, add, events)
+        for add, error in waiting.admit(msg.rids):
+            if error is None:
+                _add(engine, add, events)
+            elif isinstance(error, ConstraintError):
+                events.append(RequestError(add.rid, str(error), "structured"))
+            else:
+                raise error
     elif isinstance(msg, Abort):
         if not waiting.drop(msg.rid):
             engine.abort(msg.rid)

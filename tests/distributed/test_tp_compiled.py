@@ -25,7 +25,7 @@ from compiled_engine.ranks.launcher import free_port
 from compiled_engine.runner.compile_cache import list_entries
 from compiled_engine.sampling_params import StructuredOutput
 from tests.distributed.conftest import hf_greedy, ragged_prompts
-from tests.server.conftest import start_server
+from tests.server.conftest import slow_schema, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +94,20 @@ def test_offline_tp2_compiled_starts_warm_and_equals_tp1(
         got = tp2.generate(prompts, GREEDY)  # one concurrent ragged batch
         repeat = tp2.generate(prompts[2:6], GREEDY)  # radix hits, in a batch of 4
         alone = tp2.generate(prompts[7:8], GREEDY)
-        # constrained requests wait for their grammar outside the steps; rank 0 admits them for
-        # both ranks at once (tp_debug compares the ranks' plans at every step)
+        # constrained requests wait for their grammar outside the steps (each rank compiles it;
+        # one that takes a second, so that a rank may lag); rank 0 admits them for both ranks at
+        # once (tp_debug compares the ranks' plans at every step)
         digits = dataclasses.replace(GREEDY, ignore_eos=False,
                                      structured=StructuredOutput("regex", "[0-9]{3}"))
         pick = dataclasses.replace(digits, structured=StructuredOutput("choice", ("yes", "no")))
-        mixed = tp2.generate(prompts[:4], [digits, GREEDY, pick, GREEDY])
+        slow = dataclasses.replace(digits, structured=StructuredOutput("json",
+                                                                       slow_schema(200, "tp")))
+        mixed = tp2.generate(prompts[:5], [digits, GREEDY, pick, GREEDY, slow])
     finally:
         tp2.engine.shutdown()
     assert re.fullmatch("[0-9]{3}", mixed[0].outputs[0].text), mixed[0].outputs[0].text
     assert mixed[2].outputs[0].text in ("yes", "no")
+    assert mixed[4].outputs[0].text.startswith('{"p0tp": "'), mixed[4].outputs[0].text
     assert [mixed[1].token_ids, mixed[3].token_ids] == [tp1_tokens[1], tp1_tokens[3]]
     assert [o.token_ids for o in got] == tp1_tokens
     assert [o.token_ids for o in repeat] == tp1_tokens[2:6]

@@ -397,15 +397,17 @@ def test_a_generation_past_the_request_timeout_ends(timeouts: RunningServer) -> 
 
 def test_a_grammar_past_its_compile_budget_is_a_400(timeouts: RunningServer) -> None:
     """A schema whose compile takes seconds, against a 0.5 s budget: a 400 naming the field and the
-    flag (streamed or not, and again from the cache); the engine never saw it (its KV pages all
-    free) and serves on. (The worker's restart: test_grammar_check.py.)"""
+    flag (streamed or not, and again from the cache); the engine never saw it (it took no step)
+    and serves on. (The worker's restart: test_grammar_check.py.)"""
     body = {"model": "demo", "prompt": "hi", "max_tokens": 4,
             "response_format": _schema_format(slow_schema(800, "budget"))}
     with timeouts.http() as http, probing(timeouts):
+        steps = wait_idle(http)["steps"]
         for extra in ({}, {"stream": True}):
             out = http.post("/v1/completions", json=body | extra)
             error = _assert_openai_error(out, 400, "response_format")
             assert "--grammar-compile-timeout" in error["message"]
+        assert wait_idle(http)["steps"] == steps  # the engine never had it
         ok = http.post("/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 4})
         assert ok.status_code == 200, ok.text
         assert_kv_all_free(wait_idle(http))
