@@ -1,7 +1,7 @@
 """The layering of docs/architecture.md: the import-linter contracts of pyproject.toml (each layer
 imports only the layers below it; the scheduler core is pure Python; kernels are reached through
-`kernels.ops`), the scheduler's standard-library-only rule, and no module importing another
-package's private names."""
+`kernels.ops`), the scheduler's standard-library-only rule, no import circle between modules, and
+no module importing another package's private names."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("compiled_engine", "server", "kernels")
+PACKAGES = ("cli", "benchmarks", "server", "compiled_engine", "kernels")
 
 
 def test_import_linter_contracts_hold() -> None:
@@ -92,3 +92,54 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
                 if private and _package_of(module) != here:
                     bad.append(f"{path.relative_to(ROOT)}: from {module} import {name}")
     assert not bad, "private names stay inside their package:\n" + "\n".join(bad)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of PACKAGES -> the modules of PACKAGES it imports (type-checking imports too; a
+    package's `__init__` re-exporting names is not an edge unless a submodule is named)."""
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] != "__init__":
+                modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, set())
+        for module, imported in _imports(path):
+            for target in (f"{module}.{imported}", module):
+                if target in modules and target != name:
+                    edges.add(target)
+                    break
+    return graph
+
+
+def test_no_import_circles() -> None:
+    graph, index, low, stack, on_stack, circles = _module_graph(), {}, {}, [], set(), []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not circles, "modules that import each other in a circle:\n" + "\n".join(
+        " <-> ".join(c) for c in circles)

@@ -5,9 +5,9 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import ReqStep, SlotWrite, StepPlan, TokenEvent, TokenWrite
 from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
-from compiled_engine.scheduler.request import LedgerParams, Request, Status
+from compiled_engine.scheduler.request import LedgerParams, Proposer, Request, Status
 from compiled_engine.scheduler.scheduler import Scheduler, SchedulerStats
-from compiled_engine.scheduler.speculation import Proposer, SpecConfig
+from compiled_engine.scheduler.speculation import SpecConfig
 from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [

@@ -4,17 +4,18 @@ path."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
-from compiled_engine.scheduler.request import Status
+from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.kv_book import KvBook
+from compiled_engine.scheduler.request import Request, Status
 
-if TYPE_CHECKING:
-    from compiled_engine.scheduler.scheduler import Scheduler
 
-
-def check_integrity(sched: Scheduler) -> None:
-    """Assert every invariant; AssertionError names the breach."""
-    book, cfg = sched.book, sched.config
+def check_integrity(book: KvBook, cfg: SchedulerConfig, live: Mapping[str, Request],
+                    running: Sequence[Request], waiting: Sequence[Request],
+                    inflight: Sequence[object]) -> None:
+    """Assert every invariant of the ledger: its book, the live requests by id, the running and
+    waiting queues, the steps in flight; AssertionError names the breach."""
     ps = book.page_size
     book.allocator.check()
     book.rows.check()
@@ -35,10 +36,10 @@ def check_integrity(sched: Scheduler) -> None:
         assert r not in rows, f"row {r} is both in {rows[r]} and in {place}"
         rows[r] = place
 
-    assert len(sched.running) <= cfg.max_running, "more running requests than max_running"
-    for req in sched.running:
+    assert len(running) <= cfg.max_running, "more running requests than max_running"
+    for req in running:
         name = f"request {req.rid!r}"
-        assert req.status is Status.RUNNING and sched.live.get(req.rid) is req, (
+        assert req.status is Status.RUNNING and live.get(req.rid) is req, (
             f"{name}: not live running"
         )
         assert req.lock is not None, f"{name} runs without a prefix-cache lock"
@@ -62,13 +63,13 @@ def check_integrity(sched: Scheduler) -> None:
                 f"{name}: row points at page {p} not in the cache"
             )
         claim(req.pages[req.prefix_pages :], name)
-    for req in sched.waiting:
+    for req in waiting:
         name = f"waiting request {req.rid!r}"
-        assert req.status is Status.WAITING and sched.live.get(req.rid) is req, (
+        assert req.status is Status.WAITING and live.get(req.rid) is req, (
             f"{name}: not live waiting"
         )
         assert not req.pages and req.lock is None and req.row < 0, f"{name} holds resources"
-    assert len(sched.live) == len(sched.running) + len(sched.waiting), (
+    assert len(live) == len(running) + len(waiting), (
         "live map out of sync with queues"
     )
     for d in book.deferred:
@@ -79,9 +80,9 @@ def check_integrity(sched: Scheduler) -> None:
     missing = [p for p in range(1, cfg.num_pages) if p not in where]
     assert not missing, f"pages {missing[:8]} are nowhere (leaked)"
     assert len(rows) == cfg.max_rows, "a table row is leaked"
-    held = [r.lock for r in sched.running] + [d.lock for d in book.deferred if d.lock is not None]
+    held = [r.lock for r in running] + [d.lock for d in book.deferred if d.lock is not None]
     book.cache.check(held)
-    if not sched.running and not sched.inflight:
+    if not running and not inflight:
         assert not book.deferred, "deferred frees with no step in flight"
         cached = len(book.cache.cached_pages())
         assert book.allocator.num_free + cached == book.allocator.total, (

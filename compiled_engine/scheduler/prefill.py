@@ -3,77 +3,123 @@ queue is admitted in order (no overtaking) while the budget, the table rows and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import deque
 
+from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TokenWrite
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import Request, Status
 
-if TYPE_CHECKING:
-    from compiled_engine.scheduler.scheduler import Scheduler
 
+class PrefillPlanner:
+    """The waiting queue (new requests at the back, retracted ones at the front) and the prefill
+    chunks of each step."""
 
-def plan_prefills(sched: Scheduler, draft: StepDraft, budget: int) -> None:
-    book = sched.book
-    chunked = [r for r in sched.running if r.planned_len < r.fill_to]
-    if not chunked and not sched.waiting:
-        return
-    # Optimistic admission, one step ahead only: leave the pages running decodes need next step.
-    ps = book.page_size
-    reserve = sum(
-        1
-        for r in sched.running
-        if r.planned_len >= r.fill_to
-        and r.device_len < r.max_len
-        and r.planned_len == len(r.pages) * ps
-    )
-    for req in chunked:
-        if budget <= 0:
-            return
-        if not plan_chunk(book, req, draft, budget, req.planned_len, reserve):
-            return
-        budget -= draft.reqs[-1].length
-    waiting = sched.waiting
-    while (
-        waiting
-        and budget > 0
-        and len(sched.running) < sched.config.max_running
-        and book.rows.num_free
-    ):
-        req = waiting[0]
-        if req.last_step > book.committed:
-            return  # retracted with a token still in flight: its tokens are not all known yet
-        tokens = req.tokens()
-        whole = req.params.every_position and not req.output
-        handle, hit = book.cache.match(() if whole else tokens[:-1])
-        if not whole and _shares_pending_prefix(sched, tokens, len(hit) * ps):
-            sched.num_prefix_waits += 1
-            # wait a step: a running prefill is about to cache what this request would recompute
-            return
-        book.cache.lock(handle)
-        row = book.rows.alloc_one()
-        assert row is not None
-        req.lock, req.pages, req.prefix_pages, req.planned_len = (
-            handle,
-            list(hit),
-            len(hit),
-            len(hit) * ps,
+    def __init__(self, config: SchedulerConfig, book: KvBook) -> None:
+        self.config, self.book = config, book
+        self.waiting: deque[Request] = deque()
+        # steps a waiting request deferred admission to share a running prefill
+        self.num_prefix_waits = 0
+
+    def requeue(self, retracted: list[Request]) -> None:
+        """Retracted requests go first, the latest retracted at the front."""
+        for req in retracted:
+            self.waiting.appendleft(req)
+
+    def plan(self, draft: StepDraft, budget: int, running: list[Request]) -> list[Request]:
+        """This step's prefill chunks, into `draft`: those of `running` requests still prefilling,
+        then the waiting queue's in order; returns the requests admitted (running from now on)."""
+        book, waiting = self.book, self.waiting
+        admitted: list[Request] = []
+        chunked = [r for r in running if r.planned_len < r.fill_to]
+        if not chunked and not waiting:
+            return admitted
+        # Optimistic admission, one step ahead only: leave the pages running decodes need next step.
+        ps = book.page_size
+        reserve = sum(
+            1
+            for r in running
+            if r.planned_len >= r.fill_to
+            and r.device_len < r.max_len
+            and r.planned_len == len(r.pages) * ps
         )
-        req.fill_to = len(tokens)
-        req.row = row
-        if not plan_chunk(book, req, draft, budget, 0, reserve):
-            book.cache.unlock(handle)
-            book.rows.free([row])
-            req.lock, req.pages, req.prefix_pages, req.planned_len, req.row = None, [], 0, 0, -1
-            return
-        book.cache.record(len(tokens), len(hit) * ps)
-        waiting.popleft()
-        req.status = Status.RUNNING
-        sched.running.append(req)
-        draft.token_writes.append(TokenWrite(row, 0, tokens))
-        budget -= draft.reqs[-1].length
+        for req in chunked:
+            if budget <= 0:
+                return admitted
+            if not plan_chunk(book, req, draft, budget, req.planned_len, reserve):
+                return admitted
+            budget -= draft.reqs[-1].length
+        while (
+            waiting
+            and budget > 0
+            and len(running) + len(admitted) < self.config.max_running
+            and book.rows.num_free
+        ):
+            req = waiting[0]
+            if req.last_step > book.committed:
+                return admitted  # retracted with a token in flight: its tokens are not all known
+            tokens = req.tokens()
+            whole = req.params.every_position and not req.output
+            handle, hit = book.cache.match(() if whole else tokens[:-1])
+            if not whole and self._shares_pending_prefix(running + admitted, tokens, len(hit) * ps):
+                self.num_prefix_waits += 1
+                # wait a step: a running prefill is about to cache what this request would recompute
+                return admitted
+            book.cache.lock(handle)
+            row = book.rows.alloc_one()
+            assert row is not None
+            req.lock, req.pages, req.prefix_pages, req.planned_len = (
+                handle,
+                list(hit),
+                len(hit),
+                len(hit) * ps,
+            )
+            req.fill_to = len(tokens)
+            req.row = row
+            if not plan_chunk(book, req, draft, budget, 0, reserve):
+                book.cache.unlock(handle)
+                book.rows.free([row])
+                req.lock, req.pages, req.prefix_pages, req.planned_len, req.row = None, [], 0, 0, -1
+                return admitted
+            book.cache.record(len(tokens), len(hit) * ps)
+            waiting.popleft()
+            req.status = Status.RUNNING
+            admitted.append(req)
+            draft.token_writes.append(TokenWrite(row, 0, tokens))
+            budget -= draft.reqs[-1].length
+        return admitted
+
+    def _shares_pending_prefix(self, running: list[Request], tokens: tuple[int, ...],
+                               hit_len: int) -> bool:
+        """True when a running request's prompt, not yet in the radix cache, shares at least
+        `config.share_wait_tokens` (and a page) more tokens with `tokens` than the cache already
+        gives.
+
+        Requests arriving together with a new common prefix would otherwise each prefill it in
+        full; the later ones wait until the first one's chunk commits and then hit the cache. A
+        prompt's uncached tail is shorter than a page once it is fully inserted, so the wait always
+        ends."""
+        book = self.book
+        if not isinstance(book.cache, RadixCache):
+            return False
+        ps = book.page_size
+        need = max(self.config.share_wait_tokens, ps)
+        limit = len(tokens) - 1
+        if limit - hit_len < need:
+            return False
+        for r in running:
+            if r.prefix_pages * ps + need > r.fill_to:
+                continue  # its prompt is (as good as) cached already
+            n = min(limit, r.fill_to)
+            if (
+                n - hit_len < need
+                or r.tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]
+            ):
+                continue
+            return True
+        return False
 
 
 def plan_chunk(
@@ -103,31 +149,3 @@ def plan_chunk(
     if sample:
         req.device_len += 1
     return True
-
-
-def _shares_pending_prefix(sched: Scheduler, tokens: tuple[int, ...], hit_len: int) -> bool:
-    """True when a running request's prompt, not yet in the radix cache, shares at least
-    `config.share_wait_tokens` (and a page) more tokens with `tokens` than the cache already gives.
-
-    Requests arriving together with a new common prefix would otherwise each prefill it in full; the
-    later ones wait until the first one's chunk commits and then hit the cache. A prompt's uncached
-    tail is shorter than a page once it is fully inserted, so the wait always ends."""
-    book = sched.book
-    if not isinstance(book.cache, RadixCache):
-        return False
-    ps = book.page_size
-    need = max(sched.config.share_wait_tokens, ps)
-    limit = len(tokens) - 1
-    if limit - hit_len < need:
-        return False
-    for r in sched.running:
-        if r.prefix_pages * ps + need > r.fill_to:
-            continue  # its prompt is (as good as) cached already
-        n = min(limit, r.fill_to)
-        if (
-            n - hit_len < need
-            or r.tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]
-        ):
-            continue
-        return True
-    return False

@@ -4,6 +4,7 @@ rules."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compiled_engine.scheduler.speculation import SpecStats
@@ -92,3 +93,7 @@ class Request:
         if page_size == 1:
             return tuple(pages[lo:hi])
         return tuple(pages[p // page_size] * page_size + p % page_size for p in range(lo, hi))
+
+
+# (request, at most this many) -> draft tokens that continue the request's known tokens
+Proposer = Callable[[Request, int], tuple[int, ...]]

@@ -1,6 +1,8 @@
 """The scheduler: the coordinator of the ledger. It takes inputs (add_request, abort, finish), plans
-each step (`decode.py`, then `prefill.py` under the token budget), commits the sampled tokens
-(finish rules, prefix caching) and keeps the books of pages, rows and locks in a `KvBook`.
+each step with its two planners (`DecodePlanner` owns the running requests, `PrefillPlanner` the
+waiting queue: a mixed step takes the decodes, then prefill chunks under the token budget), commits
+the sampled tokens (finish rules, prefix caching) and keeps the books of pages, rows and locks in a
+`KvBook`.
 
 Every decision depends only on the sequence of calls (add_request / abort / finish / schedule /
 commit): lists and insertion-ordered dicts only, no set iteration, no clocks, no ids.
@@ -13,19 +15,20 @@ dropped.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from compiled_engine.scheduler.allocator import PageAllocator
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.decode import plan_decodes
+from compiled_engine.scheduler.decode import DecodePlanner
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.integrity import check_integrity
 from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
-from compiled_engine.scheduler.prefill import plan_prefills
+from compiled_engine.scheduler.prefill import PrefillPlanner
 from compiled_engine.scheduler.prefix_cache import PrefixCache
-from compiled_engine.scheduler.request import LedgerParams, Request, Status
-from compiled_engine.scheduler.speculation import Proposer, SpecCounters, accepted_prefix
+from compiled_engine.scheduler.request import LedgerParams, Proposer, Request, Status
+from compiled_engine.scheduler.speculation import SpecCounters, accepted_prefix
 from compiled_engine.scheduler.validation import RequestRejected, check_request
 
 MAX_IN_FLIGHT = 2
@@ -54,18 +57,41 @@ class Scheduler:
         """`propose`: the draft tokens of a request's next step (with `config.speculative`)."""
         config.validate()
         self.config = config
-        self.propose = propose
         self.spec = SpecCounters()
         self.book = KvBook(config)
+        self.decodes = DecodePlanner(config, self.book)
+        self.decodes.propose = propose
+        self.prefills = PrefillPlanner(config, self.book)
         self.live: dict[str, Request] = {}  # waiting or running
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order (retraction takes the last)
         self.inflight: deque[tuple[StepPlan, tuple[Request, ...]]] = deque()
-        self.num_retractions = 0
-        # steps a waiting request deferred admission to share a running prefill
-        self.num_prefix_waits = 0
         self._eos = frozenset(config.eos_token_ids)
         self._next_step = 0
+
+    @property
+    def propose(self) -> Proposer | None:
+        return self.decodes.propose
+
+    @propose.setter
+    def propose(self, propose: Proposer | None) -> None:
+        self.decodes.propose = propose
+
+    @property
+    def running(self) -> Sequence[Request]:
+        """In admission order (retraction takes the last)."""
+        return self.decodes.running
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        return self.prefills.waiting
+
+    @property
+    def num_retractions(self) -> int:
+        return self.decodes.num_retractions
+
+    @property
+    def num_prefix_waits(self) -> int:
+        """Steps a waiting request deferred admission to share a running prefill."""
+        return self.prefills.num_prefix_waits
 
     @property
     def allocator(self) -> PageAllocator:
@@ -95,7 +121,7 @@ class Scheduler:
         req = Request(rid, prompt, params, max_len, stop_ids, device_len=len(prompt),
                       engine_state=engine_state)
         self.live[rid] = req
-        self.waiting.append(req)
+        self.prefills.waiting.append(req)
         return req
 
     def abort(self, rid: str) -> None:
@@ -123,12 +149,12 @@ class Scheduler:
         draft = StepDraft(self._next_step)
         budget = self.config.chunk_budget
         if self.config.mixed:
-            plan_decodes(self, draft)
-            plan_prefills(self, draft, budget - sum(r.length for r in draft.reqs))
+            self._plan_decodes(draft)
+            self._plan_prefills(draft, budget - sum(r.length for r in draft.reqs))
         else:
-            plan_prefills(self, draft, budget)
+            self._plan_prefills(draft, budget)
             if not draft.reqs:
-                plan_decodes(self, draft)
+                self._plan_decodes(draft)
         if not draft.reqs:
             return None
         self._next_step += 1
@@ -142,13 +168,11 @@ class Scheduler:
         self.inflight.append((plan, tuple(draft.members)))
         return plan
 
-    def retract(self, req: Request) -> None:
-        """Free a running request's KV and queue it first to recompute prompt + generated tokens."""
-        self.running.remove(req)
-        self.book.release(req)
-        req.status = Status.WAITING
-        self.waiting.appendleft(req)
-        self.num_retractions += 1
+    def _plan_decodes(self, draft: StepDraft) -> None:
+        self.prefills.requeue(self.decodes.plan(draft))
+
+    def _plan_prefills(self, draft: StepDraft, budget: int) -> None:
+        self.decodes.admit(self.prefills.plan(draft, budget, self.decodes.running))
 
     # -- commit ----------------------------------------------------------------------------------
 
@@ -221,10 +245,10 @@ class Scheduler:
         req.finish_reason = reason
         del self.live[req.rid]
         if was is Status.RUNNING:
-            self.running.remove(req)
+            self.decodes.drop(req)
             self.book.release(req)
         else:
-            self.waiting.remove(req)  # holds nothing (new, or retracted and already released)
+            self.prefills.waiting.remove(req)  # holds nothing (new, or retracted and released)
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -259,4 +283,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Assert every ledger invariant (see `integrity.py`); AssertionError names the breach."""
-        check_integrity(self)
+        check_integrity(self.book, self.config, self.live, self.running, self.waiting,
+                        self.inflight)

@@ -14,15 +14,7 @@ the request gives without speculation: the same tokens where the draws are the s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from compiled_engine.scheduler.request import Request
-
-# (request, at most this many) -> draft tokens that continue the request's known tokens
-Proposer = Callable[["Request", int], tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
