@@ -52,6 +52,35 @@ class StructuredOutput:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A numeric field's allowed values: [lo, hi], or (lo, hi] with `lo_open`."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (value > self.lo if self.lo_open else value >= self.lo) and value <= self.hi
+
+    def __str__(self) -> str:
+        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+
+
+# The one table of the sampling fields' ranges: the engine validates by it
+# (`SamplingParams.validate`) and the server parses request bodies by it (`server.protocol`).
+# top_k -1 and 0: off.
+SAMPLING_RANGES: dict[str, Range] = {
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(-1, 2**31 - 1),
+    "min_p": Range(0.0, 1.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 100.0, lo_open=True),
+}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -97,23 +126,9 @@ class SamplingParams:
         """Raise ValueError naming the first bad field of those the engine samples by; the ledger
         checks its own (`ledger_params`: lengths and stop ids) when it admits the request
         (`check_request`)."""
-        _check(self.temperature >= 0, "temperature must be >= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p)
-        _check(self.top_k >= -1, "top_k must be -1 (off), 0 (off) or > 0", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p)
-        _check(
-            -2 <= self.presence_penalty <= 2,
-            "presence_penalty must be in [-2, 2]",
-            self.presence_penalty,
-        )
-        _check(
-            -2 <= self.frequency_penalty <= 2,
-            "frequency_penalty must be in [-2, 2]",
-            self.frequency_penalty,
-        )
-        _check(
-            self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty
-        )
+        for name, allowed in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            _check(value in allowed, f"{name} must be {allowed}", value)
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
         _check(
             self.prompt_logprobs is None or self.prompt_logprobs >= 0,

@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from compiled_engine.sampling_params import SamplingParams, StructuredOutput
+from compiled_engine.sampling_params import SAMPLING_RANGES, SamplingParams, StructuredOutput
 from server.request_errors import ProtocolError, check_defaults, check_fields
 from server.structured import native_constraint, openai_constraint
 from server.tools import ToolRequest, parse_tool_request
@@ -220,23 +220,32 @@ def token_ids(value: object, name: str, vocab_size: int) -> list[int]:
 
 
 # ---- sampling ------------------------------------------------------------------------------------
+TOP_K = SAMPLING_RANGES["top_k"]
+
+
+def _sampling_float(body: dict, name: str, default: float) -> float:
+    """A float sampling field, in its range of the engine's table (`SAMPLING_RANGES`)."""
+    allowed = SAMPLING_RANGES[name]
+    return get_float(body, name, default, allowed.lo, allowed.hi, allowed.lo_open)
+
+
 def sampling_params(body: dict, limits: Limits, logprobs: int | None,
                     structured: StructuredOutput | None = None) -> SamplingParams:
     """The sampling fields shared by every endpoint (max_tokens is resolved later, per prompt)."""
-    temperature = get_float(body, "temperature", 1.0, 0.0, 100.0)
+    temperature = _sampling_float(body, "temperature", 1.0)
     if temperature < 1e-5:
         temperature = 0.0  # a vanishing temperature is greedy (and dividing by it would overflow)
     seed = get_int(body, "seed", None, -(2**63), 2**64 - 1)
     return SamplingParams(
         max_tokens=0,
         temperature=temperature,
-        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=get_int(body, "top_k", -1, -1, 2**31 - 1),
-        min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
+        top_p=_sampling_float(body, "top_p", 1.0),
+        top_k=get_int(body, "top_k", -1, int(TOP_K.lo), int(TOP_K.hi)),
+        min_p=_sampling_float(body, "min_p", 0.0),
         seed=None if seed is None else seed % 2**63,
-        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True),
+        presence_penalty=_sampling_float(body, "presence_penalty", 0.0),
+        frequency_penalty=_sampling_float(body, "frequency_penalty", 0.0),
+        repetition_penalty=_sampling_float(body, "repetition_penalty", 1.0),
         logit_bias=_logit_bias(body, limits.vocab_size),
         logprobs=logprobs,
         stop_token_ids=tuple(_stop_token_ids(body, limits.vocab_size)),

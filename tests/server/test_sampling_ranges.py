@@ -1,0 +1,38 @@
+"""One table of sampling ranges (`SAMPLING_RANGES`): the server's parser and the engine's validation
+accept exactly the same values of each field, at each bound and just past it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from compiled_engine.sampling_params import SAMPLING_RANGES, SamplingParams
+from server.protocol import Limits, ProtocolError, sampling_params
+
+
+def _candidates(lo: float, hi: float, integer: bool) -> list[float]:
+    step = 1 if integer else 1e-6
+    return [lo - step, lo, lo + step, hi - step, hi, hi + step]
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING_RANGES))
+def test_server_and_engine_accept_the_same_values(name: str) -> None:
+    allowed = SAMPLING_RANGES[name]
+    integer = isinstance(getattr(SamplingParams(), name), int)
+    for value in _candidates(allowed.lo, allowed.hi, integer):
+        value = int(value) if integer else value
+        try:
+            SamplingParams(**{name: value}).validate()
+            engine_ok = True
+        except ValueError:
+            engine_ok = False
+        try:
+            parsed = sampling_params({name: value}, Limits(4096, 1000), None)
+            server_ok = True
+        except ProtocolError as e:
+            server_ok = False
+            assert e.param == name and name in e.message
+        assert engine_ok == server_ok == (value in allowed), (name, value)
+        if server_ok and not (name == "temperature" and value < 1e-5):
+            assert math.isclose(getattr(parsed, name), value)
