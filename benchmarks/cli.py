@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from compiled_engine.apps.bench.datasets import (
+from benchmarks.datasets import (
     LengthRange,
     PrefixShape,
     Session,
@@ -17,13 +17,13 @@ from compiled_engine.apps.bench.datasets import (
     prefix_dataset,
     random_dataset,
 )
-from compiled_engine.apps.bench.models import (
+from benchmarks.models import (
     BENCH_NAME,
     QWEN3_MOE_NAME,
     QWEN3_NAME,
     resolve_bench_model,
 )
-from compiled_engine.apps.bench.report import table, write_json
+from benchmarks.report import table, write_json
 
 # hf: transformers generate
 COMPARE_CHOICES = ("hf", "hf-fp32", "naive", "overlap", "eager", "nondeterministic", "int8",
@@ -130,7 +130,7 @@ def _workload(args: argparse.Namespace, sessions: list[Session]) -> dict:
 # ---- offline -------------------------------------------------------------------------------------
 
 def _cmd_offline(args: argparse.Namespace) -> int:
-    from compiled_engine.apps.bench.offline import OfflineResult, run_offline
+    from benchmarks.offline import OfflineResult, run_offline
 
     model_dir = resolve_bench_model(args.model)
     sessions = build_dataset(args, prompt_vocab(model_dir, _tokenizer(model_dir)))
@@ -169,7 +169,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, "offline", result)
     if args.plot:
-        from compiled_engine.apps.bench.plots import plot_offline
+        from benchmarks.plots import plot_offline
 
         plot_offline(
             result.runs,
@@ -188,7 +188,7 @@ def _mode_ab_base(compare: list[str] | None) -> dict:
 
 
 def _cmd_latency(args: argparse.Namespace) -> int:
-    from compiled_engine.apps.bench.latency import latency_workloads, measure
+    from benchmarks.latency import latency_workloads, measure
 
     model_dir = resolve_bench_model(args.model)
     batches = [int(b) for b in args.batch.split(",")]
@@ -224,7 +224,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
         write_json(args.json, "latency", {"model": args.model, "input_len": args.input_len,
                                           "output_len": args.output_len, "runs": runs})
     if args.plot:
-        from compiled_engine.apps.bench.plots import plot_latency
+        from benchmarks.plots import plot_latency
 
         plot_latency(runs, Path(args.plot) / "decode_latency.png")
     return 0
@@ -241,8 +241,8 @@ async def _serve_all(args: argparse.Namespace, workloads: list[list[Session]], p
     cached by the previous one)."""
     import httpx
 
-    from compiled_engine.apps.bench.openai_client import first_model
-    from compiled_engine.apps.bench.serve_run import ServeOptions, run_serve
+    from benchmarks.openai_client import first_model
+    from benchmarks.serve_run import ServeOptions, run_serve
 
     labels = args.label or []
     runs = []
@@ -319,7 +319,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, "serve", {"workload": _workload(args, workloads[0]), "runs": runs})
     if args.plot:
-        from compiled_engine.apps.bench.plots import plot_serve
+        from benchmarks.plots import plot_serve
 
         plot_serve(runs, Path(args.plot))
     return 0 if all(r.summary.failed == 0 for r in runs) else 1
@@ -333,7 +333,7 @@ DEFAULT_SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 7}'
 
 
 def _cmd_speculative(args: argparse.Namespace) -> int:
-    from compiled_engine.apps.bench.speculative import run
+    from benchmarks.speculative import run
     from compiled_engine.speculative.config import SpeculativeConfig
 
     spec = json.loads(args.speculative_config)
@@ -355,7 +355,7 @@ def _cmd_speculative(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from compiled_engine.apps.bench.router import bench_router
+    from benchmarks.router import bench_router
 
     result = bench_router(args.model, args.serve_args, args.replicas, args.routers.split(","),
                           args.overhead_requests, args.tenants, args.questions,

@@ -1,5 +1,5 @@
 """Compiled vs eager, side by side in one process:
-`python -m compiled_engine.apps.bench.decode_step`.
+`python -m benchmarks.decode_step`.
 
 1. Demo model (fp32): decode step latency at batch 1/8/32 (context 128 per row), eager vs each
    compile mode.
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from compiled_engine.apps.bench.models import bench_model_dir
+from benchmarks.models import bench_model_dir
 from compiled_engine.models.loader import load_model
 from compiled_engine.runner.compiled_forward import COMPILE_MODES, CompiledForward
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig

@@ -14,8 +14,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from compiled_engine.apps.bench.datasets import BenchRequest, Session, all_requests, rounds
-from compiled_engine.apps.bench.metrics import RequestTiming
+from benchmarks.datasets import BenchRequest, Session, all_requests, rounds
+from benchmarks.metrics import RequestTiming
 from compiled_engine.llm import LLM
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.startup import resolve_device

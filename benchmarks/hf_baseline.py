@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.apps.bench.datasets import BenchRequest, Session, all_requests
-from compiled_engine.apps.bench.metrics import RequestTiming
+from benchmarks.datasets import BenchRequest, Session, all_requests
+from benchmarks.metrics import RequestTiming
 from compiled_engine.models.gguf_checkpoint import is_gguf, open_gguf
 
 PAD_ID = 0

@@ -1,4 +1,4 @@
-"""`python -m compiled_engine.apps.bench.host_time`: the host's time per decode step against the
+"""`python -m benchmarks.host_time`: the host's time per decode step against the
 device's, at one batch size (#15's target on a GPU: host under 10% of the GPU step at batch 64).
 
 The host's part of a step is `Engine.step` minus its wait for the previous step's tokens (under
@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from compiled_engine.apps.bench.engine_run import build_llm, close_llm
-from compiled_engine.apps.bench.models import BENCH_NAME, resolve_bench_model
+from benchmarks.engine_run import build_llm, close_llm
+from benchmarks.models import BENCH_NAME, resolve_bench_model
 from compiled_engine.runner import model_runner
 from compiled_engine.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""`python -m compiled_engine.apps.bench.jax_bridge`: what a JAX logits processor costs per decode
+"""`python -m benchmarks.jax_bridge`: what a JAX logits processor costs per decode
 step, at batch 1 and 32 on the bench model, against the same rule built in (torch:
 `repetition_penalty`) and against no processing, in one process, variants alternating.
 
@@ -18,8 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from compiled_engine.apps.bench.engine_run import build_llm, close_llm
-from compiled_engine.apps.bench.models import BENCH_NAME, resolve_bench_model
+from benchmarks.engine_run import build_llm, close_llm
+from benchmarks.models import BENCH_NAME, resolve_bench_model
 from compiled_engine.sampling_params import SamplingParams
 
 PENALTY = 1.3

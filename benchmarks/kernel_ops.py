@@ -1,4 +1,4 @@
-"""Benchmark the kernel ops: `python -m compiled_engine.apps.bench.kernel_ops` (CPU ops vs their
+"""Benchmark the kernel ops: `python -m benchmarks.kernel_ops` (CPU ops vs their
 portable implementations and the reference), `--linear` (CPU bf16 linear: torch vs pre-packed oneDNN
 vs the op), `--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
 

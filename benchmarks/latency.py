@@ -11,8 +11,8 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from compiled_engine.apps.bench.datasets import BenchRequest, LengthRange, Session, random_dataset
-from compiled_engine.apps.bench.engine_run import build_llm, close_llm, run_rounds
+from benchmarks.datasets import BenchRequest, LengthRange, Session, random_dataset
+from benchmarks.engine_run import build_llm, close_llm, run_rounds
 
 
 @dataclass

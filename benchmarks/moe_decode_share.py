@@ -5,8 +5,8 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.models import QWEN3_MOE_NAME, bench_model_dir
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.apps.bench.models import QWEN3_MOE_NAME, bench_model_dir
 
 BATCH, STEPS = 32, 20
 

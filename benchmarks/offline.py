@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compiled_engine.apps.bench.datasets import Session
-from compiled_engine.apps.bench.engine_run import build_llm, close_llm, run_rounds
-from compiled_engine.apps.bench.metrics import Summary, summarize
+from benchmarks.datasets import Session
+from benchmarks.engine_run import build_llm, close_llm, run_rounds
+from benchmarks.metrics import Summary, summarize
 
 
 def _variant(name: str, base: dict) -> tuple[str, dict]:
@@ -102,7 +102,7 @@ def engine_run(model_dir: str, sessions: list[Session], label: str,
 
 def hf_run(model_dir: str, sessions: list[Session], dtype: str = "auto",
            device: str = "auto") -> tuple[OfflineRun, dict[int, list[int]]]:
-    from compiled_engine.apps.bench.hf_baseline import load_hf_model, run_hf
+    from benchmarks.hf_baseline import load_hf_model, run_hf
 
     timings, duration, outputs = run_hf(load_hf_model(model_dir, dtype, device), sessions)
     label = "transformers generate" + ("" if dtype == "auto" else f" ({dtype})")

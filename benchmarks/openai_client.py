@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from compiled_engine.apps.bench.metrics import RequestTiming
+from benchmarks.metrics import RequestTiming
 
 
 def completion_body(model: str, prompt: list[int] | str, max_tokens: int) -> dict:

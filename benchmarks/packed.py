@@ -2,7 +2,7 @@
 512-token prefill and batch-1 greedy decode (128 tokens after a 128-token prompt), best of
 `--rounds`, the weights' bytes and the process RSS. One mode per process; alternate them for an A/B:
 
-    for m in packed none packed none; do .venv/bin/python scripts/bench_packed.py $m; done
+    for m in packed none packed none; do .venv/bin/python -m benchmarks.packed $m; done
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the loader makes on a bf16 CPU), and the bf16 weight through deterministic mode's linear, on random
 blocks; best of 5 batches of calls, microseconds per call. Not part of CI:
 
-    .venv/bin/python scripts/bench_packed_kernel.py
+    .venv/bin/python -m benchmarks.packed_kernel
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 if TYPE_CHECKING:
-    from compiled_engine.apps.bench.latency import LatencyRun
-    from compiled_engine.apps.bench.offline import OfflineRun
-    from compiled_engine.apps.bench.serve_run import ServeRun
+    from benchmarks.latency import LatencyRun
+    from benchmarks.offline import OfflineRun
+    from benchmarks.serve_run import ServeRun
 
 
 def _save(fig, path: Path) -> Path:

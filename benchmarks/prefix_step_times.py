@@ -2,11 +2,12 @@
 (requests, new tokens) and how long it took, and the mean decode step. Shows where a median TTFT
 comes from.
 
-    .venv/bin/python scripts/prefix_step_times.py --prefix-cache naive --small
+    .venv/bin/python -m benchmarks.prefix_step_times --prefix-cache naive --small
 
 To compare two revisions on a noisy machine, alternate runs of this script against each: `git
-worktree add /tmp/old REV`, then `PYTHONPATH=/tmp/old .venv/bin/python scripts/prefix_step_times.py
-...` (the engine comes from PYTHONPATH, so /tmp/old's) and the same without PYTHONPATH.
+worktree add /tmp/old REV`, then `PYTHONPATH=/tmp/old .venv/bin/python -m
+benchmarks.prefix_step_times ...` (the engine comes from PYTHONPATH, so /tmp/old's) and the same
+without PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from compiled_engine.apps.bench.datasets import PrefixShape, prefix_dataset
-from compiled_engine.apps.bench.engine_run import build_llm, close_llm, run_rounds
-from compiled_engine.apps.bench.metrics import summarize
-from compiled_engine.apps.bench.models import bench_model_dir
+from benchmarks.datasets import PrefixShape, prefix_dataset
+from benchmarks.engine_run import build_llm, close_llm, run_rounds
+from benchmarks.metrics import summarize
+from benchmarks.models import bench_model_dir
 
 # the benchmarks page's online shape
 SMALL = PrefixShape(system_len=1024, num_shared=16, num_chats=4, turns=3)

@@ -88,7 +88,7 @@ class ServeProcess:
             pin = functools.partial(os.sched_setaffinity, 0, self.cpus)
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "compiled_engine", "serve", *self.args,
+                [sys.executable, "-m", "cli", "serve", *self.args,
                  "--port", str(self.port)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                 preexec_fn=pin,

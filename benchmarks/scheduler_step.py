@@ -1,5 +1,5 @@
 """CPU cost of `schedule()` + `commit()` per decode step:
-`python -m compiled_engine.apps.bench.scheduler_step`.
+`python -m benchmarks.scheduler_step`.
 
 The model is left out: each step "samples" a constant token, so only the ledger is timed. Two pools:
 one with room to spare, and a full one (`--full-pool`: the prefix cache holds every page, as in a

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from compiled_engine.apps.bench.datasets import BenchRequest, Session
-from compiled_engine.apps.bench.metrics import RequestTiming, Summary, summarize
-from compiled_engine.apps.bench.openai_client import (
+from benchmarks.datasets import BenchRequest, Session
+from benchmarks.metrics import RequestTiming, Summary, summarize
+from benchmarks.openai_client import (
     completion_body,
     fetch_metrics,
     metric_value,

@@ -1,4 +1,4 @@
-"""The cost of structured output: `python -m compiled_engine.apps.bench.structured`.
+"""The cost of structured output: `python -m benchmarks.structured`.
 
 1. Mask cost per constrained row per step: filling a request's token mask (xgrammar) and applying it
    in the sampler, on SmolLM2's 49152-token vocabulary, for a JSON schema and a regex.
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from compiled_engine.apps.bench.models import bench_model_dir
+from benchmarks.models import bench_model_dir
 from compiled_engine.constraints import GrammarBook
 from compiled_engine.llm import LLM
 from compiled_engine.models.names import SMOLLM2_NAME, resolve_model

@@ -1,4 +1,4 @@
-"""Eager vs cold vs warm start-up, side by side: `python -m compiled_engine.apps.bench.warmup_times
+"""Eager vs cold vs warm start-up, side by side: `python -m benchmarks.warmup_times
 [--models smollm2]`.
 
 Each start is a fresh process that builds `LLM(...)` with the engine's defaults and generates one
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compiled_engine.apps.bench.models import BENCH_NAME, bench_model_dir
+from benchmarks.models import BENCH_NAME, bench_model_dir
 from compiled_engine.models.demo import DEMO_NAME
 from compiled_engine.models.names import SMOLLM2_NAME
 from compiled_engine.runner.buckets import parse_buckets
@@ -80,7 +80,7 @@ def bench(name: str, kwargs: dict, tmp: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m compiled_engine.apps.bench.warmup_times", description=__doc__
+        prog="python -m benchmarks.warmup_times", description=__doc__
     )
     p.add_argument(
         "--models", default=SMOLLM2_NAME, help=f"comma-separated: smollm2, demo, {BENCH_NAME}"

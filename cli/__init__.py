@@ -1,1 +1,2 @@
-"""Tools over the engine: the console script, warm-up, torchrun entry and the benchmarks."""
+"""The `compiled-engine` command (main.py: serve, generate, chat, warmup, bench, demo-model) and the
+JSONL entry for TP across hosts under torchrun (torchrun_entry.py)."""

@@ -7,9 +7,9 @@ import os
 import sys
 
 import kernels
-from compiled_engine.apps.bench.cli import add_bench_parser
-from compiled_engine.apps.chat import run_chat
-from compiled_engine.apps.warmup import add_warmup_parser
+from benchmarks.cli import add_bench_parser
+from cli.chat import run_chat
+from cli.warmup import add_warmup_parser
 from compiled_engine.engine_args import add_engine_args, engine_config
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model

@@ -5,7 +5,7 @@ places the ranks.
 
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE --master-addr $HEAD \\
         --master-port 29500 \\
-        -m compiled_engine.apps.torchrun_entry --model /ckpt --prompts in.jsonl --output out.jsonl
+        -m cli.torchrun_entry --model /ckpt --prompts in.jsonl --output out.jsonl
 
 Input lines: {"prompt": "text"} or {"prompt_ids": [1, 2, 3]}, optionally "params": {SamplingParams
 fields}. Output lines: {"index", "token_ids", "text", "finish_reason"} (or "error"), in the order
@@ -92,7 +92,7 @@ def read_requests(path: str, tokenizer, defaults: SamplingParams) -> list[Add]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compiled_engine.apps.torchrun_entry",
+    parser = argparse.ArgumentParser(prog="python -m cli.torchrun_entry",
                                      description=__doc__.split("\n\n")[0])
     add_engine_args(parser)
     parser.add_argument("--prompts", required=True, help="JSONL requests (read on rank 0)")

@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-from kernel_batches import PagedBatch, make_batch  # noqa: E402
-
+sys.path.insert(0, str(ROOT))
 from kernels import ops  # noqa: E402
 from kernels.cpu import build as native_build  # noqa: E402
+from tests.helpers.kernel_batches import PagedBatch, make_batch  # noqa: E402
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 

@@ -89,11 +89,11 @@ step() {
 step kernels 90 "passed|failed|skipped" "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_cuda.py
 step engine 170 "passed|failed|skipped|logprob error" "$py" -m pytest -q -s -p no:cacheprovider \
   tests/engine/test_cuda_engine.py
-step latency 150 "faster" "$py" -m compiled_engine bench latency --model "$model" --device "$device" \
+step latency 150 "faster" "$py" -m cli bench latency --model "$model" --device "$device" \
   --batch "$batches" --input-len 128 --output-len 64 --compare eager --json "$out/latency.json"
-step host 40 "host" "$py" -m compiled_engine.apps.bench.host_time --model "$model" --device "$device" \
+step host 40 "host" "$py" -m benchmarks.host_time --model "$model" --device "$device" \
   --batch "$host_batch" --steps "$steps" --json "$out/host_time.json"
-step offline 200 "x output" "$py" -m compiled_engine bench offline --model "$model" --device "$device" \
+step offline 200 "x output" "$py" -m cli bench offline --model "$model" --device "$device" \
   --num-prompts "$prompts" --input-len "$lengths" --output-len "$lengths" --compare hf --json "$out/offline.json"
 
 echo >>"$summary"

@@ -15,7 +15,7 @@ from compiled_engine.speculative.config import SpeculativeConfig
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "compiled_engine", *args],
+        [sys.executable, "-m", "cli", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -44,7 +44,7 @@ def _configure_dynamo() -> None:
 
 # `EngineConfig.compile_mode` -> inductor options, applied on the CPU only (a GPU always compiles in
 # the default mode, then captures CUDA graphs). Compared with `python -m
-# compiled_engine.apps.bench.decode_step` (docs/benchmarks.md):
+# benchmarks.decode_step` (docs/benchmarks.md):
 #   default    generated C++ for the pointwise ops; linears call torch's GEMM (fp32) or
 #              `kernels::linear` (bf16: weights prepared once for the CPU's fastest GEMM).
 #              Precompiled and cached: warm starts are fast.

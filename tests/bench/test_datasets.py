@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from compiled_engine.apps.bench.datasets import (
+from benchmarks.datasets import (
     FIRST_ID,
     LengthRange,
     PrefixShape,

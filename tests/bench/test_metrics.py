@@ -8,8 +8,8 @@ import statistics
 
 import numpy as np
 
-from compiled_engine.apps.bench.metrics import RequestTiming, percentile, summarize
-from compiled_engine.apps.bench.serve_run import arrival_times
+from benchmarks.metrics import RequestTiming, percentile, summarize
+from benchmarks.serve_run import arrival_times
 
 
 def test_percentile_matches_numpy() -> None:

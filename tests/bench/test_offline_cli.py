@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from compiled_engine.apps.cli import main
+from cli.main import main
 
 
 def test_offline_random_with_baselines_writes_json_and_plot(tmp_path, capsys) -> None:

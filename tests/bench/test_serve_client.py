@@ -7,14 +7,14 @@ import asyncio
 import json
 import math
 
-from compiled_engine.apps.bench.datasets import (
+from benchmarks.datasets import (
     BenchRequest,
     LengthRange,
     PrefixShape,
     prefix_dataset,
 )
-from compiled_engine.apps.bench.serve_run import ServeOptions, run_serve
-from compiled_engine.apps.cli import main
+from benchmarks.serve_run import ServeOptions, run_serve
+from cli.main import main
 from tests.bench.fake_openai_server import REJECTED_FIRST_ID, fake_server
 
 

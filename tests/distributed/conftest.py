@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compiled_engine.models.demo import demo_model_dir
-from tests.models._model_utils import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import start_server
+from tests.helpers.servers import start_server
 
 pytestmark = pytest.mark.slow
 

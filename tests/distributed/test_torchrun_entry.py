@@ -1,4 +1,4 @@
-"""`torchrun -m compiled_engine.apps.torchrun_entry`: two ranks from torchrun's environment
+"""`torchrun -m cli.torchrun_entry`: two ranks from torchrun's environment
 (env:// rendezvous, no launcher) answer a JSONL file as one rank does."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_two_torchrun_ranks_answer_a_jsonl_file(tmp_path: Path, demo_dir: str) -
         "--nproc-per-node",
         "2",
         "-m",
-        "compiled_engine.apps.torchrun_entry",
+        "cli.torchrun_entry",
         "--model",
         demo_dir,
         "--enforce-eager",

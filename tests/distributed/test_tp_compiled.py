@@ -25,7 +25,7 @@ from compiled_engine.ranks.launcher import free_port
 from compiled_engine.runner.compile_cache import list_entries
 from compiled_engine.sampling_params import StructuredOutput
 from tests.distributed.conftest import hf_greedy, ragged_prompts
-from tests.server.conftest import slow_schema, start_server
+from tests.helpers.servers import slow_schema, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def warm_root(tmp_path_factory) -> str:
         [
             sys.executable,
             "-m",
-            "compiled_engine.apps.cli",
+            "cli.main",
             "warmup",
             "--model",
             "demo",
@@ -169,7 +169,7 @@ def _torchrun_node(node: int, master_port: int, http_port: int, warm_root: str, 
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-        "-m", "compiled_engine", "serve", "--model", "demo", "--port", str(http_port),
+        "-m", "cli", "serve", "--model", "demo", "--port", str(http_port),
         "--compile-cache-dir", warm_root, "--num-pages", "1024", "--max-running", "8",
         "--chunk-budget", "64", "--deterministic",
     ]
@@ -181,7 +181,7 @@ def _torchrun_node(node: int, master_port: int, http_port: int, warm_root: str, 
 def test_serve_under_torchrun_on_two_hosts_equals_tp1_and_fails_cleanly(
     tmp_path: Path, warm_root: str, prompts: list[list[int]], tp1_tokens: list[list[int]]
 ) -> None:
-    """`torchrun --nnodes 2 ... -m compiled_engine serve`: rank 0 serves HTTP, TP=2 over gloo
+    """`torchrun --nnodes 2 ... -m cli serve`: rank 0 serves HTTP, TP=2 over gloo
     across the two "hosts", greedy tokens equal TP=1's; a rank killed on host 1 fails the replica
     at once (503 on /health, so a router routes around it) and both hosts' jobs end."""
     master, port = free_port(), free_port()

@@ -15,7 +15,7 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from tests.engine.conftest import ragged_prompts
-from tests.parity.oracle import Bounds, check, hf_fp32_greedy
+from tests.helpers.oracle import Bounds, check, hf_fp32_greedy
 from tests.parity.test_parity_matrix import FP32, NEW_TOKENS, bf16_bounds
 
 pytestmark = [
@@ -187,7 +187,7 @@ def test_qwen3_moe_on_the_gpu(tmp_path, dtype: str) -> None:
     error), and the op equal to the portable one."""
     from kernels import ops
     from kernels.portable.moe import fused_moe as portable_fused_moe
-    from tests.models._model_utils import BASE, MOE, make_checkpoint
+    from tests.helpers.checkpoints import BASE, MOE, make_checkpoint
 
     path = make_checkpoint(str(tmp_path), "Qwen3MoeForCausalLM", torch.float32,
                            **MOE | {"norm_topk_prob": True})

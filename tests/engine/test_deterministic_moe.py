@@ -18,7 +18,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 from tests.engine.test_deterministic import GREEDY, PROBE, SEEDED, _others, _run
-from tests.models._model_utils import MOE, make_checkpoint
+from tests.helpers.checkpoints import MOE, make_checkpoint
 
 pytestmark = pytest.mark.slow
 REACHED: collections.Counter = collections.Counter()  # what the property's examples went through

@@ -4,7 +4,7 @@ from it (the bf16 spread: the worst of transformers' own bf16 run at the portabl
 emulated bf16 runs that are the same on every CPU); and how an engine's greedy outputs agree with
 it.
 
-Run as `python -m tests.parity.oracle IN OUT` it measures a spread in this process (what
+Run as `python -m tests.helpers.oracle IN OUT` it measures a spread in this process (what
 `hf_bf16_spread` starts at the portable level)."""
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _portable_hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Ref
         )
         env = os.environ | isa.env_caps(isa.PORTABLE)
         run = subprocess.run(
-            [sys.executable, "-m", "tests.parity.oracle", str(given), str(got)],
+            [sys.executable, "-m", "tests.helpers.oracle", str(given), str(got)],
             cwd=REPO,
             env=env,
             capture_output=True,

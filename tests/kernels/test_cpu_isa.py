@@ -86,6 +86,6 @@ def test_an_unknown_level_is_a_clear_error() -> None:
         timeout=60,
     )
     assert out.returncode != 0 and message in out.stderr
-    cli = [sys.executable, "-m", "compiled_engine", "generate", "--prompt", "hi"]
+    cli = [sys.executable, "-m", "cli", "generate", "--prompt", "hi"]
     out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == f"error: {message}", out.stderr

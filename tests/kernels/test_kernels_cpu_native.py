@@ -4,11 +4,11 @@ built."""
 
 import pytest
 import torch
-from kernel_batches import make_batch
 
 from kernels import ops, reference
 from kernels.cpu import build
 from kernels.portable import attention as portable_attention
+from tests.helpers.kernel_batches import make_batch
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_batches import make_batch
 
 from kernels import ops, reference
 from kernels.portable import attention as cpu_attention
+from tests.helpers.kernel_batches import make_batch
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # The op (the native kernels where they load: on an AVX512 CPU without AMX an extend runs as decode

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import ops, reference
-from tests.kernels.kernel_batches import make_batch
+from tests.helpers.kernel_batches import make_batch
 
 NATIVE = ops.load_cpu_kernels()
 IMPLS = ["native", "portable"] if NATIVE else ["portable"]

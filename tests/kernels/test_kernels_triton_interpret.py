@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from kernel_batches import make_batch
 
 from kernels import reference
+from tests.helpers.kernel_batches import make_batch
 
 pytestmark = [
     pytest.mark.skipif(

@@ -12,12 +12,12 @@ import gguf
 import pytest
 import torch
 from _gguf_utils import TOKENIZER_VOCAB, write_gguf
-from _model_utils import MOE, make_checkpoint
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.loader import CheckpointError, load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.tokenization import load_tokenizer
+from tests.helpers.checkpoints import MOE, make_checkpoint
 
 Q = gguf.GGMLQuantizationType
 # Rows of 32-value blocks (Q8_0 / Q4_0), the tokenizer's vocabulary. Qwen3's head_dim is its

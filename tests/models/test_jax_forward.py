@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from compiled_engine.jax.llama import JaxLlama, bucket
-from tests.models._model_utils import MODEL_TYPES, make_checkpoint
-from tests.parity.oracle import hf_fp32_greedy
+from tests.helpers.checkpoints import MODEL_TYPES, make_checkpoint
+from tests.helpers.oracle import hf_fp32_greedy
 
 PROMPTS = [list(range(3, 40)), [7, 11, 13, 17], [5]]
 NEW_TOKENS = 10

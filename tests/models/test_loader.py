@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _model_utils import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from compiled_engine.models.loader import CheckpointError, load_model
 from compiled_engine.models.registry import supported_architectures
+from tests.helpers.checkpoints import make_checkpoint
 
 WEIGHTS = "model.safetensors"
 

@@ -24,9 +24,9 @@ from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.models.loader import load_model
 from compiled_engine.parallel import parallel_state as ps
 from kernels.packed import FORMATS, PackedWeight, quantize
-from tests.models._model_utils import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
 from tests.models.test_packed_weights import SHAPE as DENSE_SHAPE
-from tests.parity.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
 
 Q = gguf.GGMLQuantizationType
 # the dense packed tests' shape (K-quant rows of 256), every layer routed; the experts' intermediate

@@ -7,7 +7,7 @@ load with their linears and embedding packed, and answer as transformers fp32 do
 - bf16 compute, eager and compiled (the native kernels, which quantize activations to int16 per
   row and block of 32, on the weights' rows interleaved 16 at a time): greedy tokens equal up to
   near ties, log-probs within the parity bound of
-  transformers' own bf16 run (`tests.parity.oracle`), the error printed;
+  transformers' own bf16 run (`tests.helpers.oracle`), the error printed;
 - TP=2 (columns and rows of blocks split over two ranks): TP=1's tokens, within the same bound.
 `--quantization int8` on a safetensors checkpoint is held to the same bound (against fp32 on the
 original weights)."""
@@ -20,12 +20,12 @@ import gguf
 import pytest
 import torch
 from _gguf_utils import TOKENIZER_VOCAB, write_gguf
-from _model_utils import make_checkpoint
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.demo import demo_model_dir
 from kernels.packed import PackedWeight
-from tests.parity.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
+from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
 
 Q = gguf.GGMLQuantizationType
 # K-quants need rows of 256: hidden 256, intermediate 512; 4 heads of 64 over 2 KV heads (TP=2

@@ -3,9 +3,9 @@
 
 import pytest
 import torch
-from _model_utils import PagedKV, greedy, hf_greedy, hf_model, make_checkpoint, step
 
 from compiled_engine.models.loader import load_model
+from tests.helpers.checkpoints import PagedKV, greedy, hf_greedy, hf_model, make_checkpoint, step
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -14,8 +14,8 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.layers.moe import FusedMoE
 from kernels import ops
 from kernels.packed import FORMATS, quantize
-from tests.models._model_utils import MOE, make_checkpoint
-from tests.parity.oracle import Bounds, check, hf_fp32_greedy
+from tests.helpers.checkpoints import MOE, make_checkpoint
+from tests.helpers.oracle import Bounds, check, hf_fp32_greedy
 
 PROMPTS = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29], [5], list(range(100, 190, 3))]
 NEW_TOKENS = 10

@@ -2,10 +2,10 @@
 
 import torch
 import torch.multiprocessing as mp
-from _model_utils import PagedKV, free_port, greedy, init_gloo, make_checkpoint, step
 
 from compiled_engine.models.loader import load_model
 from compiled_engine.parallel import parallel_state as ps
+from tests.helpers.checkpoints import PagedKV, free_port, greedy, init_gloo, make_checkpoint, step
 
 PROMPTS = [list(range(3, 30)), [400, 401, 499, 250, 251, 9, 8, 7]]
 NEW_TOKENS = 16

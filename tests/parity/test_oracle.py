@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compiled_engine.llm import CompletionOutput
-from tests.parity.oracle import Bounds, Reference, Spread, check
+from tests.helpers.oracle import Bounds, Reference, Spread, check
 
 VOCAB, STEPS = 50, 6
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -138,7 +138,7 @@ def test_each_way_of_being_wrong_fails(engine: FakeEngine, message: str) -> None
 def test_the_emulated_bf16_rounding_is_bf16_noise_and_the_same_for_a_seed() -> None:
     """`bf16_rounding` rounds each value to one of its two bf16 neighbours, up as often as the
     distance says (unbiased), and a seed gives the same bits every time."""
-    from tests.parity.oracle import bf16_rounding
+    from tests.helpers.oracle import bf16_rounding
 
     linear = torch.nn.Linear(64, 64)  # the identity: what comes out is the input, rounded
     with torch.no_grad():

@@ -6,7 +6,7 @@ fp32); fp32 on the random ones. Greedy tokens
 equal fp32's except at near ties (fp32's top two within 0.25), at least half of all steps compared;
 where they agree, the engine's log-probabilities are as close to fp32's as transformers' own bf16
 run is, measured at the portable ISA level so the bound is the same on every CPU
-(`tests.parity.oracle`: chosen tokens and the typical step bounded, the largest low-ranked error
+(`tests.helpers.oracle`: chosen tokens and the typical step bounded, the largest low-ranked error
 reported and held to a wide sanity bound, the engine's top tokens ranked where fp32 ranks them);
 fp32 within 1e-4. `make test` runs this module again under each COMPILED_ENGINE_CPU_ISA level below
 this CPU's (`-m parity`), so that an AMX machine runs the code a Zen4 or an AVX2 machine runs. The
@@ -25,8 +25,8 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.models.names import resolve_model, smollm2_path
 from compiled_engine.tokenization import encode_chat, load_tokenizer
-from tests.models._model_utils import make_checkpoint
-from tests.parity.oracle import (
+from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.oracle import (
     TOP,
     Bounds,
     Reference,
@@ -96,7 +96,7 @@ def test_random_checkpoints_three_ways(random_bf16) -> None:
     """The second oracle: the JAX reference forward (fp32) agrees with transformers fp32, and the
     engine in fp32 agrees with it as it does with transformers."""
     from compiled_engine.jax.llama import JaxLlama
-    from tests.parity.oracle import Reference
+    from tests.helpers.oracle import Reference
 
     path, refs, _ = random_bf16
     jax_model = JaxLlama(path)

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from benchmarks.speculative import WORKLOADS
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.apps.bench.speculative import WORKLOADS
 from compiled_engine.models.names import smollm2_path
 from compiled_engine.sampling_params import StructuredOutput
 from tests.parity.test_parity_matrix import ENGINE

@@ -16,7 +16,7 @@ from torch._inductor import metrics
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.runner import precompiled
-from tests.models._model_utils import hf_greedy, hf_model, make_checkpoint
+from tests.helpers.checkpoints import hf_greedy, hf_model, make_checkpoint
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 17, 42, 9, 3], [100, 7]]

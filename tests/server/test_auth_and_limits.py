@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.helpers.servers import RunningServer, start_server
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

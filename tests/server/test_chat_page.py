@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import RunningServer, assert_kv_all_free, start_server, wait_idle
+from tests.helpers.servers import RunningServer, assert_kv_all_free, start_server, wait_idle
 
 INSTALL = "apt-get install -y --no-install-recommends chromium chromium-driver"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from tests.server.conftest import assert_kv_all_free, start_server
+from tests.helpers.servers import assert_kv_all_free, start_server
 
 TOLERANCE = 1e-5
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "a", "Embeddings from a decoder " * 20]

@@ -12,7 +12,7 @@ import pytest
 
 from compiled_engine.llm import LLM
 from compiled_engine.sampling_params import SamplingParams
-from tests.server.conftest import ENGINE, assert_kv_all_free, wait_idle
+from tests.helpers.servers import ENGINE, assert_kv_all_free, wait_idle
 
 PROMPTS = ["Hello world", "The capital of France is", "def fib(n):"]
 # As many tokens as the demo model's context leaves a short prompt: a request cut short is told from

@@ -9,7 +9,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import assert_kv_all_free, wait_idle
+from tests.helpers.servers import assert_kv_all_free, wait_idle
 
 junk = st.recursive(
     st.none()

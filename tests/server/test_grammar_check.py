@@ -13,7 +13,7 @@ from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.sampling_params import StructuredOutput
 from server.grammar_check import GrammarChecker
 from server.request_errors import ProtocolError
-from tests.server.conftest import slow_schema
+from tests.helpers.servers import slow_schema
 
 
 def _verdict(checker: GrammarChecker, spec: StructuredOutput, field: str) -> ProtocolError | None:

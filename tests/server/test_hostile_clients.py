@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server.conftest import (
+from tests.helpers.servers import (
     RunningServer,
     assert_kv_all_free,
     slow_schema,

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import assert_kv_all_free, sse_events, wait_idle
+from tests.helpers.servers import assert_kv_all_free, sse_events, wait_idle
 
 
 def _stream(http: httpx.Client, path: str, body: dict) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from compiled_engine.models.demo import demo_model_dir
 from tests.distributed.conftest import hf_greedy, ragged_prompts
-from tests.server.conftest import RunningServer, assert_kv_all_free, start_server, wait_idle
+from tests.helpers.servers import RunningServer, assert_kv_all_free, start_server, wait_idle
 
 NEW_TOKENS = 10
 PROMPTS = ragged_prompts(16, vocab=8000)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.conftest import assert_kv_all_free, wait_idle
+from tests.helpers.servers import assert_kv_all_free, wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import json
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from tests.server.conftest import RunningServer
+from tests.helpers.servers import RunningServer
 
 pytestmark = pytest.mark.slow
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from compiled_engine.apps.bench.router import (
+from benchmarks.router import (
     ROUTERS,
     WORDS,
     prefix_counts,
@@ -25,7 +25,7 @@ from compiled_engine.apps.bench.router import (
     tenant_workload,
 )
 from compiled_engine.ranks.launcher import free_port
-from tests.server.conftest import RunningServer, start_server
+from tests.helpers.servers import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 

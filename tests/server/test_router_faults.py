@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from compiled_engine.apps.bench.router import (
+from benchmarks.router import (
     ServeProcess,
     metric,
     prefix_counts,
@@ -24,7 +24,7 @@ from tests.server.test_routers import COMPLETION
 
 pytestmark = pytest.mark.slow
 
-# the settings of tests/server/conftest.py's servers: the same compile-cache entry
+# the settings of tests/helpers/servers.py's servers: the same compile-cache entry
 SERVE = ["--model", "demo", "--num-pages", "8192", "--max-running", "32", "--deterministic"]
 ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                  "--health-success-threshold", "1", "--health-check-timeout-secs", "2")

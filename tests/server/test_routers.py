@@ -12,8 +12,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from compiled_engine.apps.bench.router import ROUTERS, running_router
-from tests.server.conftest import RunningServer, start_server
+from benchmarks.router import ROUTERS, running_router
+from tests.helpers.servers import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Name a color."}],

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from compiled_engine.apps.bench.speculative import PASSAGE
+from benchmarks.speculative import PASSAGE
+from tests.helpers.servers import RunningServer, start_server
 from tests.parity.test_parity_matrix import ENGINE
-from tests.server.conftest import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 SPEC = {"method": "ngram", "num_speculative_tokens": 7}

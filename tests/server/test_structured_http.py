@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import assert_kv_all_free, wait_idle
+from tests.helpers.servers import assert_kv_all_free, wait_idle
 
 SCHEMAS = {
     "nested objects and required fields": {

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.helpers.servers import RunningServer, start_server
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ PIN_SOURCES = "import compiled_engine.runner.compile_cache.key as k; k.TRACED_SO
 
 WARMUP = (
     PIN_SOURCES
-    + "import sys; from compiled_engine.apps.cli import main; sys.exit(main(sys.argv[1:]))\n"
+    + "import sys; from cli.main import main; sys.exit(main(sys.argv[1:]))\n"
 )
 
 START = PIN_SOURCES + """

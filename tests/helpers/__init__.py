@@ -1,0 +1,2 @@
+"""What several test folders share: servers, the transformers oracle, checkpoints, kernel
+batches."""
