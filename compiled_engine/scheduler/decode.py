@@ -14,6 +14,8 @@ commit)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
@@ -24,12 +26,13 @@ from compiled_engine.scheduler.request import Proposer, Request, Status
 class DecodePlanner:
     """The running requests (in admission order: retraction takes the last) and their decodes."""
 
-    def __init__(self, config: SchedulerConfig, book: KvBook) -> None:
-        self.config, self.book = config, book
+    def __init__(self, config: SchedulerConfig, book: KvBook,
+                 requeue: Callable[[Request], None]) -> None:
+        """`requeue`: takes a retracted request (to the front of the waiting queue)."""
+        self.config, self.book, self._requeue = config, book, requeue
         self.propose: Proposer | None = None  # the draft tokens of a request's next step
         self.running: list[Request] = []
         self.num_retractions = 0
-        self._retracted: list[Request] = []
 
     def admit(self, reqs: list[Request]) -> None:
         self.running.extend(reqs)
@@ -37,9 +40,8 @@ class DecodePlanner:
     def drop(self, req: Request) -> None:
         self.running.remove(req)
 
-    def plan(self, draft: StepDraft) -> list[Request]:
-        """This step's decodes, into `draft`; returns the requests retracted meanwhile, in the order
-        they were (each goes to the front of the waiting queue)."""
+    def plan(self, draft: StepDraft) -> None:
+        """This step's decodes, into `draft` (retracting requests when the pool runs dry)."""
         ps = self.book.page_size
         spec = self.config.speculative
         speculating = spec is not None and self.propose is not None
@@ -86,8 +88,6 @@ class DecodePlanner:
                 req.spec.verify_step = draft.step
             req.planned_len = c + n
             req.device_len = d + n
-        retracted, self._retracted = self._retracted, []
-        return retracted
 
     def _drafts(self, req: Request, step: int, spare: int, reserve: int) -> tuple[int, ...]:
         """The draft tokens of `req`'s next step, as many as its limits, the budget and the free
@@ -149,7 +149,7 @@ class DecodePlanner:
         self.running.remove(req)
         self.book.release(req)
         req.status = Status.WAITING
-        self._retracted.append(req)
+        self._requeue(req)
         self.num_retractions += 1
 
 

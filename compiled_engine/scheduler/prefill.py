@@ -23,10 +23,9 @@ class PrefillPlanner:
         # steps a waiting request deferred admission to share a running prefill
         self.num_prefix_waits = 0
 
-    def requeue(self, retracted: list[Request]) -> None:
-        """Retracted requests go first, the latest retracted at the front."""
-        for req in retracted:
-            self.waiting.appendleft(req)
+    def requeue(self, retracted: Request) -> None:
+        """A retracted request goes first (the latest retracted at the front)."""
+        self.waiting.appendleft(retracted)
 
     def plan(self, draft: StepDraft, budget: int, running: list[Request]) -> list[Request]:
         """This step's prefill chunks, into `draft`: those of `running` requests still prefilling,

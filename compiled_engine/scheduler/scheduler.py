@@ -59,9 +59,9 @@ class Scheduler:
         self.config = config
         self.spec = SpecCounters()
         self.book = KvBook(config)
-        self.decodes = DecodePlanner(config, self.book)
-        self.decodes.propose = propose
         self.prefills = PrefillPlanner(config, self.book)
+        self.decodes = DecodePlanner(config, self.book, self.prefills.requeue)
+        self.decodes.propose = propose
         self.live: dict[str, Request] = {}  # waiting or running
         self.inflight: deque[tuple[StepPlan, tuple[Request, ...]]] = deque()
         self._eos = frozenset(config.eos_token_ids)
@@ -149,12 +149,12 @@ class Scheduler:
         draft = StepDraft(self._next_step)
         budget = self.config.chunk_budget
         if self.config.mixed:
-            self._plan_decodes(draft)
+            self.decodes.plan(draft)
             self._plan_prefills(draft, budget - sum(r.length for r in draft.reqs))
         else:
             self._plan_prefills(draft, budget)
             if not draft.reqs:
-                self._plan_decodes(draft)
+                self.decodes.plan(draft)
         if not draft.reqs:
             return None
         self._next_step += 1
@@ -167,9 +167,6 @@ class Scheduler:
         )
         self.inflight.append((plan, tuple(draft.members)))
         return plan
-
-    def _plan_decodes(self, draft: StepDraft) -> None:
-        self.prefills.requeue(self.decodes.plan(draft))
 
     def _plan_prefills(self, draft: StepDraft, budget: int) -> None:
         self.decodes.admit(self.prefills.plan(draft, budget, self.decodes.running))
