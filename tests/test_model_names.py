@@ -48,7 +48,7 @@ def test_generate_answers_a_real_question_by_default() -> None:
         [
             sys.executable,
             "-m",
-            "compiled_engine",
+            "cli",
             "generate",
             "--enforce-eager",
             "--max-tokens",

@@ -160,6 +160,7 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     k times; a step's padding rows, which run through the experts too, included: eager, one per
     prefill step), and /metrics shows each layer's experts' totals and their relative loads."""
     from compiled_engine.layers.moe import expert_load
+    from compiled_engine.ranks.grammar_wait import GrammarWait
     from compiled_engine.ranks.messages import StatsRequest
     from compiled_engine.ranks.rank_loop import _stats as rank_stats
     from server.metrics import Metrics
@@ -175,7 +176,7 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     assert computed * k <= sum(load[1]) <= (computed + llm.engine.steps) * k
     assert sum(load[1]) % k == 0
     metrics = Metrics()  # fed as the server feeds it: rank 0's stats reply
-    stats = rank_stats(llm.engine, StatsRequest(0)).stats
+    stats = rank_stats(llm.engine, GrammarWait(llm.engine.grammars), StatsRequest(0)).stats
     assert stats["expert_tokens"] == load
     metrics.set_engine_stats(stats, 0)
     text = metrics.render().decode()
