@@ -1,7 +1,6 @@
 """Shared by the model tests: tiny random HF checkpoints and a minimal paged-KV driver of our
 models."""
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -143,8 +142,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo(rank: int, world: int, port: int) -> None:
+def init_gloo(rank: int, world: int, store: str) -> None:
+    """Join a gloo group that meets in the file `store` (no port to race for)."""
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -5,7 +5,7 @@ import torch.multiprocessing as mp
 
 from compiled_engine.models.loader import load_model
 from compiled_engine.parallel import parallel_state as ps
-from tests.helpers.checkpoints import PagedKV, free_port, greedy, init_gloo, make_checkpoint, step
+from tests.helpers.checkpoints import PagedKV, greedy, init_gloo, make_checkpoint, step
 
 PROMPTS = [list(range(3, 30)), [400, 401, 499, 250, 251, 9, 8, 7]]
 NEW_TOKENS = 16
@@ -18,9 +18,9 @@ def _run(path: str) -> tuple[torch.Tensor, list[list[int]]]:
     return logits, greedy(model, PROMPTS, NEW_TOKENS, page_size=4)
 
 
-def _worker(rank: int, port: int, paths: list[str], out: str) -> None:
+def _worker(rank: int, store: str, paths: list[str], out: str) -> None:
     torch.set_num_threads(1)
-    init_gloo(rank, 2, port)
+    init_gloo(rank, 2, store)
     ps.init_tensor_parallel()
     assert (ps.get_tp_rank(), ps.get_tp_size()) == (rank, 2)
     results = [_run(p) for p in paths]
@@ -39,7 +39,7 @@ def test_tp2_matches_tp1(tmp_path) -> None:
         make_checkpoint(str(tmp_path / "qwen3"), "Qwen3ForCausalLM", tie_word_embeddings=True),
     ]
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(_worker, args=(free_port(), paths, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), paths, out), nprocs=2, join=True)
     for (tp2_logits, tp2_tokens), path in zip(torch.load(out), paths, strict=True):
         tp1_logits, tp1_tokens = _run(path)
         assert tp2_logits.shape == tp1_logits.shape
