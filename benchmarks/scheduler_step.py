@@ -13,6 +13,7 @@ import time
 
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.plan import StepOutput
 from compiled_engine.scheduler.scheduler import Scheduler
 
 
@@ -35,16 +36,16 @@ def bench_decode(
         sched.add_request(f"r{i}", [i % 1000 + 1] + [7] * (prompt_len - 1), params)
     plan = sched.schedule()  # one prefill step admits everyone
     assert plan is not None and len(plan.reqs) == running
-    sched.commit(plan, [3] * running)
+    sched.commit(plan, StepOutput([3] * running))
     total = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()
         assert plan is not None and plan.is_decode
         t1 = time.perf_counter()
-        tokens = [3] * len(plan.reqs)  # the "model" (not timed)
+        output = StepOutput([3] * len(plan.reqs))  # the "model" (not timed)
         t2 = time.perf_counter()
-        sched.commit(plan, tokens)
+        sched.commit(plan, output)
         total += (t1 - t0) + (time.perf_counter() - t2)
     return total / steps
 
@@ -62,7 +63,7 @@ def _fill_cache(sched: Scheduler, cfg: SchedulerConfig, prompt_len: int = 16) ->
             i += 1
         while sched.has_work():
             plan = sched.schedule()
-            sched.commit(plan, [3] * sum(r.sample for r in plan.reqs))
+            sched.commit(plan, StepOutput([3] * sum(r.sample for r in plan.reqs)))
 
 
 def main() -> None:

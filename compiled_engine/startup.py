@@ -27,6 +27,7 @@ from compiled_engine.layers.moe import expert_load
 from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
+from compiled_engine.request_state import RequestFeatures
 from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
@@ -222,8 +223,9 @@ def build_engine(
     if config.overlap is None:
         config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
-    engine = Engine(config, model, scheduler, runner, eos, hf_config.vocab_size, grammars, report,
-                    speculative, draft_model, start_kv_events(config, scheduler))
+    features = RequestFeatures(eos, device, grammars, speculative, draft_model)
+    engine = Engine(config, model, scheduler, runner, features, report,
+                    start_kv_events(config, scheduler))
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

@@ -72,8 +72,8 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
                         sched.max_context,
                         sched.capacity_tokens,
                         sched.num_pages,
-                        engine.eos_token_ids,
-                        engine.vocab_size,
+                        sched.eos_token_ids,
+                        sched.vocab_size,
                         summaries,
                         weight_bytes(engine.model),
                         kv_pool_bytes(engine.runner),
@@ -127,7 +127,7 @@ def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
 
 
 def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
-    waiting = GrammarWait(engine.grammars)
+    waiting = GrammarWait(engine.features.grammars)
     while True:
         if spec.heartbeats is not None:
             spec.heartbeats[spec.rank] = time.monotonic()

@@ -8,7 +8,6 @@ import itertools
 from dataclasses import fields
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine import check_sampling
 from compiled_engine.ranks.launcher import EngineFailure, launch
 from compiled_engine.ranks.messages import (
     Abort,
@@ -19,6 +18,7 @@ from compiled_engine.ranks.messages import (
     StatsReply,
     StatsRequest,
 )
+from compiled_engine.request_state import check_sampling
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
 from compiled_engine.scheduler.scheduler import SchedulerStats

@@ -24,7 +24,7 @@ from compiled_engine.runner.step_inputs import (
     build_step_inputs,
     sample_targets,
 )
-from compiled_engine.scheduler.plan import StepPlan
+from compiled_engine.scheduler.plan import StepOutput, StepPlan
 
 
 @dataclass
@@ -38,19 +38,6 @@ class RunnerConfig:
     seed: int = 0
     deterministic: bool = True  # batch-invariant kernels (EngineConfig.deterministic)
     compile_mode: str = "default"  # inductor options on the CPU (`compiled_forward.COMPILE_MODES`)
-
-
-@dataclass
-class StepOutput:
-    tokens: list[int]  # one per sampled request, in plan order
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # sampled row -> why its request failed (a logits processor, a mask)
-    errors: dict[int, str] | None = None
-    # per kept prompt position (`KeptRows` order): the next prompt token's log-prob, its rank, the
-    # top alternatives
-    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
-    hidden: list[torch.Tensor] | None = None  # per `KeptRows.hidden` request: its chunk's states
 
 
 class PendingStep:

@@ -2,16 +2,29 @@
 
 from compiled_engine.scheduler.allocator import IdPool, PageAllocator
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.plan import ReqStep, SlotWrite, StepPlan, TokenEvent, TokenWrite
+from compiled_engine.scheduler.plan import (
+    ReqStep,
+    SlotWrite,
+    StepOutput,
+    StepPlan,
+    TokenEvent,
+    TokenWrite,
+)
 from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
-from compiled_engine.scheduler.request import LedgerParams, Proposer, Request, Status
+from compiled_engine.scheduler.request import (
+    LedgerParams,
+    Proposer,
+    Request,
+    RequestHooks,
+    Status,
+    TokenRejected,
+)
 from compiled_engine.scheduler.scheduler import Scheduler, SchedulerStats
 from compiled_engine.scheduler.speculation import SpecConfig
 from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [
-    "StepPlan",
     "IdPool",
     "LedgerParams",
     "NaiveCache",
@@ -21,6 +34,7 @@ __all__ = [
     "RadixCache",
     "ReqStep",
     "Request",
+    "RequestHooks",
     "RequestRejected",
     "Scheduler",
     "SchedulerConfig",
@@ -28,6 +42,9 @@ __all__ = [
     "SlotWrite",
     "SpecConfig",
     "Status",
+    "StepOutput",
+    "StepPlan",
     "TokenEvent",
+    "TokenRejected",
     "TokenWrite",
 ]

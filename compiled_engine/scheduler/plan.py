@@ -1,8 +1,13 @@
-"""The plain-data plan a scheduler step hands to the runner, and what a commit hands back."""
+"""The plan a scheduler step hands to the runner, what the runner hands back, and the events a
+commit makes of it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from compiled_engine.scheduler.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,8 @@ class StepPlan:
     slot_writes: tuple[SlotWrite, ...]
     token_writes: tuple[TokenWrite, ...]
     is_decode: bool  # every req computes exactly 1 token (decode-only step)
+    # the ledger entry of each ReqStep (the engine's and the commit's; the runner reads none)
+    members: tuple[Request, ...] = field(default=(), compare=False, repr=False)
 
 
 # A prompt token's log-prob given the tokens before it, its rank in the vocabulary (1: the most
@@ -56,11 +63,27 @@ class StepPlan:
 PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """What the runner hands back for a step: per sampled row (one per `ReqStep.num_sampled`, in
+    plan order) its token, log-probs and sampler error, and what the step kept of prompt
+    positions."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    errors: dict[int, str] | None = None  # sampled row -> why its request fails
+    # per kept prompt position (`KeptRows` order): the next prompt token's log-prob, its rank, the
+    # top alternatives
+    prompt_logprobs: list[PromptLogprob] | None = None
+    hidden: list | None = None  # per `KeptRows.hidden` request: its chunk's states (tensors)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One event for one request: a new token, the end of the request, or both. ``Scheduler.commit``
-    makes them; the engine adds what sampling knows (log-probs) and the events it ends requests with
-    ("error"), and they go on the wire as they are (ranks, server)."""
+    makes every one (a stop string's end is the detokenizer's, which needs none), and they go on
+    the wire as they are (ranks, server)."""
 
     rid: str
     token: int | None  # None: the request ended without a new token (e.g. max_tokens=0)

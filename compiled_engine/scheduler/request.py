@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from compiled_engine.scheduler.speculation import SpecStats
 
@@ -45,6 +46,27 @@ class LedgerParams:
                 raise ValueError(f"{message}, got {value!r}")
 
 
+class TokenRejected(Exception):
+    """A constrained request drew a token its constraint does not allow: it fails (the message says
+    why) and the token is dropped."""
+
+
+class RequestHooks(Protocol):
+    """What the engine hangs off a ledger entry (sampling state, grammar, prompt record): the commit
+    asks it about the request's tokens, so that one place ends requests and makes their events."""
+
+    @property
+    def logprobs(self) -> int | None:
+        """Top log-probs wanted with each token (0: the token's own only; None: none)."""
+
+    def on_token(self, token: int) -> bool:
+        """A constrained request's next token (`LedgerParams.constrained`): True when it completes
+        the request's document; raises TokenRejected."""
+
+    def first_event(self) -> dict[str, object]:
+        """Fields of the request's first event (`TokenEvent`'s prompt log-probs, embedding)."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # queued (new, or retracted: it recomputes prompt + generated tokens)
     RUNNING = "running"  # holds a table row, pages and one prefix-cache lock
@@ -74,10 +96,9 @@ class Request:
     last_step: int = -1  # last planned step that includes this request
     rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's acceptance
-    # Everything the engine keeps about the request (its sampling parameters, generator, grammar):
-    # opaque to the ledger, and gone with this entry however the request ends (one record, one
-    # finish path).
-    engine_state: object = None
+    # Everything the engine keeps about the request (its sampling parameters, generator, grammar),
+    # gone with this entry however the request ends (one record, one finish path).
+    hooks: RequestHooks | None = None
 
     @property
     def known_len(self) -> int:

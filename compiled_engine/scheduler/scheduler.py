@@ -24,10 +24,17 @@ from compiled_engine.scheduler.decode import DecodePlanner
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.integrity import check_integrity
 from compiled_engine.scheduler.kv_book import KvBook
-from compiled_engine.scheduler.plan import ReqStep, StepPlan, TokenEvent
+from compiled_engine.scheduler.plan import ReqStep, StepOutput, StepPlan, TokenEvent
 from compiled_engine.scheduler.prefill import PrefillPlanner
 from compiled_engine.scheduler.prefix_cache import PrefixCache
-from compiled_engine.scheduler.request import LedgerParams, Proposer, Request, Status
+from compiled_engine.scheduler.request import (
+    LedgerParams,
+    Proposer,
+    Request,
+    RequestHooks,
+    Status,
+    TokenRejected,
+)
 from compiled_engine.scheduler.speculation import SpecCounters, accepted_prefix
 from compiled_engine.scheduler.validation import RequestRejected, check_request
 
@@ -63,7 +70,7 @@ class Scheduler:
         self.decodes = DecodePlanner(config, self.book, self.prefills.requeue)
         self.decodes.propose = propose
         self.live: dict[str, Request] = {}  # waiting or running
-        self.inflight: deque[tuple[StepPlan, tuple[Request, ...]]] = deque()
+        self.inflight: deque[StepPlan] = deque()
         self._eos = frozenset(config.eos_token_ids)
         self._next_step = 0
 
@@ -104,10 +111,10 @@ class Scheduler:
     # -- inputs ----------------------------------------------------------------------------------
 
     def add_request(self, rid: str, prompt_token_ids: list[int] | tuple[int, ...],
-                    params: LedgerParams | None = None, engine_state: object = None) -> Request:
+                    params: LedgerParams | None = None,
+                    hooks: RequestHooks | None = None) -> Request:
         """Queue a request; RequestRejected (a ValueError) with a clear message if it can never run.
-        `engine_state` hangs off the ledger entry (`Request.engine_state`) until the request
-        ends."""
+        `hooks` hang off the ledger entry (`Request.hooks`) until the request ends."""
         params = params if params is not None else LedgerParams()
         prompt = tuple(prompt_token_ids)
         cfg = self.config
@@ -118,8 +125,7 @@ class Scheduler:
         if not params.ignore_eos:
             stop_ids |= self._eos
         max_len = min(len(prompt) + params.max_tokens, cfg.max_context, cfg.capacity_tokens + 1)
-        req = Request(rid, prompt, params, max_len, stop_ids, device_len=len(prompt),
-                      engine_state=engine_state)
+        req = Request(rid, prompt, params, max_len, stop_ids, device_len=len(prompt), hooks=hooks)
         self.live[rid] = req
         self.prefills.waiting.append(req)
         return req
@@ -164,8 +170,9 @@ class Scheduler:
             slot_writes=tuple(self.book.take_rewrites() + draft.slot_writes),
             token_writes=tuple(draft.token_writes),
             is_decode=all(r.length == 1 for r in draft.reqs),
+            members=tuple(draft.members),
         )
-        self.inflight.append((plan, tuple(draft.members)))
+        self.inflight.append(plan)
         return plan
 
     def _plan_prefills(self, draft: StepDraft, budget: int) -> None:
@@ -173,45 +180,82 @@ class Scheduler:
 
     # -- commit ----------------------------------------------------------------------------------
 
-    def commit(self, plan: StepPlan, sampled_tokens: list[int]) -> list[TokenEvent]:
-        """Apply the sampled tokens of the oldest in-flight step (one per sampling ReqStep, in
-        order)."""
-        if not self.inflight or self.inflight[0][0] is not plan:
+    def commit(self, plan: StepPlan, output: StepOutput) -> list[TokenEvent]:
+        """Apply the output of the oldest in-flight step: its tokens (a verify step keeps its
+        accepted drafts and one more), their log-probs, the sampler's errors. Returns the step's
+        events: the one place where a request ends by what it drew."""
+        if not self.inflight or self.inflight[0] is not plan:
             raise ValueError(
                 f"commit of step {plan.step} out of order: steps are committed as planned"
             )
-        _, members = self.inflight.popleft()
+        self.inflight.popleft()
         self.book.committed = plan.step
-        tokens = iter(sampled_tokens)
+        tokens, errors = output.tokens, output.errors
+        row = 0  # the step's first sampled row of the request
         events: list[TokenEvent] = []
-        for rs, req in zip(plan.reqs, members, strict=True):
+        for rs, req in zip(plan.reqs, plan.members, strict=True):
             status = req.status
             if rs.sample:
-                sampled = [next(tokens) for _ in range(rs.num_sampled)]
+                first, row = row, row + rs.num_sampled
                 if status is Status.FINISHED or status is Status.ABORTED:
                     continue  # planned before the request ended: the tokens are discarded
+                if errors and (error := _first_error(errors, first, row)) is not None:
+                    events.append(self._fail(req, error))  # its tokens are dropped
+                    continue
+                sampled = tokens[first:row]
                 if rs.draft:
                     sampled = self._verified(plan.step, rs, req, sampled)
-                for tok in sampled:
-                    req.output.append(tok)
-                    reason = self._finish_reason(req, tok)
-                    events.append(TokenEvent(req.rid, tok, reason is not None, reason))
-                    if reason is not None:
-                        self._end(req, Status.FINISHED, reason)
+                for i, tok in enumerate(sampled, first):
+                    ev = self._token_event(req, tok, output, i)
+                    events.append(ev)
+                    if ev.finished:
                         break
                 else:
                     if status is Status.RUNNING and rs.start < req.fill_to:
                         self.book.cache_prefix(req, rs.start + rs.length)
             elif status is Status.RUNNING:
                 if req.device_len == req.max_len and req.planned_len == req.device_len:
-                    events.append(TokenEvent(req.rid, None, True, "length"))  # max_tokens == 0
-                    self._end(req, Status.FINISHED, "length")
+                    fields = req.hooks.first_event() if req.hooks is not None else {}
+                    events.append(TokenEvent(req.rid, None, True, "length", **fields))
+                    self._end(req, Status.FINISHED, "length")  # max_tokens == 0
                 else:
                     self.book.cache_prefix(req, rs.start + rs.length)
-        if next(tokens, None) is not None:
-            raise ValueError(f"step {plan.step}: more sampled tokens than sampling requests")
+        if row != len(tokens):
+            raise ValueError(
+                f"step {plan.step}: {len(tokens)} sampled tokens for {row} sampling rows"
+            )
         self.book.commit_step(plan.step)
         return events
+
+    def _token_event(self, req: Request, tok: int, output: StepOutput, i: int) -> TokenEvent:
+        """Append sampled row `i`'s token to the request, and its event (ending the request where
+        the token does)."""
+        hooks = req.hooks
+        complete = False
+        if req.params.constrained and hooks is not None:
+            try:
+                complete = hooks.on_token(tok)
+            except TokenRejected as e:
+                return self._fail(req, str(e))  # the token is dropped
+        req.output.append(tok)
+        reason = self._finish_reason(req, tok) or ("stop" if complete else None)
+        lp = top = None
+        fields: dict[str, object] = {}
+        if hooks is not None:
+            n = hooks.logprobs
+            if n is not None and output.logprobs is not None:
+                lp = output.logprobs[i]
+                top = output.top_logprobs[i][:n] if output.top_logprobs is not None else []
+            if len(req.output) == 1:
+                fields = hooks.first_event()
+        if reason is not None:
+            self._end(req, Status.FINISHED, reason)
+        return TokenEvent(req.rid, tok, reason is not None, reason, lp, top, **fields)
+
+    def _fail(self, req: Request, message: str) -> TokenEvent:
+        """End a request with finish_reason "error"."""
+        self._end(req, Status.FINISHED, "error")
+        return TokenEvent(req.rid, None, True, "error", error=message)
 
     def _verified(self, step: int, rs: ReqStep, req: Request, sampled: list[int]) -> list[int]:
         """The tokens a verify step keeps: the accepted drafts and the draw after them. A running
@@ -282,3 +326,8 @@ class Scheduler:
         """Assert every ledger invariant (see `integrity.py`); AssertionError names the breach."""
         check_integrity(self.book, self.config, self.live, self.running, self.waiting,
                         self.inflight)
+
+
+def _first_error(errors: dict[int, str], lo: int, hi: int) -> str | None:
+    """The sampler's error at the first of rows [lo, hi) that has one."""
+    return next((errors[i] for i in range(lo, hi) if i in errors), None)

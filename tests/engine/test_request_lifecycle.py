@@ -51,7 +51,7 @@ def engine(demo_dir, request):
 
 def _add(engine, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> weakref.ref:
     engine.add_request(rid, prompt, params)
-    return weakref.ref(engine.scheduler.get_request(rid).engine_state)
+    return weakref.ref(engine.scheduler.get_request(rid).hooks)
 
 
 def _step_until(engine, done) -> list:

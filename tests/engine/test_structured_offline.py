@@ -256,7 +256,7 @@ def test_a_rejected_token_fails_its_request_only(eager: LLM, max_tokens: int) ->
     constraint, so the request fails (finish_reason "error", the token not emitted) instead of
     ending with "stop" (or "length", when it was the last token)."""
     choice = StructuredOutput("choice", ("apple", "banana"))
-    vocab = eager.engine.vocab_size
+    vocab = eager.engine.scheduler.config.vocab_size
     doomed = SamplingParams(max_tokens=max_tokens, temperature=0, structured=choice,
                             logit_bias={t: -math.inf for t in range(vocab)})
     fine = SamplingParams(max_tokens=8, temperature=0, structured=choice)

@@ -176,7 +176,7 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     assert computed * k <= sum(load[1]) <= (computed + llm.engine.steps) * k
     assert sum(load[1]) % k == 0
     metrics = Metrics()  # fed as the server feeds it: rank 0's stats reply
-    stats = rank_stats(llm.engine, GrammarWait(llm.engine.grammars), StatsRequest(0)).stats
+    stats = rank_stats(llm.engine, GrammarWait(llm.engine.features.grammars), StatsRequest(0)).stats
     assert stats["expert_tokens"] == load
     metrics.set_engine_stats(stats, 0)
     text = metrics.render().decode()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.plan import StepPlan, TokenEvent
+from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
 from compiled_engine.scheduler.scheduler import Scheduler
 
 _MOD = (1 << 61) - 1
@@ -61,7 +61,7 @@ class FakeExecutor:
         # step, slot/row -> rid
         self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()
 
-    def execute(self, batch: StepPlan) -> list[int]:
+    def execute(self, batch: StepPlan) -> StepOutput:
         self.steps += 1
         slots_used: dict[int, str] = {}
         rows_used: dict[int, str] = {}
@@ -113,7 +113,7 @@ class FakeExecutor:
                     tokens[rs.start + i + 1] = tok
                     sampled.append(tok)
         self._pending.append((batch.step, slots_used, rows_used))
-        return sampled
+        return StepOutput(sampled)
 
     def retire(self, step: int) -> None:
         """The scheduler committed ``step``."""
@@ -148,14 +148,14 @@ def run_to_completion(
 ) -> list[TokenEvent]:
     """Drive until idle; ``lag=1`` plans step k+1 before committing step k (overlap)."""
     events: list[TokenEvent] = []
-    pending: deque[tuple[StepPlan, list[int]]] = deque()
+    pending: deque[tuple[StepPlan, StepOutput]] = deque()
     while scheduler.has_work():
         batch = scheduler.schedule() if len(pending) <= lag else None
         if batch is not None:
             pending.append((batch, executor.execute(batch)))
         if pending and (batch is None or len(pending) > lag):
-            done, tokens = pending.popleft()
-            events.extend(scheduler.commit(done, tokens))
+            done, output = pending.popleft()
+            events.extend(scheduler.commit(done, output))
             executor.retire(done.step)
         elif batch is None:
             raise AssertionError(

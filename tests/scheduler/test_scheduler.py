@@ -16,6 +16,7 @@ from compiled_engine.scheduler import (
     Scheduler,
     SchedulerConfig,
     Status,
+    StepOutput,
     StepPlan,
 )
 from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
@@ -43,13 +44,13 @@ def outputs(events) -> dict[str, list[int]]:
     return out
 
 
-def step(sched: Scheduler, exe: FakeExecutor) -> tuple[StepPlan, list[int]]:
+def step(sched: Scheduler, exe: FakeExecutor) -> tuple[StepPlan, StepOutput]:
     batch = sched.schedule()
     assert batch is not None
     return batch, exe.execute(batch)
 
 
-def commit(sched: Scheduler, exe: FakeExecutor, planned: tuple[StepPlan, list[int]]):
+def commit(sched: Scheduler, exe: FakeExecutor, planned: tuple[StepPlan, StepOutput]):
     events = sched.commit(*planned)
     exe.retire(planned[0].step)
     sched.check_integrity()

@@ -1,0 +1,157 @@
+"""What the engine keeps about one request, as components of its ledger entry (`Request.hooks`):
+sampling state (generator, min_tokens bans, token history), grammar (structured output), drafter
+(speculative decoding) and prompt record (prompt log-probs, embeddings). Each answers for its
+feature: the sampler's rows of a step, what to keep of its prompt positions, the verdict on a
+token, the fields of its first event. `RequestFeatures` makes them from a request's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiled_engine.constraints import GrammarBook, RequestGrammar
+from compiled_engine.jax import bridge
+from compiled_engine.prompt_record import PromptRecord
+from compiled_engine.runner.prompt_outputs import KeptRows
+from compiled_engine.runner.sampler import SamplingRow, needs_history
+from compiled_engine.sampling_params import SamplingParams
+from compiled_engine.scheduler.plan import ReqStep
+from compiled_engine.scheduler.request import Request, TokenRejected
+from compiled_engine.scheduler.validation import RequestRejected
+from compiled_engine.speculative.config import SpeculativeConfig
+from compiled_engine.speculative.draft_model import DraftModel, DraftModelDrafter
+from compiled_engine.speculative.ngram import NgramDrafter
+
+Drafter = NgramDrafter | DraftModelDrafter
+
+
+@dataclass(slots=True, weakref_slot=True)  # tests check that nothing holds it once its request ends
+class RequestState:
+    """One request's `RequestHooks`: it ends with its ledger entry, no other registry holds it."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
+    grammar: RequestGrammar | None = None  # structured output
+    drafter: Drafter | None = None  # speculative decoding: proposes the request's drafts
+    # prompt log-probs / an embedding's hidden states, until its first event carries them
+    prompt: PromptRecord | None = None
+
+    # ---- RequestHooks -------------------------------------------------------------------------
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs
+
+    def on_token(self, token: int) -> bool:
+        grammar = self.grammar
+        if grammar is None:
+            return False
+        if not grammar.accept(token):
+            raise TokenRejected(
+                f"structured output: token {token} was sampled, which the "
+                f"{self.params.structured.kind} constraint does not allow (were all the tokens it "
+                "allows ruled out, by logit_bias or a logits processor?)"
+            )
+        return grammar.terminated
+
+    def first_event(self) -> dict[str, object]:
+        prompt = self.prompt
+        if prompt is None or prompt.delivered:
+            return {}
+        return prompt.deliver()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def sampling_rows(self, step: ReqStep, prompt_len: int) -> list[SamplingRow]:
+        """The sampler's rows of this step, one per token drawn (a verify step: one per verified
+        position): bans until min_tokens, the grammar's token mask, where the token history lies
+        in the token table (penalties, logits processors), the position of the token drawn."""
+        params = self.params
+        first = step.start + step.length - step.num_sampled  # position of the first sampling row
+        masks = self.grammar.masks_along(step.draft) if self.grammar is not None else None
+        history = needs_history(params)
+        rows = []
+        for j in range(step.num_sampled):
+            seq_len = first + j + 1
+            banned = self.banned if seq_len - prompt_len < params.min_tokens else ()
+            mask = None
+            if masks is not None:
+                mask, complete = masks[j]
+                if complete:
+                    banned = ()  # a complete document ends now, min_tokens or not
+            rows.append(SamplingRow(params, self.generator, banned, token_mask=mask,
+                                    history=(step.row, prompt_len, seq_len) if history else None,
+                                    position=seq_len))
+        return rows
+
+    def kept_rows(self, step: ReqStep, index: int, req: Request) -> KeptRows | None:
+        """What a prefill chunk (`index`: its place in the plan) keeps for the prompt record."""
+        prompt = self.prompt
+        if prompt is None or prompt.delivered or req.output or step.start >= len(req.prompt):
+            return None
+        return prompt.wanted(step, index)
+
+    def propose(self, req: Request, k: int) -> tuple[int, ...]:
+        """Up to k drafts after the request's known tokens, cut where its grammar would reject
+        them."""
+        if self.drafter is None:
+            return ()
+        drafts = self.drafter.propose(req, k)
+        if drafts and self.grammar is not None:
+            drafts = self.grammar.allowed_prefix(drafts)
+        return drafts
+
+
+@dataclass(slots=True)
+class RequestFeatures:
+    """Makes each request's `RequestState` from its sampling parameters."""
+
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    grammars: GrammarBook | None = None  # structured output (None: no tokenizer, no constraints)
+    speculative: SpeculativeConfig | None = None
+    draft_model: DraftModel | None = None  # speculative method draft_model
+
+    def state(self, rid: str, params: SamplingParams, prompt_len: int) -> RequestState:
+        """RequestRejected (a ValueError) naming the first bad sampling parameter, a logits
+        processor that cannot be imported, or a constraint that does not compile."""
+        check_sampling(rid, params)
+        grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestRejected(
+                    f"request {rid!r}: this engine serves no structured output (no tokenizer)"
+                )
+            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        banned = (
+            tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
+            if params.min_tokens
+            else ()
+        )
+        return RequestState(params, generator, banned, grammar, self._drafter(params),
+                            PromptRecord.for_request(params, prompt_len))
+
+    def _drafter(self, params: SamplingParams) -> Drafter | None:
+        """A request's drafter; none with logits processors (a processor's error at a draft's
+        position would end a request that never reaches that position)."""
+        spec = self.speculative
+        if spec is None or params.logits_processors:
+            return None
+        if self.draft_model is not None:
+            return self.draft_model.drafter()
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def check_sampling(rid: str, params: SamplingParams) -> None:
+    """RequestRejected naming the first bad sampling parameter, or a logits processor name that
+    cannot be imported (before anything is queued). The ledger checks its own fields."""
+    try:
+        params.validate()
+        for processor in params.logits_processors:
+            bridge.resolve(processor)
+    except ValueError as e:
+        raise RequestRejected(f"request {rid!r}: {e}") from None
