@@ -69,7 +69,7 @@ class Range:
 
 # The one table of the sampling fields' ranges: the engine validates by it
 # (`SamplingParams.validate`) and the server parses request bodies by it (`server.protocol`).
-# top_k -1 and 0: off.
+# top_k -1 and 0: off; logprobs and prompt_logprobs may also be None (none wanted).
 SAMPLING_RANGES: dict[str, Range] = {
     "temperature": Range(0.0, 100.0),
     "top_p": Range(0.0, 1.0, lo_open=True),
@@ -78,7 +78,12 @@ SAMPLING_RANGES: dict[str, Range] = {
     "presence_penalty": Range(-2.0, 2.0),
     "frequency_penalty": Range(-2.0, 2.0),
     "repetition_penalty": Range(0.0, 100.0, lo_open=True),
+    "n": Range(1, 64),
+    "logprobs": Range(0, 20),  # top alternatives per token (vLLM's default max_logprobs)
+    "prompt_logprobs": Range(0, 20),
 }
+# A logit_bias value over the API (OpenAI's range); offline any bias is allowed, -inf included.
+LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
 
 
 @dataclass(slots=True)
@@ -128,19 +133,12 @@ class SamplingParams:
         (`check_request`)."""
         for name, allowed in SAMPLING_RANGES.items():
             value = getattr(self, name)
-            _check(value in allowed, f"{name} must be {allowed}", value)
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs)
-        _check(
-            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-            "prompt_logprobs must be >= 0",
-            self.prompt_logprobs,
-        )
+            _check(value is None or value in allowed, f"{name} must be {allowed}", value)
         _check(self.pooling is None or self.pooling in POOLINGS,
                "pooling must be 'last' or 'mean'", self.pooling)
         _check(self.pooling is None or self.max_tokens == 0,
                "an embedding request (pooling) generates nothing: max_tokens must be 0",
                self.max_tokens)
-        _check(self.n >= 1, "n must be >= 1", self.n)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
         if self.logit_bias is not None:
             _check(

@@ -8,13 +8,16 @@ import json
 import math
 from dataclasses import dataclass
 
-from compiled_engine.sampling_params import SAMPLING_RANGES, SamplingParams, StructuredOutput
+from compiled_engine.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    SAMPLING_RANGES,
+    SamplingParams,
+    StructuredOutput,
+)
 from server.request_errors import ProtocolError, check_defaults, check_fields
 from server.structured import native_constraint, openai_constraint
 from server.tools import ToolRequest, parse_tool_request
 
-MAX_N = 64
-MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # each stop string: what the detokenizer holds back and scans per token
@@ -220,13 +223,19 @@ def token_ids(value: object, name: str, vocab_size: int) -> list[int]:
 
 
 # ---- sampling ------------------------------------------------------------------------------------
-TOP_K = SAMPLING_RANGES["top_k"]
 
 
 def _sampling_float(body: dict, name: str, default: float) -> float:
     """A float sampling field, in its range of the engine's table (`SAMPLING_RANGES`)."""
     allowed = SAMPLING_RANGES[name]
     return get_float(body, name, default, allowed.lo, allowed.hi, allowed.lo_open)
+
+
+def sampling_int(body: dict, name: str, default: int | None, like: str | None = None) -> int | None:
+    """An integer sampling field, in the range of the engine's table for `like` (default: its
+    own name)."""
+    allowed = SAMPLING_RANGES[like or name]
+    return get_int(body, name, default, int(allowed.lo), int(allowed.hi))
 
 
 def sampling_params(body: dict, limits: Limits, logprobs: int | None,
@@ -240,7 +249,7 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         max_tokens=0,
         temperature=temperature,
         top_p=_sampling_float(body, "top_p", 1.0),
-        top_k=get_int(body, "top_k", -1, int(TOP_K.lo), int(TOP_K.hi)),
+        top_k=sampling_int(body, "top_k", -1),
         min_p=_sampling_float(body, "min_p", 0.0),
         seed=None if seed is None else seed % 2**63,
         presence_penalty=_sampling_float(body, "presence_penalty", 0.0),
@@ -254,7 +263,7 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         stop=_stop(body),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False)
         or get_bool(body, "no_stop_trim", False),
-        n=get_int(body, "n", 1, 1, MAX_N),
+        n=sampling_int(body, "n", 1),
         structured=structured,
     )
 
@@ -280,7 +289,8 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
                 f"'logit_bias' token id {key[:24]} is outside the vocabulary [0, {vocab_size})",
                 "logit_bias",
             )
-        out[tok] = get_float({"logit_bias": bias}, "logit_bias", 0.0, -100.0, 100.0)
+        out[tok] = get_float({"logit_bias": bias}, "logit_bias", 0.0, LOGIT_BIAS_RANGE.lo,
+                             LOGIT_BIAS_RANGE.hi)
     return out or None
 
 
@@ -361,12 +371,11 @@ def parse_completion(body: object, limits: Limits) -> CompletionRequest:
     body = require_object(body)
     check_fields(body, COMPLETION_FIELDS)
     check_defaults(body, ROUTER_DEFAULTS)
-    best_of = get_int(body, "best_of", None, 1, MAX_N)
-    logprobs = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    best_of = sampling_int(body, "best_of", None, like="n")
+    logprobs = sampling_int(body, "logprobs", None)
     req = CompletionRequest(**_common(body, limits, logprobs), prompts=prompts_field(body, limits),
                             echo=get_bool(body, "echo", False),
-                            prompt_logprobs=get_int(body, "prompt_logprobs", None, 0,
-                                                    MAX_TOP_LOGPROBS))
+                            prompt_logprobs=sampling_int(body, "prompt_logprobs", None))
     # echo with logprobs shows the prompt tokens' log-probs too, with `logprobs` alternatives
     wanted = [k for k in (req.prompt_logprobs, logprobs if req.echo else None) if k is not None]
     req.params.prompt_logprobs = max(wanted, default=None)
@@ -413,7 +422,7 @@ def parse_chat(body: object, limits: Limits) -> ChatRequest:
     for name in REASONING_FIELDS:
         get_bool(body, name, True)
     want = get_bool(body, "logprobs", False)
-    top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    top = sampling_int(body, "top_logprobs", None, like="logprobs")
     if top is not None and not want:
         raise ProtocolError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     req = ChatRequest(
@@ -533,14 +542,14 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     if not isinstance(sp, dict):
         raise ProtocolError("'sampling_params' must be an object", "sampling_params")
     check_fields(sp, NATIVE_SAMPLING_FIELDS, "sampling_params")
-    logprobs = get_int(sp, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    logprobs = sampling_int(sp, "logprobs", None)
     if get_bool(body, "return_text_in_logprobs", False) and logprobs is not None:
         raise ProtocolError("'return_text_in_logprobs' is not supported with logprobs: the "
                             "log-probs carry token ids only", "return_text_in_logprobs")
     name = "max_new_tokens" if sp.get("max_new_tokens") is not None else "max_tokens"
     structured, structured_param = native_constraint(sp)
     params = sampling_params(sp, limits, logprobs, structured)
-    params.prompt_logprobs = get_int(sp, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    params.prompt_logprobs = sampling_int(sp, "prompt_logprobs", None)
     req = GenerationRequest(
         params=params,
         max_tokens=get_int(sp, name, None, 0, 2**63),
