@@ -91,10 +91,10 @@ def size_kv_pool(
     if config.num_pages is not None:
         return config.num_pages
     if device.type == "cuda":
-        budget = torch.cuda.mem_get_info(device)[0] * (config.mem_fraction or 0.8)
+        budget = torch.cuda.mem_get_info(device)[0] * config.mem_fraction
     else:
         total, available = _host_memory()
-        budget = min(total * (config.mem_fraction or 0.25), available * 0.9)
+        budget = min(total * config.mem_fraction, available * 0.9)
     per_token = kv_bytes_per_token(model) + (kv_bytes_per_token(draft) if draft is not None else 0)
     by_memory = int(budget) // per_token // config.page_size
     by_memory = 1 << max(1, by_memory.bit_length() - 1)
@@ -127,6 +127,34 @@ def start_kv_events(config: EngineConfig, scheduler: Scheduler) -> KVEventPublis
     return KVEventPublisher(kv_events, config.page_size)
 
 
+def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with every device default filled in, once: deterministic mode (the device's
+    measured default, logged with its reason), overlap (on with CUDA), the memory fraction of the
+    KV pool, the decode buckets with a static graph."""
+    deterministic = config.deterministic
+    if deterministic is None:
+        deterministic, why = deterministic_default(device, bool(config.speculative))
+        if ps.get_tp_rank() == 0:
+            log.info("%s (--deterministic / --no-deterministic to choose)", why)
+    elif config.speculative and not deterministic and ps.get_tp_rank() == 0:
+        log.warning("--no-deterministic with speculation: a request's tokens may differ from its "
+                    "tokens without speculation (verify rows and decode rows round differently)")
+    cuda = device.type == "cuda"
+    if config.buckets is not None:
+        buckets = sorted(config.buckets)
+    else:
+        max_bucket = config.max_bucket if config.max_bucket is not None else (
+            config.max_running if cuda else 1)
+        buckets = default_buckets(min(max_bucket, config.max_running))
+    return dataclasses.replace(
+        config,
+        deterministic=deterministic,
+        overlap=cuda if config.overlap is None else config.overlap,
+        mem_fraction=config.mem_fraction or (0.8 if cuda else 0.25),
+        buckets=buckets,
+    )
+
+
 def build_engine(
     config: EngineConfig, progress: Callable[[str, int], None] | None = None
 ) -> Engine:
@@ -141,14 +169,7 @@ def build_engine(
     if device.type == "cpu":
         # a prefill step's large activations reuse pages instead of faulting fresh ones
         keep_freed_memory()
-    if config.deterministic is None:
-        on, why = deterministic_default(device, bool(config.speculative))
-        if ps.get_tp_rank() == 0:
-            log.info("%s (--deterministic / --no-deterministic to choose)", why)
-        config = dataclasses.replace(config, deterministic=on)
-    elif config.speculative and not config.deterministic and ps.get_tp_rank() == 0:
-        log.warning("--no-deterministic with speculation: a request's tokens may differ from its "
-                    "tokens without speculation (verify rows and decode rows round differently)")
+    config = resolve_config(config, device)
     model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
     model, hf_config = load_model(
@@ -166,12 +187,6 @@ def build_engine(
         draft = load_draft_weights(speculative, config, device, hf_config)
     num_pages = size_kv_pool(config, model, max_context, device,
                              draft.model if draft is not None else None)
-    if config.buckets is not None:
-        buckets = sorted(config.buckets)
-    else:
-        max_bucket = config.max_bucket if config.max_bucket is not None else (
-            config.max_running if device.type == "cuda" else 1)
-        buckets = default_buckets(min(max_bucket, config.max_running))
     scheduler = Scheduler(
         SchedulerConfig(
             num_pages=num_pages,
@@ -193,7 +208,7 @@ def build_engine(
             max_context=max_context,
             page_size=config.page_size,
             num_pages=num_pages,
-            buckets=buckets,
+            buckets=config.buckets,
             enforce_eager=config.enforce_eager,
             seed=config.seed,
             deterministic=config.deterministic,
@@ -220,8 +235,6 @@ def build_engine(
     draft_model = None
     if draft is not None:
         draft_model = start_draft_model(draft, config, runner.config, device)
-    if config.overlap is None:
-        config = dataclasses.replace(config, overlap=device.type == "cuda")
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     features = RequestFeatures(eos, device, grammars, speculative, draft_model)
     engine = Engine(config, model, scheduler, runner, features, report,
