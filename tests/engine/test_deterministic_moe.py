@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from compiled_engine.config import EngineConfig
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.startup import build_engine
-from tests.engine.test_deterministic import GREEDY, PROBE, SEEDED, _others, _run
 from tests.helpers.checkpoints import MOE, make_checkpoint
+from tests.helpers.determinism import GREEDY, PROBE, SEEDED, others, run
 
 pytestmark = pytest.mark.slow
 REACHED: collections.Counter = collections.Counter()  # what the property's examples went through
@@ -44,7 +44,7 @@ def tight(moe_dir):
 def alone(tight) -> dict:
     """The probe alone, on the otherwise idle engine."""
     assert tight.model.dtype == torch.bfloat16
-    return {name: _run(tight, [(0, "probe", PROBE, params)])["probe"]
+    return {name: run(tight, [(0, "probe", PROBE, params)])["probe"]
             for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
 
 
@@ -60,14 +60,14 @@ def test_moe_probe_is_bit_identical_to_the_probe_alone(
     tight, alone, prompts, arrivals, probe_step, params, seed
 ):
     rng = random.Random(seed)
-    others = [(arrivals[i], f"o{i}", p,
-               SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0, 1]),
-                              ignore_eos=True, logprobs=rng.choice([None, 0, 3])))
-              for i, p in enumerate(_others(prompts, rng))]
+    neighbours = [(arrivals[i], f"o{i}", p,
+                   SamplingParams(max_tokens=rng.randrange(1, 25), temperature=rng.choice([0, 1]),
+                                  ignore_eos=True, logprobs=rng.choice([None, 0, 3])))
+                  for i, p in enumerate(others(prompts, rng))]
     scheduler = tight.scheduler
     before = scheduler.num_retractions, scheduler.book.cache.num_evicted_pages
-    results = _run(tight, [(probe_step, "probe", PROBE, GREEDY if params == "greedy" else SEEDED),
-                            *others])
+    results = run(tight, [(probe_step, "probe", PROBE, GREEDY if params == "greedy" else SEEDED),
+                          *neighbours])
     assert results["probe"] == alone[params]
     REACHED["retraction"] += scheduler.num_retractions > before[0]
     REACHED["eviction"] += scheduler.book.cache.num_evicted_pages > before[1]

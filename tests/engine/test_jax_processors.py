@@ -117,7 +117,7 @@ def test_a_failing_processor_fails_its_request_only(llm: LLM, processor, message
 def test_processors_compose_with_structured_output(llm: LLM) -> None:
     """The grammar's mask comes last: a processor can reorder the allowed tokens, never allow
     another."""
-    from tests.engine.test_structured_offline import JSON, SCHEMA
+    from tests.helpers.structured import JSON, SCHEMA
 
     params = SamplingParams(max_tokens=128, temperature=0.8, seed=3, structured=JSON,
                             logits_processors=(repetition_penalty,))

@@ -15,17 +15,8 @@ from hypothesis import strategies as st
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.sampling_params import StructuredOutput
+from tests.helpers.structured import JSON, SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["id", "tags", "ok"],
-}
-JSON = StructuredOutput("json", json.dumps(SCHEMA))
 PROMPTS = ["Hello there", "What is a cat?", "Give me JSON", "1 2 3"]
 
 

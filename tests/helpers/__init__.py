@@ -1,2 +1,3 @@
-"""What several test folders share: servers, the transformers oracle, checkpoints, kernel
-batches."""
+"""What several test modules share (a test module never imports another): servers, the transformers
+oracle, checkpoints, kernel batches, packed weights, CPU families, the parity, determinism, MoE and
+structured-output tests' settings."""

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from compiled_engine.layers.attention import AttentionMetadata
+from compiled_engine.models.demo import DEMO_CONFIG
 
 BASE = dict(
     hidden_size=64,
@@ -33,6 +34,18 @@ MODEL_TYPES = {
 # Mixture of experts: 4 experts of which each token takes 2, layer 0 dense, layer 1 sparse
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
            mlp_only_layers=[0])
+# The packed-weights (GGUF) tests' shape: K-quants need rows of 256: hidden 256, intermediate 512; 4
+# heads of 64 over 2 KV heads (TP=2 splits both); the demo tokenizer's vocabulary, which the GGUF
+# files carry
+PACKED_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=DEMO_CONFIG["vocab_size"],
+    num_hidden_layers=2,
+)
 
 
 def make_checkpoint(

@@ -7,7 +7,7 @@ import pytest
 from torch._inductor import cpu_vec_isa
 
 from kernels.cpu import inductor_isa, isa
-from tests.kernels.test_isa_plan import FAMILIES
+from tests.helpers.cpu_families import FAMILIES
 
 
 @pytest.mark.parametrize(("level", "kept"), [

@@ -174,7 +174,7 @@ def test_packed_linear(name: str) -> None:
     """`ops.linear` on a packed weight on CUDA, bf16 activations (the Triton kernel for blocks of
     32; Q4_K the portable path) against fp32 on the dequantized weight, and, in deterministic mode,
     rows independent of the batch."""
-    from test_packed_linear import packed
+    from tests.helpers.packed_weights import packed
 
     w = packed(name, 1536, 768)
     x = torch.randn(37, 768).bfloat16()

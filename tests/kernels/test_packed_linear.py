@@ -27,38 +27,13 @@ from compiled_engine.layers.weight_utils import PackedSource
 from kernels import ops
 from kernels.interleave import deinterleave, interleave, rows_of
 from kernels.packed import FORMATS, PackedWeight, quantize
+from tests.helpers.packed_weights import packed, random_blocks
 
 GGUF_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 INTERLEAVED = GGUF_FORMATS + ["I8", "I4"]  # every format has a 16-row interleaved layout
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 # max |bf16 kernel - exact| / max |exact| over these shapes, measured 0.002-0.003: the bf16 output's
 # rounding (int16 activations add little)
 NATIVE_TOLERANCE = 0.006
-
-
-def random_blocks(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Random bytes in `name`'s layout with finite, small fp16 scales: [n, row bytes]."""
-    fmt = FORMATS[name]
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, size=(n, k // fmt.block, fmt.nbytes), dtype=np.uint8)
-    for at in F16_FIELDS[name]:
-        scale = rng.uniform(-0.01, 0.01, size=(n, k // fmt.block, 1)).astype(np.float16)
-        b[..., at : at + 2] = scale.view(np.uint8)
-    return torch.from_numpy(b.reshape(n, -1))
-
-
-def packed(name: str, n: int, k: int, seed: int = 0) -> PackedWeight:
-    """A random weight in format `name` (a `<base>x16` name: interleaved)."""
-    base = name.removesuffix("x16")
-    if base in ("I8", "I4"):
-        gen = torch.Generator().manual_seed(seed)
-        w = quantize(torch.randn(n, k, generator=gen) * 0.05, FORMATS[base])
-    else:
-        w = PackedWeight(random_blocks(base, n, k, seed), FORMATS[base], k)
-    if name != base:
-        w.relayout(interleave(w.blocks, w.format), FORMATS[name])
-    return w
 
 
 @pytest.mark.parametrize("name", GGUF_FORMATS)

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from test_packed_linear import packed
+
+from tests.helpers.packed_weights import packed
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None,

@@ -24,16 +24,15 @@ from compiled_engine.models.demo import demo_model_dir
 from compiled_engine.models.loader import load_model
 from compiled_engine.parallel import parallel_state as ps
 from kernels.packed import FORMATS, PackedWeight, quantize
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import PACKED_SHAPE, make_checkpoint
 from tests.helpers.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
-from tests.models.test_packed_weights import SHAPE as DENSE_SHAPE
 
 Q = gguf.GGMLQuantizationType
 # the dense packed tests' shape (K-quant rows of 256), every layer routed; the experts' intermediate
 # size is Qwen3-MoE's default, 768 (transformers' GGUF reader ignores `expert_feed_forward_length`),
 # 384 per rank at TP=2
-SHAPE = DENSE_SHAPE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768,
-                           mlp_only_layers=[], norm_topk_prob=True)
+SHAPE = PACKED_SHAPE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768,
+                            mlp_only_layers=[], norm_topk_prob=True)
 # beside Q4_K experts, one layer's down projections in Q6_K: a Q4_K_M file's choice varies by layer,
 # while every routed layer runs the same compiled region
 MIX = {"layers.0.mlp.experts.down_proj": Q.Q6_K}

@@ -19,26 +19,15 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from _gguf_utils import TOKENIZER_VOCAB, write_gguf
+from _gguf_utils import write_gguf
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.demo import demo_model_dir
 from kernels.packed import PackedWeight
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import PACKED_SHAPE, make_checkpoint
 from tests.helpers.oracle import Bounds, check, hf_bf16_spread, hf_fp32_greedy
 
 Q = gguf.GGMLQuantizationType
-# K-quants need rows of 256: hidden 256, intermediate 512; 4 heads of 64 over 2 KV heads (TP=2
-# splits both)
-SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=TOKENIZER_VOCAB,
-    num_hidden_layers=2,
-)
 FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 MIX = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K}  # beside Q4_K: what a Q4_K_M file holds
 PROMPTS = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29], [5], list(range(100, 190, 3))]
@@ -49,7 +38,8 @@ FP32 = Bounds.exact(1e-4)
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
-    return make_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM", **SHAPE)
+    return make_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM",
+                           **PACKED_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +147,7 @@ def test_tp2_compiled_agrees_with_tp1_and_transformers(files) -> None:
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory) -> str:
     path = make_checkpoint(str(tmp_path_factory.mktemp("bf16")), "LlamaForCausalLM",
-                           torch.bfloat16, **SHAPE)
+                           torch.bfloat16, **PACKED_SHAPE)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (Path(path) / name).write_bytes((Path(demo_model_dir()) / name).read_bytes())
     return path

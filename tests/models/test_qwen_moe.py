@@ -15,17 +15,10 @@ from compiled_engine.layers.moe import FusedMoE
 from kernels import ops
 from kernels.packed import FORMATS, quantize
 from tests.helpers.checkpoints import MOE, make_checkpoint
+from tests.helpers.moe import CHECKPOINTS, ENGINE, NEW_TOKENS, PROMPTS, checkpoint_at
 from tests.helpers.oracle import Bounds, check, hf_fp32_greedy
 
-PROMPTS = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29], [5], list(range(100, 190, 3))]
-NEW_TOKENS = 10
 FP32 = Bounds.exact(1e-4)
-ENGINE = dict(num_pages=512, max_running=8, chunk_budget=64)
-CHECKPOINTS = {
-    "Qwen3MoeForCausalLM": MOE | {"norm_topk_prob": True},
-    # Qwen2-MoE: a shared expert beside the routed ones, weights not renormalized
-    "Qwen2MoeForCausalLM": MOE | {"shared_expert_intermediate_size": 48, "norm_topk_prob": False},
-}
 
 
 def reference_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -91,20 +84,9 @@ def test_fused_moe_on_packed_experts(fmt: str) -> None:
     assert ops.expert_tokens(w13) == torch.bincount(routed, minlength=experts).tolist()
 
 
-def checkpoint_at(tmp_path_factory, arch: str, dtype: torch.dtype) -> tuple[str, list]:
-    """A random checkpoint of `arch` stored in `dtype`; transformers fp32's greedy references."""
-    path = make_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, dtype, **CHECKPOINTS[arch])
-    return path, hf_fp32_greedy(path, PROMPTS, NEW_TOKENS)
-
-
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def fp32_checkpoint(request, tmp_path_factory) -> tuple[str, list]:
     return checkpoint_at(tmp_path_factory, request.param, torch.float32)
-
-
-def greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def test_eager_fp32_equals_transformers_fp32(fp32_checkpoint) -> None:

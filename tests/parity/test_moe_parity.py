@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from compiled_engine import LLM
+from tests.helpers.moe import ENGINE, PROMPTS, checkpoint_at, greedy
 from tests.helpers.oracle import TOP, Bounds, check, hf_bf16_spread
-from tests.models.test_qwen_moe import ENGINE, PROMPTS, checkpoint_at, greedy
 
 
 # Qwen3-MoE also under each COMPILED_ENGINE_CPU_ISA level below this CPU's (the Makefile's

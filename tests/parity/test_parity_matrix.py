@@ -35,12 +35,10 @@ from tests.helpers.oracle import (
     hf_fp32_greedy,
     hf_model,
 )
+from tests.helpers.parity import ENGINE, FP32, NEW_TOKENS, bf16_bounds
 
 pytestmark = pytest.mark.parity
 
-FP32 = Bounds.exact(1e-4)
-NEW_TOKENS = 12
-ENGINE = dict(num_pages=2048, max_running=64, chunk_budget=256)
 RANDOM_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # head_dim 64: the size the native (AMX / AVX512) attention kernels take
 RANDOM_SHAPE = dict(head_dim=64, hidden_size=128, intermediate_size=256, vocab_size=2000)
@@ -48,12 +46,6 @@ RANDOM_PROMPTS = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29], [5], list(ran
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
         "Explain what a CPU cache is in one sentence.", "List three prime numbers.",
         "Name a famous painter and one of their works.", "How many legs does a spider have?"]
-
-
-def bf16_bounds(path: str, prompts: list[list[int]], refs: list, device: str = "cpu") -> Bounds:
-    spread = hf_bf16_spread(path, prompts, refs, top=TOP, device=device)
-    print(f"transformers bf16 vs fp32 on {Path(path).name}: {spread}")
-    return Bounds.bf16(spread)
 
 
 @pytest.fixture(scope="module", params=RANDOM_ARCHS)

@@ -14,7 +14,7 @@ from benchmarks.speculative import WORKLOADS
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.models.names import smollm2_path
 from compiled_engine.sampling_params import StructuredOutput
-from tests.parity.test_parity_matrix import ENGINE
+from tests.helpers.parity import ENGINE
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ from openai import OpenAI
 from compiled_engine.models.names import resolve_model
 from compiled_engine.tokenization import encode_chat, load_tokenizer
 from tests.helpers.oracle import NEAR_TIE_GAP, hf_fp32_greedy
+from tests.helpers.parity import ENGINE
 from tests.helpers.servers import RunningServer, start_server
-from tests.parity.test_parity_matrix import ENGINE
 
 pytestmark = pytest.mark.slow
 CPU_QUESTION = [{"role": "user", "content": "Explain in one sentence what a CPU does."}]

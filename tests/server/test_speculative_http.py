@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from benchmarks.speculative import PASSAGE
+from tests.helpers.parity import ENGINE
 from tests.helpers.servers import RunningServer, start_server
-from tests.parity.test_parity_matrix import ENGINE
 
 pytestmark = pytest.mark.slow
 SPEC = {"method": "ngram", "num_speculative_tokens": 7}
