@@ -40,6 +40,7 @@ VARIANTS = {
 
 def _step_ms(engine, batch: int, rng: random.Random, steps: int, extra: dict, tag: str) -> float:
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True, **extra)
+    engine.keep_last_plan = True
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [rng.randrange(3, 1000) for _ in range(128)], params)
     while (

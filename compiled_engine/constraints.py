@@ -54,9 +54,8 @@ class GrammarBook:
         self._compiling_lock = threading.Lock()
 
     def compile_async(self, spec: StructuredOutput) -> Future:
-        """Compile `spec` on a daemon thread; the future's result is the compiled grammar, its
-        exception the ConstraintError of a bad constraint. Needs the compiler's cache for `compile`
-        to find the result afterwards."""
+        """Compile `spec` on a daemon thread; the future's result is the compiled grammar (for
+        `for_request`), its exception the ConstraintError of a bad constraint."""
         with self._compiling_lock:
             future = self._compiling.get(spec)
             if future is None:
@@ -68,6 +67,8 @@ class GrammarBook:
     def _compile_into(self, spec: StructuredOutput, future: Future) -> None:
         try:
             result, error = self.compile(spec), None
+            if spec.kind == "json":
+                self._no_control_characters()  # built once, here rather than at admission
         except BaseException as e:  # the future carries it to the request
             result, error = None, e
         with self._compiling_lock:
@@ -96,16 +97,16 @@ class GrammarBook:
             raise ConstraintError(f"invalid {spec.kind} constraint: {_first_line(e)}") from None
 
     def for_request(
-        self, spec: StructuredOutput, stop_token_ids: Sequence[int] = ()
+        self, spec: StructuredOutput, stop_token_ids: Sequence[int] = (), compiled=None
     ) -> RequestGrammar:
         """A matcher for one request; `stop_token_ids`: the request's own, allowed where the EOS
-        is."""
+        is; `compiled`: `spec`'s compiled grammar when it was compiled ahead (else compiled
+        here)."""
         import xgrammar as xgr
 
         extra = self._no_control_characters() if spec.kind == "json" else None
-        return RequestGrammar(
-            xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, extra, stop_token_ids
-        )
+        grammar = compiled if compiled is not None else self.compile(spec)
+        return RequestGrammar(xgr.GrammarMatcher(grammar), self.vocab_size, extra, stop_token_ids)
 
     def _no_control_characters(self) -> torch.Tensor:
         """The tokens without a control character (U+0000-U+001F), and the stop tokens, as a packed

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,16 +34,14 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.request_state import RequestFeatures, RequestState
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep
 from compiled_engine.runner.prompt_outputs import KeptRows
+from compiled_engine.runner.sampler import SamplingRow
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
-from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from compiled_engine.kv_events.publisher import KVEventPublisher
     from compiled_engine.runner.compile_cache.session import CompileReport
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -75,14 +72,14 @@ class Engine:
         self.features = features  # makes each request's state
         self.compile_report = compile_report  # None: eager
         self.kv_events = kv_events  # gets the prefix cache's events of each step
-        if features.speculative is not None:
-            scheduler.propose = _propose
         self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
         # overlap's forward thread, on a synchronous device
         self._worker: ThreadPoolExecutor | None = None
         self.steps = 0
-        # the plan of the latest step(), without its requests (the TP debug digest reads it)
+        # keep the plan of the latest step(), without its requests, in `last_plan` (the TP debug
+        # digest reads it)
+        self.keep_last_plan = False
         self.last_plan: StepPlan | None = None
 
     @property
@@ -94,11 +91,12 @@ class Engine:
         )
 
     # ---- inputs -------------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    compiled_grammar=None) -> None:
         """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can
         never run. The sampling parameters are checked by `RequestFeatures`, the ledger's own by
-        the scheduler."""
-        state = self.features.state(rid, params, len(prompt_ids))
+        the scheduler. `compiled_grammar`: its constraint, compiled ahead (else compiled here)."""
+        state = self.features.state(rid, params, len(prompt_ids), compiled_grammar)
         self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
 
     def abort(self, rid: str) -> None:
@@ -118,7 +116,8 @@ class Engine:
         """Plan and launch one step; commit the previous one (overlap) or this one. Returns the
         events."""
         plan = self.scheduler.schedule()
-        self.last_plan = None if plan is None else dataclasses.replace(plan, members=())
+        if self.keep_last_plan:
+            self.last_plan = None if plan is None else dataclasses.replace(plan, members=())
         if plan is not None:
             self._inflight.append(self._launch(plan))
             self.steps += 1
@@ -151,12 +150,12 @@ class Engine:
     def _launch(self, plan: StepPlan) -> _Launched:
         """The sampler's rows (token masks included) and the prompt rows to keep, then the forward.
         Under overlap the previous step's forward runs meanwhile."""
-        sampling = []
+        sampling: list[SamplingRow] = []
         kept: list[tuple[KeptRows, RequestState]] = []
         for i, (step, req) in enumerate(zip(plan.reqs, plan.members, strict=True)):
             state: RequestState = req.hooks
             if step.sample:
-                sampling += state.sampling_rows(step, len(req.prompt))
+                state.add_sampling_rows(step, len(req.prompt), sampling)
             if state.prompt is not None:
                 rows = state.kept_rows(step, i, req)
                 if rows is not None:
@@ -179,10 +178,7 @@ class Engine:
         for rows, state in launched.kept:
             step = launched.plan.reqs[rows.index]
             chunk = [next(logprobs) for _ in range(rows.num_logprobs)]
-            state.prompt.add(step, chunk, next(hidden) if rows.hidden else None)
+            states = next(hidden) if rows.hidden else None
+            if state.prompt is not None:  # None: an earlier step's first event carried it
+                state.prompt.add(step, chunk, states)
         return self.scheduler.commit(launched.plan, output)
-
-
-def _propose(req: Request, k: int) -> tuple[int, ...]:
-    """The scheduler's proposer: the request's own drafter."""
-    return req.hooks.propose(req, k)

@@ -20,7 +20,6 @@ class PromptRecord:
     # [p]: the log-prob of prompt token p + 1 given the tokens before it, once computed
     logprobs: list[PromptLogprob | None] = field(default_factory=list)
     chunks: dict[int, torch.Tensor] = field(default_factory=dict)  # start -> hidden states
-    delivered: bool = False  # an event carried it
 
     @classmethod
     def for_request(cls, params: SamplingParams, prompt_len: int) -> PromptRecord | None:
@@ -52,8 +51,7 @@ class PromptRecord:
             self.chunks[step.start] = hidden
 
     def deliver(self) -> dict:
-        """The fields of the request's first event (once)."""
-        self.delivered = True
+        """The fields of the request's first event."""
         return {"prompt_logprobs": self.prompt_logprobs(), "embedding": self.embedding()}
 
     def prompt_logprobs(self) -> list[PromptLogprob] | None:

@@ -7,7 +7,7 @@ token, the fields of its first event. `RequestFeatures` makes them from a reques
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,42 +36,38 @@ class RequestState:
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
     grammar: RequestGrammar | None = None  # structured output
     drafter: Drafter | None = None  # speculative decoding: proposes the request's drafts
-    # prompt log-probs / an embedding's hidden states, until its first event carries them
+    # prompt log-probs / an embedding's hidden states, until its first event carries them away
     prompt: PromptRecord | None = None
+    logprobs: int | None = field(init=False)  # RequestHooks: the params' logprobs
+    history: bool = field(init=False)  # the sampler reads its token history (penalties, processors)
+
+    def __post_init__(self) -> None:
+        self.logprobs = self.params.logprobs
+        self.history = needs_history(self.params)
 
     # ---- RequestHooks -------------------------------------------------------------------------
-    @property
-    def logprobs(self) -> int | None:
-        return self.params.logprobs
-
     def on_token(self, token: int) -> bool:
-        grammar = self.grammar
-        if grammar is None:
-            return False
-        if not grammar.accept(token):
+        if not self.grammar.accept(token):
             raise TokenRejected(
                 f"structured output: token {token} was sampled, which the "
                 f"{self.params.structured.kind} constraint does not allow (were all the tokens it "
                 "allows ruled out, by logit_bias or a logits processor?)"
             )
-        return grammar.terminated
+        return self.grammar.terminated
 
     def first_event(self) -> dict[str, object]:
-        prompt = self.prompt
-        if prompt is None or prompt.delivered:
-            return {}
-        return prompt.deliver()
+        prompt, self.prompt = self.prompt, None
+        return {} if prompt is None else prompt.deliver()
 
     # ---- the step -----------------------------------------------------------------------------
-    def sampling_rows(self, step: ReqStep, prompt_len: int) -> list[SamplingRow]:
-        """The sampler's rows of this step, one per token drawn (a verify step: one per verified
-        position): bans until min_tokens, the grammar's token mask, where the token history lies
-        in the token table (penalties, logits processors), the position of the token drawn."""
+    def add_sampling_rows(self, step: ReqStep, prompt_len: int, rows: list[SamplingRow]) -> None:
+        """Append the sampler's rows of this step to `rows`, one per token drawn (a verify step:
+        one per verified position): bans until min_tokens, the grammar's token mask, where the
+        token history lies in the token table (penalties, logits processors), the position of the
+        token drawn."""
         params = self.params
         first = step.start + step.length - step.num_sampled  # position of the first sampling row
         masks = self.grammar.masks_along(step.draft) if self.grammar is not None else None
-        history = needs_history(params)
-        rows = []
         for j in range(step.num_sampled):
             seq_len = first + j + 1
             banned = self.banned if seq_len - prompt_len < params.min_tokens else ()
@@ -81,16 +77,14 @@ class RequestState:
                 if complete:
                     banned = ()  # a complete document ends now, min_tokens or not
             rows.append(SamplingRow(params, self.generator, banned, token_mask=mask,
-                                    history=(step.row, prompt_len, seq_len) if history else None,
-                                    position=seq_len))
-        return rows
+                                    history=(step.row, prompt_len, seq_len) if self.history
+                                    else None, position=seq_len))
 
     def kept_rows(self, step: ReqStep, index: int, req: Request) -> KeptRows | None:
         """What a prefill chunk (`index`: its place in the plan) keeps for the prompt record."""
-        prompt = self.prompt
-        if prompt is None or prompt.delivered or req.output or step.start >= len(req.prompt):
+        if self.prompt is None or req.output or step.start >= len(req.prompt):
             return None
-        return prompt.wanted(step, index)
+        return self.prompt.wanted(step, index)
 
     def propose(self, req: Request, k: int) -> tuple[int, ...]:
         """Up to k drafts after the request's known tokens, cut where its grammar would reject
@@ -113,9 +107,11 @@ class RequestFeatures:
     speculative: SpeculativeConfig | None = None
     draft_model: DraftModel | None = None  # speculative method draft_model
 
-    def state(self, rid: str, params: SamplingParams, prompt_len: int) -> RequestState:
+    def state(self, rid: str, params: SamplingParams, prompt_len: int,
+              compiled_grammar=None) -> RequestState:
         """RequestRejected (a ValueError) naming the first bad sampling parameter, a logits
-        processor that cannot be imported, or a constraint that does not compile."""
+        processor that cannot be imported, or a constraint that does not compile
+        (`compiled_grammar`: compiled ahead)."""
         check_sampling(rid, params)
         grammar = None
         if params.structured is not None:
@@ -123,7 +119,8 @@ class RequestFeatures:
                 raise RequestRejected(
                     f"request {rid!r}: this engine serves no structured output (no tokenizer)"
                 )
-            grammar = self.grammars.for_request(params.structured, params.stop_token_ids)
+            grammar = self.grammars.for_request(params.structured, params.stop_token_ids,
+                                                compiled_grammar)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -155,3 +152,8 @@ def check_sampling(rid: str, params: SamplingParams) -> None:
             bridge.resolve(processor)
     except ValueError as e:
         raise RequestRejected(f"request {rid!r}: {e}") from None
+
+
+def propose_drafts(req: Request, k: int) -> tuple[int, ...]:
+    """The scheduler's proposer (with speculative decoding): the request's own drafter's."""
+    return req.hooks.propose(req, k)

@@ -1,7 +1,7 @@
 """Per-request sampling parameters and finish rules (plain data, stdlib only), validated by the
-engine that admits the request (`Engine.add_request`; at tp > 1 also by `RemoteEngine`, which must
-answer before the request leaves the process). The ledger keeps only what it schedules by
-(`ledger_params`)."""
+engine that admits the request (`request_state.check_sampling`; at tp > 1 also by `RemoteEngine`,
+which must answer before the request leaves the process), `n` when it is expanded (`expand_n`). The
+ledger keeps only what it schedules by (`ledger_params`)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class Range:
 
 # The one table of the sampling fields' ranges: the engine validates by it
 # (`SamplingParams.validate`) and the server parses request bodies by it (`server.protocol`).
-# top_k -1 and 0: off; logprobs and prompt_logprobs may also be None (none wanted).
+# top_k -1 and 0: off; logprobs and prompt_logprobs may also be None (none wanted: OPTIONAL).
 SAMPLING_RANGES: dict[str, Range] = {
     "temperature": Range(0.0, 100.0),
     "top_p": Range(0.0, 1.0, lo_open=True),
@@ -82,6 +82,7 @@ SAMPLING_RANGES: dict[str, Range] = {
     "logprobs": Range(0, 20),  # top alternatives per token (vLLM's default max_logprobs)
     "prompt_logprobs": Range(0, 20),
 }
+OPTIONAL = frozenset({"logprobs", "prompt_logprobs"})
 # A logit_bias value over the API (OpenAI's range); offline any bias is allowed, -inf included.
 LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
 
@@ -132,8 +133,7 @@ class SamplingParams:
         checks its own (`ledger_params`: lengths and stop ids) when it admits the request
         (`check_request`)."""
         for name, allowed in SAMPLING_RANGES.items():
-            value = getattr(self, name)
-            _check(value is None or value in allowed, f"{name} must be {allowed}", value)
+            _check_range(name, getattr(self, name), allowed)
         _check(self.pooling is None or self.pooling in POOLINGS,
                "pooling must be 'last' or 'mean'", self.pooling)
         _check(self.pooling is None or self.max_tokens == 0,
@@ -163,12 +163,19 @@ def expand_n(params: SamplingParams) -> list[SamplingParams]:
     """A request's `n` samples as `n` single-sample requests (ValueError for a bad `n` or `seed`;
     the engine validates the rest when it admits each); sample i of a seeded request uses seed + i
     (mod 2**63, the range of torch's generators)."""
-    _check(isinstance(params.n, int) and params.n >= 1, "n must be >= 1", params.n)
+    _check_range("n", params.n, SAMPLING_RANGES["n"])
     _check(
         params.seed is None or 0 <= params.seed < 2**63, "seed must be in [0, 2**63)", params.seed
     )
     seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
     return [replace(params, n=1, seed=seed) for seed in seeds]
+
+
+def _check_range(name: str, value: object, allowed: Range) -> None:
+    if value is None and name in OPTIONAL:
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    _check(number and value in allowed, f"{name} must be {allowed}", value)
 
 
 def _check(ok: bool, message: str, value: object) -> None:

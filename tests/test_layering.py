@@ -143,3 +143,32 @@ def test_no_import_circles() -> None:
             visit(node)
     assert not circles, "modules that import each other in a circle:\n" + "\n".join(
         " <-> ".join(c) for c in circles)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in tests/helpers (or a conftest): importing a test module runs its
+    module-level setup twice and hides its tests' dependencies."""
+    bad = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "property_tests").rglob("*.py")]):
+        for module, name in _imports(path):
+            last = module.split(".")[-1]
+            if last.startswith("test_") or (name or "").startswith("test_"):
+                bad.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_engine_module_has_a_layer() -> None:
+    """A module in no layer is checked by no layers contract: its imports could point anywhere."""
+    text = (ROOT / "pyproject.toml").read_text()
+    layered = set()
+    for line in text[text.index("layers = ["): text.index("]", text.index("layers = ["))].split(
+        "\n"
+    )[1:]:
+        layered.update(name.strip().strip('",') for name in line.split("|"))
+    engine = ROOT / "compiled_engine"
+    modules = {
+        f"compiled_engine.{p.stem if p.is_file() else p.name}"
+        for p in engine.iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()
+    }
+    assert not modules - layered, f"in no layer of pyproject.toml: {sorted(modules - layered)}"

@@ -36,11 +36,10 @@ class GrammarWait:
         """The requests whose compile has finished here, in arrival order (rank 0 admits them)."""
         return tuple(rid for rid, (_, future) in self._waiting.items() if future.done())
 
-    def admit(self, rids: tuple[str, ...]) -> list[tuple[Add, BaseException | None]]:
+    def admit(self, rids: tuple[str, ...]) -> list[tuple[Add, Future]]:
         """Take `rids` out (those still here: one aborted meanwhile is gone), each with its
-        compile's exception (None: compiled); waits for this rank's own compile."""
-        taken = [self._waiting.pop(rid) for rid in rids if rid in self._waiting]
-        return [(msg, future.exception()) for msg, future in taken]
+        compile (done once this rank's own compile is: `result()` waits for it)."""
+        return [self._waiting.pop(rid) for rid in rids if rid in self._waiting]
 
     def drop(self, rid: str) -> bool:
         """Forget an aborted or finished request; False if it was not here."""

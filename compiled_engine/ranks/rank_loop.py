@@ -128,6 +128,7 @@ def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
 
 def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
     waiting = GrammarWait(engine.features.grammars)
+    engine.keep_last_plan = debug
     while True:
         if spec.heartbeats is not None:
             spec.heartbeats[spec.rank] = time.monotonic()
@@ -188,13 +189,13 @@ def _apply(engine, waiting: GrammarWait, msg: Add | Admit | Abort | Finish, even
         if not waiting.hold(msg):
             _add(engine, msg, events)
     elif isinstance(msg, Admit):
-        for add, error in waiting.admit(msg.rids):
-            if error is None:
-                _add(engine, add, events)
-            elif isinstance(error, ConstraintError):
-                events.append(RequestError(add.rid, str(error), "structured"))
-            else:
-                raise error
+        for add, compile_ in waiting.admit(msg.rids):
+            try:
+                compiled = compile_.result()
+            except ConstraintError as e:  # a bad constraint: that request's error only
+                events.append(_request_error(add.rid, e))
+                continue
+            _add(engine, add, events, compiled)
     elif isinstance(msg, Abort):
         if not waiting.drop(msg.rid):
             engine.abort(msg.rid)
@@ -205,14 +206,17 @@ def _apply(engine, waiting: GrammarWait, msg: Add | Admit | Abort | Finish, even
         raise TypeError(f"unknown engine input {msg!r}")
 
 
-def _add(engine, msg: Add, events: list) -> None:
+def _add(engine, msg: Add, events: list, compiled_grammar=None) -> None:
     try:
-        engine.add_request(msg.rid, msg.prompt_ids, msg.params)
+        engine.add_request(msg.rid, msg.prompt_ids, msg.params, compiled_grammar)
     # RequestRejected, bad parameters, a bad constraint: answer that request only
     except ValueError as e:
-        events.append(
-            RequestError(msg.rid, str(e), "structured" if isinstance(e, ConstraintError) else None)
-        )
+        events.append(_request_error(msg.rid, e))
+
+
+def _request_error(rid: str, error: ValueError) -> RequestError:
+    field = "structured" if isinstance(error, ConstraintError) else None
+    return RequestError(rid, str(error), field)
 
 
 def _stats(engine, waiting: GrammarWait, req: StatsRequest) -> StatsReply:

@@ -14,7 +14,7 @@ commit)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.draft import StepDraft
@@ -27,10 +27,11 @@ class DecodePlanner:
     """The running requests (in admission order: retraction takes the last) and their decodes."""
 
     def __init__(self, config: SchedulerConfig, book: KvBook,
-                 requeue: Callable[[Request], None]) -> None:
-        """`requeue`: takes a retracted request (to the front of the waiting queue)."""
+                 requeue: Callable[[Request], None], propose: Proposer | None = None) -> None:
+        """`requeue`: takes a retracted request (to the front of the waiting queue); `propose`:
+        the draft tokens of a request's next step (with `config.speculative`)."""
         self.config, self.book, self._requeue = config, book, requeue
-        self.propose: Proposer | None = None  # the draft tokens of a request's next step
+        self.propose = propose
         self.running: list[Request] = []
         self.num_retractions = 0
 
@@ -47,9 +48,7 @@ class DecodePlanner:
         speculating = spec is not None and self.propose is not None
         spare = self.config.chunk_budget - len(self.running)  # budget left for draft tokens
         committed = self.book.committed
-        # pages the decodes of this step need: drafts leave them
-        reserve = sum(1 for r in self.running
-                      if _decodes(r) and r.planned_len == len(r.pages) * ps)
+        reserve = decode_page_reserve(self.running, ps)  # drafts leave them
         for req in list(self.running):
             c = req.planned_len
             d = req.device_len
@@ -156,3 +155,8 @@ class DecodePlanner:
 def _decodes(req: Request) -> bool:
     """Whether a running request decodes (its prompt computed, room left)."""
     return req.planned_len >= req.fill_to and req.device_len < req.max_len
+
+
+def decode_page_reserve(running: Iterable[Request], page_size: int) -> int:
+    """Pages the running requests' next decodes need (those whose last page is full)."""
+    return sum(1 for r in running if _decodes(r) and r.planned_len == len(r.pages) * page_size)

@@ -4,8 +4,11 @@ queue is admitted in order (no overtaking) while the budget, the table rows and 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+from itertools import chain
 
 from compiled_engine.scheduler.config import SchedulerConfig
+from compiled_engine.scheduler.decode import decode_page_reserve
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TokenWrite
@@ -37,13 +40,7 @@ class PrefillPlanner:
             return admitted
         # Optimistic admission, one step ahead only: leave the pages running decodes need next step.
         ps = book.page_size
-        reserve = sum(
-            1
-            for r in running
-            if r.planned_len >= r.fill_to
-            and r.device_len < r.max_len
-            and r.planned_len == len(r.pages) * ps
-        )
+        reserve = decode_page_reserve(running, ps)
         for req in chunked:
             if budget <= 0:
                 return admitted
@@ -62,7 +59,8 @@ class PrefillPlanner:
             tokens = req.tokens()
             whole = req.params.every_position and not req.output
             handle, hit = book.cache.match(() if whole else tokens[:-1])
-            if not whole and self._shares_pending_prefix(running + admitted, tokens, len(hit) * ps):
+            if not whole and self._shares_pending_prefix(chain(running, admitted), tokens,
+                                                         len(hit) * ps):
                 self.num_prefix_waits += 1
                 # wait a step: a running prefill is about to cache what this request would recompute
                 return admitted
@@ -90,7 +88,7 @@ class PrefillPlanner:
             budget -= draft.reqs[-1].length
         return admitted
 
-    def _shares_pending_prefix(self, running: list[Request], tokens: tuple[int, ...],
+    def _shares_pending_prefix(self, running: Iterable[Request], tokens: tuple[int, ...],
                                hit_len: int) -> bool:
         """True when a running request's prompt, not yet in the radix cache, shares at least
         `config.share_wait_tokens` (and a page) more tokens with `tokens` than the cache already

@@ -55,9 +55,7 @@ class RequestHooks(Protocol):
     """What the engine hangs off a ledger entry (sampling state, grammar, prompt record): the commit
     asks it about the request's tokens, so that one place ends requests and makes their events."""
 
-    @property
-    def logprobs(self) -> int | None:
-        """Top log-probs wanted with each token (0: the token's own only; None: none)."""
+    logprobs: int | None  # top log-probs wanted with each token (0: the token's own; None: none)
 
     def on_token(self, token: int) -> bool:
         """A constrained request's next token (`LedgerParams.constrained`): True when it completes

@@ -67,20 +67,11 @@ class Scheduler:
         self.spec = SpecCounters()
         self.book = KvBook(config)
         self.prefills = PrefillPlanner(config, self.book)
-        self.decodes = DecodePlanner(config, self.book, self.prefills.requeue)
-        self.decodes.propose = propose
+        self.decodes = DecodePlanner(config, self.book, self.prefills.requeue, propose)
         self.live: dict[str, Request] = {}  # waiting or running
         self.inflight: deque[StepPlan] = deque()
         self._eos = frozenset(config.eos_token_ids)
         self._next_step = 0
-
-    @property
-    def propose(self) -> Proposer | None:
-        return self.decodes.propose
-
-    @propose.setter
-    def propose(self, propose: Proposer | None) -> None:
-        self.decodes.propose = propose
 
     @property
     def running(self) -> Sequence[Request]:
@@ -144,7 +135,7 @@ class Scheduler:
             self._end(req, Status.FINISHED, reason)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.inflight)
+        return bool(self.prefills.waiting or self.decodes.running or self.inflight)
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -205,18 +196,13 @@ class Scheduler:
                 sampled = tokens[first:row]
                 if rs.draft:
                     sampled = self._verified(plan.step, rs, req, sampled)
-                for i, tok in enumerate(sampled, first):
-                    ev = self._token_event(req, tok, output, i)
-                    events.append(ev)
-                    if ev.finished:
-                        break
-                else:
-                    if status is Status.RUNNING and rs.start < req.fill_to:
-                        self.book.cache_prefix(req, rs.start + rs.length)
+                if not self._take(req, sampled, output, first, events) and (
+                    status is Status.RUNNING and rs.start < req.fill_to
+                ):
+                    self.book.cache_prefix(req, rs.start + rs.length)
             elif status is Status.RUNNING:
                 if req.device_len == req.max_len and req.planned_len == req.device_len:
-                    fields = req.hooks.first_event() if req.hooks is not None else {}
-                    events.append(TokenEvent(req.rid, None, True, "length", **fields))
+                    events.append(TokenEvent(req.rid, None, True, "length", **_first_fields(req)))
                     self._end(req, Status.FINISHED, "length")  # max_tokens == 0
                 else:
                     self.book.cache_prefix(req, rs.start + rs.length)
@@ -227,30 +213,34 @@ class Scheduler:
         self.book.commit_step(plan.step)
         return events
 
-    def _token_event(self, req: Request, tok: int, output: StepOutput, i: int) -> TokenEvent:
-        """Append sampled row `i`'s token to the request, and its event (ending the request where
-        the token does)."""
+    def _take(self, req: Request, sampled: list[int], output: StepOutput, first: int,
+              events: list[TokenEvent]) -> bool:
+        """Append the request's sampled tokens (rows first, first + 1, ...) and their events;
+        True when one ended the request (a token its hooks reject fails it, dropped)."""
         hooks = req.hooks
-        complete = False
-        if req.params.constrained and hooks is not None:
-            try:
-                complete = hooks.on_token(tok)
-            except TokenRejected as e:
-                return self._fail(req, str(e))  # the token is dropped
-        req.output.append(tok)
-        reason = self._finish_reason(req, tok) or ("stop" if complete else None)
-        lp = top = None
-        fields: dict[str, object] = {}
-        if hooks is not None:
-            n = hooks.logprobs
-            if n is not None and output.logprobs is not None:
+        judge = hooks.on_token if hooks is not None and req.params.constrained else None
+        n = hooks.logprobs if hooks is not None and output.logprobs is not None else None
+        for i, tok in enumerate(sampled, first):
+            complete = False
+            if judge is not None:
+                try:
+                    complete = judge(tok)
+                except TokenRejected as e:
+                    events.append(self._fail(req, str(e)))
+                    return True
+            req.output.append(tok)
+            reason = self._finish_reason(req, tok) or ("stop" if complete else None)
+            lp = top = None
+            if n is not None:
                 lp = output.logprobs[i]
                 top = output.top_logprobs[i][:n] if output.top_logprobs is not None else []
-            if len(req.output) == 1:
-                fields = hooks.first_event()
-        if reason is not None:
-            self._end(req, Status.FINISHED, reason)
-        return TokenEvent(req.rid, tok, reason is not None, reason, lp, top, **fields)
+            if reason is not None:
+                self._end(req, Status.FINISHED, reason)
+            fields = _first_fields(req) if len(req.output) == 1 else {}
+            events.append(TokenEvent(req.rid, tok, reason is not None, reason, lp, top, **fields))
+            if reason is not None:
+                return True
+        return False
 
     def _fail(self, req: Request, message: str) -> TokenEvent:
         """End a request with finish_reason "error"."""
@@ -326,6 +316,11 @@ class Scheduler:
         """Assert every ledger invariant (see `integrity.py`); AssertionError names the breach."""
         check_integrity(self.book, self.config, self.live, self.running, self.waiting,
                         self.inflight)
+
+
+def _first_fields(req: Request) -> dict:
+    """The fields of a request's first event (`RequestHooks.first_event`)."""
+    return req.hooks.first_event() if req.hooks is not None else {}
 
 
 def _first_error(errors: dict[int, str], lo: int, hi: int) -> str | None:

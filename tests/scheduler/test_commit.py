@@ -160,3 +160,13 @@ def test_tokens_of_a_request_ended_while_its_step_was_in_flight_are_dropped() ->
     assert sched.commit(plan, output) == []
     exe.retire(plan.step)
     assert not sched.has_work() and sched.live == {}
+
+
+def test_a_request_without_tokens_gets_its_first_event_fields_on_its_end() -> None:
+    """max_tokens=0 (an embedding request): its one event, "length" with no token, carries them."""
+    sched = Scheduler(CFG)
+    hooks = Hooks()
+    sched.add_request("e", [1, 2, 3], LedgerParams(max_tokens=0), hooks)
+    (event,) = _run(sched, _same)
+    assert (event.token, event.finish_reason, event.embedding) == (None, "length", [1.0])
+    assert hooks.firsts == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from compiled_engine.scheduler import LedgerParams, Scheduler, SchedulerConfig, SpecConfig
+from compiled_engine.scheduler import LedgerParams, Proposer, Scheduler, SchedulerConfig, SpecConfig
 from tests.scheduler.fake_executor import FakeExecutor, reference_output, run_to_completion
 
 VOCAB = 16
@@ -34,12 +34,12 @@ class Oracle:
         return tuple(ref[i] if i < self.right else (ref[i] + 1) % VOCAB for i in range(k))
 
 
-def make(oracle: Oracle, **kw) -> tuple[Scheduler, FakeExecutor]:
+def make(propose: Proposer, **kw) -> tuple[Scheduler, FakeExecutor]:
     spec = kw.pop("spec", SpecConfig(3))
     cfg = SchedulerConfig(
         **{"num_pages": 64, "max_running": 8, "max_context": 64, "speculative": spec, **kw}
     )
-    return Scheduler(cfg, oracle), FakeExecutor(cfg, vocab_size=VOCAB)
+    return Scheduler(cfg, propose), FakeExecutor(cfg, vocab_size=VOCAB)
 
 
 def run(sched: Scheduler, exe: FakeExecutor) -> tuple[list, list[int]]:
@@ -178,8 +178,6 @@ def test_above_max_batch_only_requests_that_copy_draft() -> None:
     """max_batch 2: while two run, both draft; `copy` has all its drafts accepted, `free` none. Once
     a third runs, only `copy` drafts, and `x` (never measured) does not either."""
     oracle = Oracle()
-    sched, exe = make(oracle, spec=SpecConfig(4, max_batch=2, copy_accepted=2.0,
-                                              min_acceptance=0.0))
     refs = {rid: oracle.expect(rid, [3, 4, i], 16) for i, rid in enumerate(("copy", "free", "x"))}
     wrong = {"free", "x"}
     right = Oracle.__call__
@@ -192,7 +190,8 @@ def test_above_max_batch_only_requests_that_copy_draft() -> None:
             return tuple((t + 1) % VOCAB for t in ref[:k])
         return right(oracle, req, k)
 
-    sched.propose = propose
+    sched, exe = make(propose, spec=SpecConfig(4, max_batch=2, copy_accepted=2.0,
+                                               min_acceptance=0.0))
     events = []
     for i, rid in enumerate(refs):
         sched.add_request(rid, [3, 4, i], LedgerParams(max_tokens=16, ignore_eos=True))
