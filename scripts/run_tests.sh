@@ -19,7 +19,7 @@ run() {  # run NAME COMMAND...
     [ "$status" -ne 0 ] || status=$rc
   fi
 }
-run "the suite" "$py" -m pytest -q --durations=20 "${args[@]}"
+run "the suite" "$py" -m pytest -q --durations=50 "${args[@]}"
 levels=$("$py" -c 'from kernels.cpu import isa; print(*isa.levels_below_native())') || {
   failed+=("listing the ISA levels"); [ "$status" -ne 0 ] || status=1; levels=""; }
 for isa in $levels; do
