@@ -73,18 +73,39 @@ def prompts() -> list[list[int]]:
     return ragged_prompts(12, vocab=8000)
 
 
+# constrained requests mixed with plain ones: a regex, a choice, and a schema that takes a second to
+# compile (so that a rank may lag behind rank 0)
+_DIGITS = dataclasses.replace(GREEDY, ignore_eos=False,
+                              structured=StructuredOutput("regex", "[0-9]{3}"))
+MIXED = [
+    _DIGITS,
+    GREEDY,
+    dataclasses.replace(_DIGITS, structured=StructuredOutput("choice", ("yes", "no"))),
+    GREEDY,
+    dataclasses.replace(_DIGITS, structured=StructuredOutput("json", slow_schema(200, "tp"))),
+]
+
+
 @pytest.fixture(scope="module")
-def tp1_tokens(demo_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    tokens = [
-        o.token_ids for o in LLM(demo_dir, enforce_eager=True, **SETTINGS).generate(prompts, GREEDY)
-    ]
+def tp1(demo_dir: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """TP=1's tokens (eager) for the prompts, and for the first five under MIXED."""
+    llm = LLM(demo_dir, enforce_eager=True, **SETTINGS)
+    tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert tokens == hf_greedy(demo_dir, prompts, NEW_TOKENS)
-    return tokens
+    mixed = [o.token_ids for o in llm.generate(prompts[:5], MIXED)]
+    llm.engine.shutdown()
+    return tokens, mixed
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tp1) -> list[list[int]]:
+    return tp1[0]
 
 
 def test_offline_tp2_compiled_starts_warm_and_equals_tp1(
-    demo_dir: str, warm_root: str, prompts: list[list[int]], tp1_tokens: list[list[int]]
+    demo_dir: str, warm_root: str, prompts: list[list[int]], tp1
 ) -> None:
+    tp1_tokens, tp1_mixed = tp1
     tp2 = LLM(demo_dir, tp_size=2, tp_debug=True, compile_cache_dir=warm_root, **SETTINGS)
     try:
         summaries = tp2.engine.handle.ready.compile_summaries
@@ -94,21 +115,23 @@ def test_offline_tp2_compiled_starts_warm_and_equals_tp1(
         got = tp2.generate(prompts, GREEDY)  # one concurrent ragged batch
         repeat = tp2.generate(prompts[2:6], GREEDY)  # radix hits, in a batch of 4
         alone = tp2.generate(prompts[7:8], GREEDY)
-        # constrained requests wait for their grammar outside the steps (each rank compiles it;
-        # one that takes a second, so that a rank may lag); rank 0 admits them for both ranks at
-        # once (tp_debug compares the ranks' plans at every step)
-        digits = dataclasses.replace(GREEDY, ignore_eos=False,
-                                     structured=StructuredOutput("regex", "[0-9]{3}"))
-        pick = dataclasses.replace(digits, structured=StructuredOutput("choice", ("yes", "no")))
-        slow = dataclasses.replace(digits, structured=StructuredOutput("json",
-                                                                       slow_schema(200, "tp")))
-        mixed = tp2.generate(prompts[:5], [digits, GREEDY, pick, GREEDY, slow])
+        # constrained requests wait for their grammar outside the steps (each rank compiles it);
+        # rank 0 admits them for both ranks at once (tp_debug compares the ranks' plans at every
+        # step)
+        mixed = tp2.generate(prompts[:5], MIXED)
+        # a constraint the ranks cannot compile fails the call (after the others were queued) and
+        # leaves nothing running: the next call is served
+        bad = dataclasses.replace(GREEDY, structured=StructuredOutput("regex", "(unclosed"))
+        with pytest.raises(ValueError, match="invalid regex constraint"):
+            tp2.generate(prompts[:3], [GREEDY, bad, GREEDY])
+        assert not tp2.engine.has_work()
+        again = tp2.generate(prompts[:5], MIXED)
     finally:
         tp2.engine.shutdown()
     assert re.fullmatch("[0-9]{3}", mixed[0].outputs[0].text), mixed[0].outputs[0].text
     assert mixed[2].outputs[0].text in ("yes", "no")
     assert mixed[4].outputs[0].text.startswith('{"p0tp": "'), mixed[4].outputs[0].text
-    assert [mixed[1].token_ids, mixed[3].token_ids] == [tp1_tokens[1], tp1_tokens[3]]
+    assert [o.token_ids for o in mixed] == [o.token_ids for o in again] == tp1_mixed
     assert [o.token_ids for o in got] == tp1_tokens
     assert [o.token_ids for o in repeat] == tp1_tokens[2:6]
     # Deterministic mode at TP=2: the ranks reduce in a fixed order, so log-probs repeat bit for bit

@@ -1,6 +1,7 @@
-"""Structured output through the offline API, on the engine's default path (compiled) and eager, and
-at TP=2: every output satisfies its constraint, and the constraint composes with n, seeds, logprobs
-(of the masked distribution), min_tokens, max_tokens, stop strings and retraction."""
+"""Structured output through the offline API, on the engine's default path (compiled) and eager
+(TP=2 compiled: tests/distributed/test_tp_compiled.py): every output satisfies its constraint, and
+the constraint composes with n, seeds, logprobs (of the masked distribution), min_tokens,
+max_tokens, stop strings and retraction."""
 
 from __future__ import annotations
 
@@ -169,29 +170,6 @@ def test_random_schemas_always_validate(eager: LLM, schema: dict, seed: int) -> 
     )[0]
     assert out.finish_reason == "stop", out.text
     jsonschema.validate(json.loads(out.text), schema)
-
-
-@pytest.mark.slow
-def test_tp2_compiled_serves_the_same_constrained_outputs(eager: LLM) -> None:
-    """`--tp 2` with its defaults (compiled): each rank's matcher sees the same tokens and masks
-    alike."""
-    tp = LLM("demo", deterministic=True, num_pages=1024, max_running=8, chunk_budget=64, tp_size=2)
-    try:
-        params = SamplingParams(max_tokens=128, temperature=0, structured=JSON)
-        outs = tp.generate(PROMPTS, params)
-        assert [o.text for o in outs] == [o.text for o in eager.generate(PROMPTS, params)]
-        for out in outs:
-            jsonschema.validate(json.loads(out.text), SCHEMA)
-        # A constraint the ranks cannot compile fails the call (after the others were queued) and
-        # leaves nothing running: the next call is served.
-        bad = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "(unclosed"))
-        with pytest.raises(ValueError, match="invalid regex constraint"):
-            tp.generate(PROMPTS, [params, bad, params, params])
-        assert not tp.engine.has_work()
-        assert [o.text for o in tp.generate(PROMPTS, params)] == [o.text for o in outs]
-        assert tp.engine.stats()["num_running"] == 0
-    finally:
-        tp.engine.shutdown()
 
 
 def test_overlap_scheduling_keeps_masks_on_committed_tokens(eager: LLM) -> None:
