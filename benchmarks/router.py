@@ -60,7 +60,7 @@ def wait_until(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) ->
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} not up in {timeout_s:.0f}s: {log.read_text()[-3000:]}")
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 @dataclass
@@ -82,6 +82,12 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 600.0) -> None:
+        """Launch and wait until it serves."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (`wait_ready`): replicas then start together."""
         env, pin = os.environ, None
         if self.cpus is not None:
             env = env | {"OMP_NUM_THREADS": str(len(self.cpus))}
@@ -93,6 +99,10 @@ class ServeProcess:
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                 preexec_fn=pin,
             )
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Until the launched process answers `/health`."""
+        assert self.proc is not None, "launch() first"
         wait_until(self.url + "/health", self.proc, self.log, timeout_s)
 
     def kill(self) -> None:
@@ -122,6 +132,12 @@ def running_router(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def worker_healthy(router: str, worker: str) -> bool:
+    """Whether the router lists `worker` as healthy now (`GET /workers`, both routers)."""
+    workers = httpx.get(router + "/workers", timeout=10).json()["workers"]
+    return any(w["url"] == worker and w["is_healthy"] for w in workers)
 
 
 def metric(url: str, name: str) -> float:

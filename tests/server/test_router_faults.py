@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,16 +19,20 @@ from benchmarks.router import (
     metric,
     prefix_counts,
     running_router,
+    worker_healthy,
 )
-from tests.server.test_routers import COMPLETION
 
 pytestmark = pytest.mark.slow
 
 # the settings of tests/helpers/servers.py's servers: the same compile-cache entry
 SERVE = ["--model", "demo", "--num-pages", "8192", "--max-running", "32", "--deterministic"]
+# and a circuit breaker that lets the replica try again 1 s after it opened, not 60 s (the default:
+# the ~10 failed sends of a kill open it, and the restarted replica got no request for a minute)
 ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                 "--health-success-threshold", "1", "--health-check-timeout-secs", "2")
-LOAD = COMPLETION | {"max_tokens": 24, "ignore_eos": True}
+                 "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+                 "--cb-timeout-duration-secs", "1")
+LOAD = {"model": "demo", "prompt": "The sky is", "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,9 @@ def replicas(tmp_path_factory) -> Iterator[list[ServeProcess]]:
     made = [ServeProcess(SERVE, logs / f"replica{i}.log") for i in range(2)]
     try:
         for r in made:
-            r.start()
+            r.launch()  # both at once
+        for r in made:
+            r.wait_ready()
         yield made
     finally:
         for r in made:
@@ -71,6 +77,14 @@ def load(url: str, n: int, threads: int, results: list, started: threading.Event
         assert not w.is_alive(), "a request through the router hung"
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` every 0.1 s until true; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:.0f}s"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_a_killed_replica_is_routed_around_and_comes_back(
     kind: str, replicas: list[ServeProcess], tmp_path: Path
@@ -99,7 +113,8 @@ def test_a_killed_replica_is_routed_around_and_comes_back(
         # connection (both routers retried every one in the runs so far: README)
         assert all(status >= 500 for status, _ in failed), failed
 
-        time.sleep(3)  # health checks every 1 s, one failure marks the replica unhealthy
+        # health checks every 1 s, one failure marks the replica unhealthy
+        wait_for(lambda: not worker_healthy(url, b.url), 30, "the router marking b unhealthy")
         after: list = []
         load(url, 12, 4, after, threading.Event())
         assert [s for s, _ in after] == [200] * 12, after
