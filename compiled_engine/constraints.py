@@ -11,8 +11,8 @@ end). xgrammar is imported on the first constrained request: it costs seconds to
 
 `compile_async` compiles on a thread of its own (xgrammar releases the GIL, so steps go on): the
 served engine holds a constrained request out of its steps until its grammar is ready
-(`ranks.grammar_wait`), then `compile` finds it in the compiler's cache (by the constraint's text,
-bounded in bytes).
+(`ranks.grammar_wait`), then hands the compiled grammar to `for_request`. The compiler's cache (by
+the constraint's text, bounded in bytes) serves the next request with the same constraint.
 """
 
 from __future__ import annotations

@@ -174,8 +174,11 @@ def expand_n(params: SamplingParams) -> list[SamplingParams]:
 def _check_range(name: str, value: object, allowed: Range) -> None:
     if value is None and name in OPTIONAL:
         return
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    _check(number and value in allowed, f"{name} must be {allowed}", value)
+    integer = isinstance(allowed.lo, int) and isinstance(allowed.hi, int)
+    kind = int if integer else int | float
+    number = isinstance(value, kind) and not isinstance(value, bool)
+    _check(number and value in allowed,
+           f"{name} must be {'an integer ' if integer else ''}{allowed}", value)
 
 
 def _check(ok: bool, message: str, value: object) -> None:

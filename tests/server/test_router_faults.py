@@ -93,6 +93,8 @@ def test_a_killed_replica_is_routed_around_and_comes_back(
     with running_router(
         kind, "round_robin", [a.url, b.url], tmp_path / "router.log", ROUTER_HEALTH
     ) as url:
+        # b as the router lists it (the unhealthy check below would pass for a name it never lists)
+        wait_for(lambda: worker_healthy(url, b.url), 30, "the router listing b healthy")
         during: list = []
         started = threading.Event()
         loader = threading.Thread(target=load, args=(url, 24, 4, during, started))

@@ -37,3 +37,18 @@ def test_server_and_engine_accept_the_same_values(name: str) -> None:
         assert engine_ok == server_ok == (value in allowed), (name, value)
         if server_ok and not (name == "temperature" and value < 1e-5):
             assert math.isclose(getattr(parsed, name), value)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, r in SAMPLING_RANGES.items() if isinstance(r.lo, int))
+)
+def test_integer_fields_refuse_fractions_and_booleans_on_both_sides(name: str) -> None:
+    """A fraction inside the range (2.5 logprobs) or a boolean is refused by both: the engine would
+    otherwise fail later, inside a step."""
+    allowed = SAMPLING_RANGES[name]
+    for value in (allowed.lo + 1.5, True):
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            SamplingParams(**{name: value}).validate()
+        with pytest.raises(ProtocolError, match=f"'{name}' must be an integer") as e:
+            parse_completion({"model": "m", "prompt": "x", name: value}, Limits(4096, 1000))
+        assert e.value.param == name

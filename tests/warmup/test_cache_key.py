@@ -171,7 +171,7 @@ def test_the_cpu_kv_pool_does_not_follow_free_memory(monkeypatch) -> None:
     model = type(
         "Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16}
     )()
-    config = EngineConfig(max_running=256)
+    config = startup.resolve_config(EngineConfig(max_running=256), CPU)  # as build_engine
     pages = set()
     for available in (24.6e9, 24.0e9, 22.0e9):
         monkeypatch.setattr(startup, "_host_memory", lambda a=available: (25.28e9, a))
@@ -190,7 +190,7 @@ def test_a_draft_model_shares_the_pool_budget(monkeypatch) -> None:
     model = type(
         "Model", (), {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16}
     )()
-    config = EngineConfig(max_running=256)
+    config = startup.resolve_config(EngineConfig(max_running=256), CPU)  # as build_engine
     monkeypatch.setattr(startup, "_host_memory", lambda: (25.28e9, 24.0e9))
     alone = startup.size_kv_pool(config, model, 8192, CPU)
     assert startup.size_kv_pool(config, model, 8192, CPU, draft=model) == alone // 2
