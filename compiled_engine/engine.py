@@ -4,12 +4,14 @@ With overlap (the default on CUDA) step k+1 is planned and launched before step 
 host, and the token sampled at step k is read from the device token table by step k+1. On CUDA a
 launch only queues work (`ModelRunner.asynchronous`): this thread launches step k+1, then waits for
 step k's tokens (the one host sync of a step) while the device runs k+1. On the CPU, where a launch
-computes, the forward runs in a worker thread instead. The scheduler defers frees until no in-flight
-step can touch the pages, and drops tokens sampled after a request finished.
+computes, the forward runs in a worker thread instead. With speculative decoding the drafts a plan
+asks for are proposed (n-gram lookup, or the draft model's forwards) between planning and launch.
+The scheduler defers frees until no in-flight step can touch the pages, and drops tokens sampled
+after a request finished.
 
-A request's features live in its state (`request_state.py`), hung off its ledger entry: the
-launch asks each for its sampler rows and the prompt rows to keep; the scheduler's commit asks it
-about each token, ends requests and makes every event.
+A request's features live in its state (`request_state.py`), hung off its ledger entry: the launch
+asks each for its sampler rows and the prompt rows to keep; the scheduler's commit asks it about
+each token, ends requests and makes every event.
 
 Structured output: a constrained request's grammar fills its token mask when its step is launched
 and advances when its token commits; the request ends when the grammar does, and fails
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.request_state import RequestFeatures, RequestState
+from compiled_engine.request_state import RequestFeatures, RequestState, propose_drafts
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep
 from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow
@@ -116,6 +118,8 @@ class Engine:
         """Plan and launch one step; commit the previous one (overlap) or this one. Returns the
         events."""
         plan = self.scheduler.schedule()
+        if plan is not None and plan.draft_asks:
+            plan = self.scheduler.add_drafts(plan, propose_drafts(plan))
         if self.keep_last_plan:
             self.last_plan = None if plan is None else dataclasses.replace(plan, members=())
         if plan is not None:

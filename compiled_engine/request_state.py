@@ -17,7 +17,7 @@ from compiled_engine.prompt_record import PromptRecord
 from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.sampling_params import SamplingParams
-from compiled_engine.scheduler.plan import ReqStep
+from compiled_engine.scheduler.plan import ReqStep, StepPlan
 from compiled_engine.scheduler.request import Request, TokenRejected
 from compiled_engine.scheduler.validation import RequestRejected
 from compiled_engine.speculative.config import SpeculativeConfig
@@ -154,6 +154,11 @@ def check_sampling(rid: str, params: SamplingParams) -> None:
         raise RequestRejected(f"request {rid!r}: {e}") from None
 
 
-def propose_drafts(req: Request, k: int) -> tuple[int, ...]:
-    """The scheduler's proposer (with speculative decoding): the request's own drafter's."""
-    return req.hooks.propose(req, k)
+def propose_drafts(plan: StepPlan) -> list[tuple[int, ...]]:
+    """The drafts of each decode the plan asks them for (`StepPlan.draft_asks`), each by its
+    request's own drafter."""
+    drafts = []
+    for ask in plan.draft_asks:
+        req = plan.members[ask.index]
+        drafts.append(req.hooks.propose(req, ask.k))
+    return drafts

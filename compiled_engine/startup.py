@@ -27,7 +27,7 @@ from compiled_engine.layers.moe import expert_load
 from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
-from compiled_engine.request_state import RequestFeatures, propose_drafts
+from compiled_engine.request_state import RequestFeatures
 from compiled_engine.runner.buckets import default_buckets
 from compiled_engine.runner.device_defaults import deterministic_default
 from compiled_engine.runner.model_runner import ModelRunner, RunnerConfig
@@ -200,7 +200,6 @@ def build_engine(
             vocab_size=hf_config.vocab_size,
             speculative=speculative.ledger() if speculative is not None else None,
         ),
-        propose_drafts if speculative is not None else None,
     )
     runner = ModelRunner(
         model,

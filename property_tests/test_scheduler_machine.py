@@ -121,7 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if spec_k
             else None,
         )
-        self.sched = Scheduler(self.cfg, self.propose)
+        self.sched = Scheduler(self.cfg)
         self.draft_mode, self.draft_right = "right", 0
 
         self.exe = FakeExecutor(self.cfg, vocab_size=VOCAB)
@@ -231,6 +231,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget."""
         before = [r.rid for r in self.sched.waiting]
         batch = self.sched.schedule()
+        if batch is not None and batch.draft_asks:
+            self.sched.check_integrity()  # the drafts' pages taken, none proposed yet
+            batch = self.sched.add_drafts(batch, [
+                self.propose(batch.members[a.index], a.k) for a in batch.draft_asks
+            ])
         still = {r.rid for r in self.sched.waiting}
         admitted = [rid for rid in before if rid not in still]
         assert admitted == before[: len(admitted)], (

@@ -3,6 +3,7 @@
 from compiled_engine.scheduler.allocator import IdPool, PageAllocator
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import (
+    DraftAsk,
     ReqStep,
     SlotWrite,
     StepOutput,
@@ -14,7 +15,6 @@ from compiled_engine.scheduler.prefix_cache import NaiveCache, PrefixCache
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import (
     LedgerParams,
-    Proposer,
     Request,
     RequestHooks,
     Status,
@@ -25,12 +25,12 @@ from compiled_engine.scheduler.speculation import SpecConfig
 from compiled_engine.scheduler.validation import RequestRejected
 
 __all__ = [
+    "DraftAsk",
     "IdPool",
     "LedgerParams",
     "NaiveCache",
     "PageAllocator",
     "PrefixCache",
-    "Proposer",
     "RadixCache",
     "ReqStep",
     "Request",

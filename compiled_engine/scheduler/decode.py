@@ -3,35 +3,35 @@ where its last one is full, and retraction of the latest-admitted requests when 
 Under overlap a constrained request (structured output) skips a step while its previous token is in
 flight: its token mask is computed from that token. Unconstrained requests never wait for it.
 
-Speculative decoding (`speculation.py`): a request's decode may carry up to k draft tokens, proposed
-from its known tokens, on pages nobody else's decode needs this step (drafts never retract anyone);
-the drafts count against the step's token budget. Under overlap a request with a verify step in
-flight waits for it (its lengths are known at its commit), and a drafting one waits for its token
-in flight, unless its last proposal came back empty within `empty_retry` steps: it then decodes
-plainly, so that a request with nothing to draft does not run every other step only. While a
-verify step is in flight no decode retracts anyone (its rejected drafts' pages come back at its
-commit)."""
+Speculative decoding (`speculation.py`): a request's decode may carry up to k draft tokens. The plan
+asks for them (`StepPlan.draft_asks`) with their pages taken, on pages nobody else's decode needs
+this step (drafts never retract anyone); the engine proposes them from the request's known tokens
+and `add_drafts` puts them in the plan. The drafts asked count against the step's token budget.
+Under overlap a request with a verify step in flight waits for it (its lengths are known at its
+commit), and a drafting one waits for its token in flight, unless its last proposal came back empty
+within `empty_retry` steps: it then decodes plainly, so that a request with nothing to draft does
+not run every other step only. While a verify step is in flight no decode retracts anyone (its
+rejected drafts' pages come back at its commit)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
-from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TokenWrite
-from compiled_engine.scheduler.request import Proposer, Request, Status
+from compiled_engine.scheduler.plan import DraftAsk, ReqStep, SlotWrite, StepPlan, TokenWrite
+from compiled_engine.scheduler.request import Request, Status
 
 
 class DecodePlanner:
     """The running requests (in admission order: retraction takes the last) and their decodes."""
 
     def __init__(self, config: SchedulerConfig, book: KvBook,
-                 requeue: Callable[[Request], None], propose: Proposer | None = None) -> None:
-        """`requeue`: takes a retracted request (to the front of the waiting queue); `propose`:
-        the draft tokens of a request's next step (with `config.speculative`)."""
+                 requeue: Callable[[Request], None]) -> None:
+        """`requeue`: takes a retracted request (to the front of the waiting queue)."""
         self.config, self.book, self._requeue = config, book, requeue
-        self.propose = propose
         self.running: list[Request] = []
         self.num_retractions = 0
 
@@ -42,10 +42,10 @@ class DecodePlanner:
         self.running.remove(req)
 
     def plan(self, draft: StepDraft) -> None:
-        """This step's decodes, into `draft` (retracting requests when the pool runs dry)."""
+        """This step's decodes, into `draft` (retracting requests when the pool runs dry), and the
+        decodes that may carry drafts (`draft.draft_asks`, their pages taken)."""
         ps = self.book.page_size
         spec = self.config.speculative
-        speculating = spec is not None and self.propose is not None
         spare = self.config.chunk_budget - len(self.running)  # budget left for draft tokens
         committed = self.book.committed
         reserve = decode_page_reserve(self.running, ps)  # drafts leave them
@@ -62,7 +62,7 @@ class DecodePlanner:
             if in_flight and (req.params.constrained or req.spec.verify_step > committed):
                 continue
             drafting = (
-                speculating
+                spec is not None
                 and req.spec.paused_until < draft.step
                 and req.spec.drafts_in_batch(spec, len(self.running))
             )
@@ -72,30 +72,26 @@ class DecodePlanner:
                 drafting = False  # nothing to draft lately: it decodes meanwhile
             pages = req.pages
             if c == len(pages) * ps:
-                page = self._page_for(req)
+                page = self._page_for(req, draft)
                 if page is None:
                     continue
                 pages.append(page)
-            drafts = self._drafts(req, draft.step, spare, reserve) if drafting and spare > 0 else ()
-            spare -= len(drafts)
-            n = 1 + len(drafts)
-            slots = req.slots(ps, c, c + n)
-            step = ReqStep(req.rid, req.row, c, n, slots, True, drafts)
+            k = self._draft_room(req, spare, reserve) if drafting and spare > 0 else 0
+            if k > 0:
+                draft.draft_asks.append(DraftAsk(len(draft.reqs), k))
+                spare -= k
+            slots = req.slots(ps, c, c + 1)
+            step = ReqStep(req.rid, req.row, c, 1, slots, True)
             draft.add(req, step, SlotWrite(req.row, c, slots))
-            if drafts:
-                draft.token_writes.append(TokenWrite(req.row, c + 1, drafts))
-                req.spec.verify_step = draft.step
-            req.planned_len = c + n
-            req.device_len = d + n
+            req.planned_len = c + 1
+            req.device_len = d + 1
 
-    def _drafts(self, req: Request, step: int, spare: int, reserve: int) -> tuple[int, ...]:
-        """The draft tokens of `req`'s next step, as many as its limits, the budget and the free
-        pages beyond `reserve` allow. Their pages are taken before the proposer runs (a draft model
-        writes its own KV there) and those past the drafts it returns are given back at once (no
-        step has seen them)."""
+    def _draft_room(self, req: Request, spare: int, reserve: int) -> int:
+        """How many drafts `req`'s next step may carry, as its limits, the budget and the free pages
+        beyond `reserve` allow; their pages are taken now (a draft model writes its KV there)."""
         book, ps = self.book, self.book.page_size
         spec = self.config.speculative
-        assert spec is not None and self.propose is not None
+        assert spec is not None
         c, pages = req.planned_len, req.pages
         # every accepted draft and the bonus token must fit under max_len
         k = min(req.spec.draft_len(spec), req.max_len - req.device_len - 1, spare)
@@ -103,26 +99,54 @@ class DecodePlanner:
         if k > 0 and need > 0:
             new = book.alloc(need) if need <= book.available_pages() - reserve else None
             if new is None:  # drafts never retract anyone: as many as fit in the last page
-                k = len(pages) * ps - c - 1
-            else:
-                pages.extend(new)
-        drafts = ()
-        if k > 0:
-            drafts = tuple(self.propose(req, k))[:k]
-            if not drafts:
-                req.spec.empty_at = step
-        keep = -(-(c + 1 + len(drafts)) // ps)
-        if len(pages) > keep:
-            book.allocator.free(pages[keep:])
-            del pages[keep:]
-        return drafts
+                return max(0, len(pages) * ps - c - 1)
+            pages.extend(new)
+        return max(0, k)
 
-    def _page_for(self, req: Request) -> int | None:
+    def add_drafts(self, plan: StepPlan, drafts: Sequence[tuple[int, ...]]) -> StepPlan:
+        """`plan` with the proposed drafts (one tuple per `plan.draft_asks`, at most its k) in its
+        decodes; the pages past the drafts go back at once (no step has seen them). A request
+        retracted later in the same planning gave its pages back already: it carries none."""
+        if len(drafts) != len(plan.draft_asks):
+            raise ValueError(f"step {plan.step}: {len(drafts)} proposals for "
+                             f"{len(plan.draft_asks)} draft asks")
+        ps = self.book.page_size
+        reqs = list(plan.reqs)
+        slot_writes, token_writes = list(plan.slot_writes), list(plan.token_writes)
+        for ask, proposed in zip(plan.draft_asks, drafts, strict=True):
+            req, rs = plan.members[ask.index], plan.reqs[ask.index]
+            if req.status is not Status.RUNNING:
+                continue
+            tokens = tuple(proposed)[: ask.k]
+            if not tokens:
+                req.spec.empty_at = plan.step
+            c, n = rs.start, len(tokens)
+            keep = -(-(c + 1 + n) // ps)
+            if len(req.pages) > keep:
+                self.book.allocator.free(req.pages[keep:])
+                del req.pages[keep:]
+            if not tokens:
+                continue
+            slots = req.slots(ps, c, c + 1 + n)
+            reqs[ask.index] = ReqStep(req.rid, req.row, c, 1 + n, slots, True, tokens)
+            slot_writes.append(SlotWrite(req.row, c + 1, slots[1:]))
+            token_writes.append(TokenWrite(req.row, c + 1, tokens))
+            req.spec.verify_step = plan.step
+            req.planned_len += n
+            req.device_len += n
+        return dataclasses.replace(
+            plan, reqs=tuple(reqs), slot_writes=tuple(slot_writes),
+            token_writes=tuple(token_writes), is_decode=all(r.length == 1 for r in reqs),
+            draft_asks=(),
+        )
+
+    def _page_for(self, req: Request, draft: StepDraft) -> int | None:
         """One new page for a decode, retracting latest-admitted requests when the pool is dry.
 
         None when `req` itself was retracted, or when pages come back once an in-flight step
         commits (deferred frees, requests that finish at that commit, the pages of rejected
-        drafts): `req` then waits a step.
+        drafts) or once this step's drafts are proposed (`draft.draft_asks`): `req` then waits a
+        step.
         """
         book = self.book
         while True:
@@ -131,7 +155,7 @@ class DecodePlanner:
                 return page
             if book.cache.evict(1):
                 continue
-            if book.deferred or any(
+            if book.deferred or draft.draft_asks or any(
                 (r.planned_len >= r.fill_to and r.device_len == r.max_len)
                 or r.spec.verify_step > book.committed  # its rejected drafts' pages come back
                 for r in self.running

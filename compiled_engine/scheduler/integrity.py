@@ -8,15 +8,18 @@ from collections.abc import Mapping, Sequence
 
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.kv_book import KvBook
+from compiled_engine.scheduler.plan import StepPlan
 from compiled_engine.scheduler.request import Request, Status
 
 
 def check_integrity(book: KvBook, cfg: SchedulerConfig, live: Mapping[str, Request],
                     running: Sequence[Request], waiting: Sequence[Request],
-                    inflight: Sequence[object]) -> None:
+                    inflight: Sequence[StepPlan]) -> None:
     """Assert every invariant of the ledger: its book, the live requests by id, the running and
     waiting queues, the steps in flight; AssertionError names the breach."""
     ps = book.page_size
+    # drafts asked for and not yet proposed: their pages are taken
+    asked = {id(p.members[a.index]): a.k for p in inflight for a in p.draft_asks}
     book.allocator.check()
     book.rows.check()
     where: dict[int, str] = {}
@@ -51,7 +54,8 @@ def check_integrity(book: KvBook, cfg: SchedulerConfig, live: Mapping[str, Reque
         assert req.planned_len < req.device_len or req.device_len == req.max_len, (
             f"{name}: nothing left to compute but not at its maximum length"
         )
-        assert len(req.pages) == -(-req.planned_len // ps), (
+        need = -(-req.planned_len // ps)
+        assert need <= len(req.pages) <= -(-(req.planned_len + asked.get(id(req), 0)) // ps), (
             f"{name}: {len(req.pages)} pages for {req.planned_len} computed positions"
         )
         shared = tuple(req.pages[: req.prefix_pages])

@@ -48,6 +48,15 @@ class TokenWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftAsk:
+    """A decode that may carry up to `k` draft tokens after its last token: `reqs[index]` of its
+    plan. Its pages are taken; the engine proposes, `Scheduler.add_drafts` puts them in the plan."""
+
+    index: int
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     step: int  # increasing step id
     reqs: tuple[ReqStep, ...]  # in a deterministic order
@@ -56,6 +65,8 @@ class StepPlan:
     is_decode: bool  # every req computes exactly 1 token (decode-only step)
     # the ledger entry of each ReqStep (the engine's and the commit's; the runner reads none)
     members: tuple[Request, ...] = field(default=(), compare=False, repr=False)
+    # speculative decoding: the decodes that may carry drafts (none once they are added)
+    draft_asks: tuple[DraftAsk, ...] = ()
 
 
 # A prompt token's log-prob given the tokens before it, its rank in the vocabulary (1: the most

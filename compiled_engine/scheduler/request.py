@@ -4,7 +4,6 @@ rules."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,7 +111,3 @@ class Request:
         if page_size == 1:
             return tuple(pages[lo:hi])
         return tuple(pages[p // page_size] * page_size + p % page_size for p in range(lo, hi))
-
-
-# (request, at most this many) -> draft tokens that continue the request's known tokens
-Proposer = Callable[[Request, int], tuple[int, ...]]

@@ -29,7 +29,6 @@ from compiled_engine.scheduler.prefill import PrefillPlanner
 from compiled_engine.scheduler.prefix_cache import PrefixCache
 from compiled_engine.scheduler.request import (
     LedgerParams,
-    Proposer,
     Request,
     RequestHooks,
     Status,
@@ -60,14 +59,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, propose: Proposer | None = None) -> None:
-        """`propose`: the draft tokens of a request's next step (with `config.speculative`)."""
+    def __init__(self, config: SchedulerConfig) -> None:
         config.validate()
         self.config = config
         self.spec = SpecCounters()
         self.book = KvBook(config)
         self.prefills = PrefillPlanner(config, self.book)
-        self.decodes = DecodePlanner(config, self.book, self.prefills.requeue, propose)
+        self.decodes = DecodePlanner(config, self.book, self.prefills.requeue)
         self.live: dict[str, Request] = {}  # waiting or running
         self.inflight: deque[StepPlan] = deque()
         self._eos = frozenset(config.eos_token_ids)
@@ -140,14 +138,17 @@ class Scheduler:
     # -- planning --------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step, or None when nothing can run now (commit in-flight steps first)."""
+        """Plan the next step, or None when nothing can run now (commit in-flight steps first).
+        With speculative decoding the plan may ask for drafts (`StepPlan.draft_asks`): propose
+        them, then launch `add_drafts(plan, drafts)` instead."""
         if len(self.inflight) >= MAX_IN_FLIGHT:
             raise RuntimeError(f"at most {MAX_IN_FLIGHT} steps may be in flight: commit one first")
         draft = StepDraft(self._next_step)
         budget = self.config.chunk_budget
         if self.config.mixed:
             self.decodes.plan(draft)
-            self._plan_prefills(draft, budget - sum(r.length for r in draft.reqs))
+            asked = sum(a.k for a in draft.draft_asks)
+            self._plan_prefills(draft, budget - sum(r.length for r in draft.reqs) - asked)
         else:
             self._plan_prefills(draft, budget)
             if not draft.reqs:
@@ -162,9 +163,19 @@ class Scheduler:
             token_writes=tuple(draft.token_writes),
             is_decode=all(r.length == 1 for r in draft.reqs),
             members=tuple(draft.members),
+            draft_asks=tuple(draft.draft_asks),
         )
         self.inflight.append(plan)
         return plan
+
+    def add_drafts(self, plan: StepPlan, drafts: Sequence[tuple[int, ...]]) -> StepPlan:
+        """The step to launch for the latest plan: its decodes with their proposed drafts (one
+        tuple per `plan.draft_asks`, each at most as long as asked, empty for none)."""
+        if not self.inflight or self.inflight[-1] is not plan:
+            raise ValueError(f"drafts for step {plan.step}: only the latest plan takes drafts")
+        with_drafts = self.decodes.add_drafts(plan, drafts)
+        self.inflight[-1] = with_drafts
+        return with_drafts
 
     def _plan_prefills(self, draft: StepDraft, budget: int) -> None:
         self.decodes.admit(self.prefills.plan(draft, budget, self.decodes.running))

@@ -11,10 +11,15 @@ is caught).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
+from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
+
+# (request, at most this many) -> draft tokens that continue the request's known tokens
+Proposer = Callable[[Request, int], tuple[int, ...]]
 
 _MOD = (1 << 61) - 1
 
@@ -143,14 +148,26 @@ class FakeExecutor:
                 )
 
 
+def plan_step(scheduler: Scheduler, propose: Proposer | None = None) -> StepPlan | None:
+    """`schedule()`, then the drafts it asks for from `propose` (none without one), as the engine
+    does."""
+    plan = scheduler.schedule()
+    if plan is None or not plan.draft_asks:
+        return plan
+    drafts = [propose(plan.members[a.index], a.k) if propose is not None else ()
+              for a in plan.draft_asks]
+    return scheduler.add_drafts(plan, drafts)
+
+
 def run_to_completion(
-    scheduler: Scheduler, executor: FakeExecutor, lag: int = 0
+    scheduler: Scheduler, executor: FakeExecutor, lag: int = 0,
+    propose: Proposer | None = None,
 ) -> list[TokenEvent]:
     """Drive until idle; ``lag=1`` plans step k+1 before committing step k (overlap)."""
     events: list[TokenEvent] = []
     pending: deque[tuple[StepPlan, StepOutput]] = deque()
     while scheduler.has_work():
-        batch = scheduler.schedule() if len(pending) <= lag else None
+        batch = plan_step(scheduler, propose) if len(pending) <= lag else None
         if batch is not None:
             pending.append((batch, executor.execute(batch)))
         if pending and (batch is None or len(pending) > lag):
