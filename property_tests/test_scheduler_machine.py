@@ -39,7 +39,8 @@ from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
 EOS = (0, 1)
-PATHS = ("retraction", "eviction", "dedup", "prefix wait", "draft accepted", "draft rejected")
+PATHS = ("retraction", "eviction", "dedup", "prefix wait", "draft accepted", "draft rejected",
+         "adapter reload")
 DRAFT_MODES = ("right", "partial", "wrong", "none")
 REACHED: collections.Counter[str] = collections.Counter()  # examples that reached each path
 
@@ -68,6 +69,8 @@ request_args = st.fixed_dictionaries(
         "min_tokens": st.integers(0, 2),
         "ignore_eos": st.booleans(),
         "stop": st.lists(st.integers(0, VOCAB - 1), max_size=1),
+        # LoRA: 0 the base model, else an adapter (more of them than the machine has slots)
+        "adapter": st.sampled_from([0, 0, 1, 2, 3]),
     }
 )
 
@@ -86,6 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec_k=st.sampled_from([0, 0, 1, 2, 4]),
         spec_window=st.integers(1, 4),
         spec_batch=st.sampled_from([1, 2, 4]),
+        max_loras=st.sampled_from([0, 1, 2]),
         bases=st.lists(
             st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2
         ),
@@ -104,6 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec_k,
         spec_window,
         spec_batch,
+        max_loras,
         bases,
     ):
         self.cfg = SchedulerConfig(
@@ -120,6 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                    max_batch=spec_batch, copy_accepted=1.0)
             if spec_k
             else None,
+            max_loras=max_loras,
         )
         self.sched = Scheduler(self.cfg)
         self.draft_mode, self.draft_right = "right", 0
@@ -150,7 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add_one(self, args):
         self.add(**args)
 
-    def add(self, base, keep, suffix, max_tokens, min_tokens, ignore_eos, stop):
+    def add(self, base, keep, suffix, max_tokens, min_tokens, ignore_eos, stop, adapter):
         rid = f"r{self.count}"
         self.count += 1
         prompt = self.bases[base][:keep] + suffix
@@ -159,16 +165,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             min_tokens=min(min_tokens, max_tokens),
             ignore_eos=ignore_eos,
             stop_token_ids=tuple(stop),
+            adapter=adapter,
         )
         cap = self.cfg.capacity_tokens
-        if not prompt or len(prompt) >= self.cfg.max_context or len(prompt) + 1 > cap:
+        if (not prompt or len(prompt) >= self.cfg.max_context or len(prompt) + 1 > cap
+                or (adapter and not self.cfg.max_loras)):
             with pytest.raises(RequestRejected):
                 self.sched.add_request(rid, prompt, sp)
             return
         self.sched.add_request(rid, prompt, sp)
         stop_ids = frozenset(stop) if ignore_eos else frozenset(stop) | frozenset(EOS)
         max_len = min(len(prompt) + max_tokens, self.cfg.max_context, cap + 1)
-        self.expected[rid] = reference_output(prompt, max_len, stop_ids, sp.min_tokens, VOCAB)
+        self.expected[rid] = reference_output(prompt, max_len, stop_ids, sp.min_tokens, VOCAB,
+                                              adapter)
         self.stop_ids[rid] = stop_ids
         self.min_tokens[rid] = sp.min_tokens
         self.outputs[rid] = []
@@ -319,6 +328,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "retraction": self.sched.num_retractions,
                 "eviction": self.sched.cache.num_evicted_pages,
                 "dedup": self.sched.book.num_dedup_pages,
+                "adapter reload": self.sched.book.adapters.num_loads
+                - len(self.sched.book.adapters.by_adapter),
                 "prefix wait": self.sched.num_prefix_waits,
                 "draft accepted": self.sched.spec.num_accepted_tokens,
                 "draft rejected": self.sched.spec.num_draft_tokens

@@ -23,6 +23,8 @@ class SchedulerConfig:
     share_wait_tokens: int = 32
     # speculative decoding: decode steps carry draft tokens (None: off)
     speculative: SpecConfig | None = None
+    # LoRA: adapter slots on the device, the most distinct adapters running at once (0: no LoRA)
+    max_loras: int = 0
 
     @property
     def max_rows(self) -> int:
@@ -48,5 +50,7 @@ class SchedulerConfig:
             raise ValueError(f"share_wait_tokens must be >= 1, got {self.share_wait_tokens}")
         if self.speculative is not None:
             self.speculative.validate()
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.prefix_cache not in ("radix", "naive"):
             raise ValueError(f"prefix_cache must be 'radix' or 'naive', got {self.prefix_cache!r}")

@@ -81,7 +81,7 @@ class DecodePlanner:
                 draft.draft_asks.append(DraftAsk(len(draft.reqs), k))
                 spare -= k
             slots = req.slots(ps, c, c + 1)
-            step = ReqStep(req.rid, req.row, c, 1, slots, True)
+            step = ReqStep(req.rid, req.row, c, 1, slots, True, lora_slot=req.adapter_slot)
             draft.add(req, step, SlotWrite(req.row, c, slots))
             req.planned_len = c + 1
             req.device_len = d + 1
@@ -128,7 +128,7 @@ class DecodePlanner:
             if not tokens:
                 continue
             slots = req.slots(ps, c, c + 1 + n)
-            reqs[ask.index] = ReqStep(req.rid, req.row, c, 1 + n, slots, True, tokens)
+            reqs[ask.index] = dataclasses.replace(rs, length=1 + n, out_slots=slots, draft=tokens)
             slot_writes.append(SlotWrite(req.row, c + 1, slots[1:]))
             token_writes.append(TokenWrite(req.row, c + 1, tokens))
             req.spec.verify_step = plan.step

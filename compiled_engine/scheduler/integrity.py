@@ -67,12 +67,25 @@ def check_integrity(book: KvBook, cfg: SchedulerConfig, live: Mapping[str, Reque
                 f"{name}: row points at page {p} not in the cache"
             )
         claim(req.pages[req.prefix_pages :], name)
+    users: dict[int, int] = {}
+    for req in running:
+        if req.params.adapter:
+            slot = req.adapter_slot
+            assert slot >= 0 and book.adapters.slots[slot].adapter == req.params.adapter, (
+                f"request {req.rid!r} runs with adapter {req.params.adapter} outside its slot"
+            )
+            users[slot] = users.get(slot, 0) + 1
+        else:
+            assert req.adapter_slot < 0, f"request {req.rid!r} holds an adapter slot it needs not"
+    book.adapters.check(users)
     for req in waiting:
         name = f"waiting request {req.rid!r}"
         assert req.status is Status.WAITING and live.get(req.rid) is req, (
             f"{name}: not live waiting"
         )
-        assert not req.pages and req.lock is None and req.row < 0, f"{name} holds resources"
+        assert not req.pages and req.lock is None and req.row < 0 and req.adapter_slot < 0, (
+            f"{name} holds resources"
+        )
     assert len(live) == len(running) + len(waiting), (
         "live map out of sync with queues"
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compiled_engine.scheduler.adapter_slots import AdapterSlots
 from compiled_engine.scheduler.allocator import IdPool, PageAllocator
 from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.plan import SlotWrite
@@ -34,6 +35,7 @@ class KvBook:
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.rows = IdPool(config.max_rows)
+        self.adapters = AdapterSlots(config.max_loras)
         self.cache: PrefixCache = (
             RadixCache(self.allocator)
             if config.prefix_cache == "radix"
@@ -62,6 +64,9 @@ class KvBook:
     def release(self, req: Request) -> None:
         """Cache the computed prefix, then return pages, row and lock (deferred while in flight)."""
         dups = self.cache_prefix(req, min(req.planned_len, req.known_len), live=False)
+        if req.adapter_slot >= 0:
+            self.adapters.release(req.adapter_slot, req.last_step)
+            req.adapter_slot = -1
         d = DeferredRelease(req.last_step, req.lock, req.pages[req.prefix_pages :] + dups, req.row)
         req.pages, req.lock, req.prefix_pages, req.row, req.planned_len, req.rewrite = (
             [],
@@ -122,7 +127,8 @@ class KvBook:
         n_pages = upto // ps
         if n_pages <= req.prefix_pages:
             return []
-        handle, cached = self.cache.insert(req.tokens()[: n_pages * ps], req.pages[:n_pages])
+        handle, cached = self.cache.insert(req.cache_tokens()[: n_pages * ps],
+                                           req.pages[:n_pages])
         m = len(cached)
         if m <= req.prefix_pages:
             return []  # naive cache: nothing is cached, the pages stay private

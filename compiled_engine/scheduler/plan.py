@@ -22,6 +22,7 @@ class ReqStep:
     # the request's last token and its drafts, length == 1 + len(draft)); a token is sampled at each
     # of these positions (`scheduler.speculation`).
     draft: tuple[int, ...] = ()
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
 
     @property
     def num_sampled(self) -> int:
@@ -67,6 +68,8 @@ class StepPlan:
     members: tuple[Request, ...] = field(default=(), compare=False, repr=False)
     # speculative decoding: the decodes that may carry drafts (none once they are added)
     draft_asks: tuple[DraftAsk, ...] = ()
+    # LoRA: (slot, adapter id) to load into the device's adapter slots before this step runs
+    adapter_loads: tuple[tuple[int, int], ...] = ()
 
 
 # A prompt token's log-prob given the tokens before it, its rank in the vocabulary (1: the most

@@ -56,12 +56,19 @@ class PrefillPlanner:
             req = waiting[0]
             if req.last_step > book.committed:
                 return admitted  # retracted with a token in flight: its tokens are not all known
-            tokens = req.tokens()
+            tokens = req.cache_tokens()
             whole = req.params.every_position and not req.output
+            slot = -1
+            if req.params.adapter:
+                slot = book.adapters.acquire(req.params.adapter, book.committed)
+                if slot is None:
+                    return admitted  # every adapter slot is in use: it waits for one
             handle, hit = book.cache.match(() if whole else tokens[:-1])
             if not whole and self._shares_pending_prefix(chain(running, admitted), tokens,
                                                          len(hit) * ps):
                 self.num_prefix_waits += 1
+                if slot >= 0:
+                    book.adapters.release(slot, -1)
                 # wait a step: a running prefill is about to cache what this request would recompute
                 return admitted
             book.cache.lock(handle)
@@ -74,17 +81,20 @@ class PrefillPlanner:
                 len(hit) * ps,
             )
             req.fill_to = len(tokens)
-            req.row = row
+            req.row, req.adapter_slot = row, slot
             if not plan_chunk(book, req, draft, budget, 0, reserve):
                 book.cache.unlock(handle)
                 book.rows.free([row])
+                if slot >= 0:
+                    book.adapters.release(slot, -1)
                 req.lock, req.pages, req.prefix_pages, req.planned_len, req.row = None, [], 0, 0, -1
+                req.adapter_slot = -1
                 return admitted
             book.cache.record(len(tokens), len(hit) * ps)
             waiting.popleft()
             req.status = Status.RUNNING
             admitted.append(req)
-            draft.token_writes.append(TokenWrite(row, 0, tokens))
+            draft.token_writes.append(TokenWrite(row, 0, req.tokens()))
             budget -= draft.reqs[-1].length
         return admitted
 
@@ -112,7 +122,7 @@ class PrefillPlanner:
             n = min(limit, r.fill_to)
             if (
                 n - hit_len < need
-                or r.tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]
+                or r.cache_tokens()[hit_len : hit_len + need] != tokens[hit_len : hit_len + need]
             ):
                 continue
             return True
@@ -140,7 +150,7 @@ def plan_chunk(
         req.pages.extend(new)
     sample = end == req.fill_to and req.device_len < req.max_len
     out = req.slots(ps, start, end)
-    step = ReqStep(req.rid, req.row, start, n, out, sample)
+    step = ReqStep(req.rid, req.row, start, n, out, sample, lora_slot=req.adapter_slot)
     draft.add(req, step, SlotWrite(req.row, write_from, req.slots(ps, write_from, start) + out))
     req.planned_len = end
     if sample:

@@ -24,6 +24,9 @@ class LedgerParams:
     # Every prompt position is computed: admitted without a prefix-cache hit until it has an output
     # token (prompt log-probs, mean-pooled embeddings need each position's outputs).
     every_position: bool = False
+    # LoRA: the engine's id of the request's adapter (0: the base model). Its prefix-cache entries
+    # are its own: the same tokens under another adapter have other KV.
+    adapter: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -35,6 +38,7 @@ class LedgerParams:
                 "min_tokens must be <= max_tokens",
                 self.min_tokens,
             ),
+            (self.adapter >= 0, "adapter must be >= 0", self.adapter),
             (
                 all(t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be >= 0",
@@ -43,6 +47,10 @@ class LedgerParams:
         ):
             if not ok:
                 raise ValueError(f"{message}, got {value!r}")
+
+
+# a prefix-cache key's bits above this are its adapter's id (token ids stay below 2**32)
+ADAPTER_SHIFT = 32
 
 
 class TokenRejected(Exception):
@@ -93,6 +101,7 @@ class Request:
     last_step: int = -1  # last planned step that includes this request
     rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's acceptance
+    adapter_slot: int = -1  # LoRA: the device slot of its adapter while it runs (-1: none)
     # Everything the engine keeps about the request (its sampling parameters, generator, grammar),
     # gone with this entry however the request ends (one record, one finish path).
     hooks: RequestHooks | None = None
@@ -104,6 +113,16 @@ class Request:
 
     def tokens(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.output)
+
+    def cache_tokens(self) -> tuple[int, ...]:
+        """Its tokens as the prefix cache keys them: under an adapter each id carries the adapter's
+        in its high bits (`ADAPTER_SHIFT`), so that no prefix is shared across adapters."""
+        tokens = self.tokens()
+        adapter = self.params.adapter
+        if not adapter:
+            return tokens
+        salt = adapter << ADAPTER_SHIFT
+        return tuple(salt | t for t in tokens)
 
     def slots(self, page_size: int, lo: int, hi: int) -> tuple[int, ...]:
         """KV slots of positions [lo, hi) (on its pages)."""

@@ -107,7 +107,8 @@ class Scheduler:
         params = params if params is not None else LedgerParams()
         prompt = tuple(prompt_token_ids)
         cfg = self.config
-        check_request(rid, prompt, params, cfg.max_context, cfg.capacity_tokens, cfg.vocab_size)
+        check_request(rid, prompt, params, cfg.max_context, cfg.capacity_tokens, cfg.vocab_size,
+                      cfg.max_loras)
         if rid in self.live:
             raise RequestRejected(f"request {rid!r}: a live request already has this id")
         stop_ids = frozenset(params.stop_token_ids)
@@ -131,6 +132,12 @@ class Scheduler:
         req = self.live.get(rid)
         if req is not None:
             self._end(req, Status.FINISHED, reason)
+
+    def forget_adapter(self, adapter: int) -> bool:
+        """Empty the slot of an adapter the engine unloads; False while a live request uses it."""
+        if any(r.params.adapter == adapter for r in self.live.values()):
+            return False
+        return self.book.adapters.forget(adapter)
 
     def has_work(self) -> bool:
         return bool(self.prefills.waiting or self.decodes.running or self.inflight)
@@ -164,6 +171,7 @@ class Scheduler:
             is_decode=all(r.length == 1 for r in draft.reqs),
             members=tuple(draft.members),
             draft_asks=tuple(draft.draft_asks),
+            adapter_loads=self.book.adapters.take_loads(),
         )
         self.inflight.append(plan)
         return plan

@@ -20,6 +20,7 @@ def check_request(
     max_context: int,
     capacity_tokens: int,
     vocab_size: int | None,
+    max_loras: int = 0,
 ) -> None:
     """Raise RequestRejected naming the first problem: bad ledger parameters (the engine checks the
     sampler's); an empty prompt; token ids the model cannot embed (`vocab_size` None: only negative
@@ -28,6 +29,8 @@ def check_request(
         params.validate()
     except ValueError as e:
         raise RequestRejected(f"request {rid!r}: {e}") from None
+    if params.adapter and not max_loras:
+        raise RequestRejected(f"request {rid!r}: this engine serves no LoRA adapters")
     n = len(prompt)
     if n == 0:
         raise RequestRejected(

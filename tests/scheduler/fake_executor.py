@@ -24,8 +24,9 @@ Proposer = Callable[[Request, int], tuple[int, ...]]
 _MOD = (1 << 61) - 1
 
 
-def mix(h: int, token: int, position: int) -> int:
-    return (h * 1_000_003 + token * 7919 + position + 1) % _MOD
+def mix(h: int, token: int, position: int, adapter: int = 0) -> int:
+    """The chain value after `token` at `position`; a LoRA adapter's requests chain otherwise."""
+    return (h * 1_000_003 + token * 7919 + position + 1 + adapter * 104_729) % _MOD
 
 
 def reference_output(
@@ -34,11 +35,12 @@ def reference_output(
     stop_ids: frozenset[int] | set[int],
     min_tokens: int,
     vocab_size: int,
+    adapter: int = 0,
 ) -> list[int]:
     """Greedy output of the fake model for one request run alone (same finish rules)."""
     h = 0
     for p, t in enumerate(prompt):
-        h = mix(h, t, p)
+        h = mix(h, t, p, adapter)
     out: list[int] = []
     n = len(prompt)
     while n + len(out) < max_len:
@@ -46,7 +48,7 @@ def reference_output(
         out.append(tok)
         if tok in stop_ids and len(out) > min_tokens:
             break
-        h = mix(h, tok, n + len(out) - 1)
+        h = mix(h, tok, n + len(out) - 1, adapter)
     return out
 
 
@@ -63,13 +65,21 @@ class FakeExecutor:
         self.kv: list[tuple[int, int, int] | None] = [None] * (config.num_pages * config.page_size)
         self.dummy_slots = range(config.page_size)  # page 0: padding rows only ever read it
         self.steps = 0  # plans executed
-        # step, slot/row -> rid
-        self._pending: deque[tuple[int, dict[int, str], dict[int, str]]] = deque()
+        self.adapter_in_slot: dict[int, int] = {}  # LoRA: the adapter each device slot holds
+        # step, slot/row -> rid, the adapter slots it reads
+        self._pending: deque[tuple[int, dict[int, str], dict[int, str], set[int]]] = deque()
 
     def execute(self, batch: StepPlan) -> StepOutput:
         self.steps += 1
         slots_used: dict[int, str] = {}
         rows_used: dict[int, str] = {}
+        for slot, adapter in batch.adapter_loads:
+            for step, _, _, lora_slots in self._pending:
+                assert slot not in lora_slots, (
+                    f"adapter slot {slot} loaded while step {step}, which reads it, is in flight"
+                )
+            self.adapter_in_slot[slot] = adapter
+        lora_used = {rs.lora_slot for rs in batch.reqs if rs.lora_slot >= 0}
         for tw in batch.token_writes:
             self.token_table[tw.row][tw.start : tw.start + len(tw.tokens)] = tw.tokens
         for sw in batch.slot_writes:
@@ -84,13 +94,14 @@ class FakeExecutor:
                 f"{rs.rid}: bad step length {rs.length}"
             )
             tokens, table = self.token_table[row], self.page_table[row]
+            adapter = self.adapter_in_slot[rs.lora_slot] if rs.lora_slot >= 0 else 0
             h = self._read(table, tokens, rs.start - 1, rs.rid)[2] if rs.start else 0
             if self.verify:
                 self._check_not_in_flight(rs.rid, rs.out_slots, row)
                 chain = 0
                 for q in range(rs.start):  # every slot holds this row's chain value: no stale page
                     entry = self._read(table, tokens, q, rs.rid)
-                    chain = mix(chain, tokens[q], q)
+                    chain = mix(chain, tokens[q], q, adapter)
                     assert entry[2] == chain, (
                         f"{rs.rid}: position {q} reads slot {table[q]}: the right token, another "
                         "sequence's KV"
@@ -109,7 +120,7 @@ class FakeExecutor:
                 )
                 tok = tokens[p]
                 assert tok >= 0, f"{rs.rid}: no token on the device at row {row} position {p}"
-                h = mix(h, tok, p)
+                h = mix(h, tok, p, adapter)
                 self.kv[slot] = (p, tok, h)
                 chain.append(h)
             if rs.sample:  # at the last position, or at each verified one (the drafts')
@@ -117,7 +128,7 @@ class FakeExecutor:
                     tok = chain[i] % self.vocab_size
                     tokens[rs.start + i + 1] = tok
                     sampled.append(tok)
-        self._pending.append((batch.step, slots_used, rows_used))
+        self._pending.append((batch.step, slots_used, rows_used, lora_used))
         return StepOutput(sampled)
 
     def retire(self, step: int) -> None:
@@ -136,7 +147,7 @@ class FakeExecutor:
         return entry
 
     def _check_not_in_flight(self, rid: str, out_slots: tuple[int, ...], row: int) -> None:
-        for step, slots, rows in self._pending:
+        for step, slots, rows, _ in self._pending:
             owner = rows.get(row)
             assert owner in (None, rid), (
                 f"{rid}: row {row} reused while step {step} of {owner} is in flight"
