@@ -56,6 +56,14 @@ class EngineConfig:
     # KV cache events for routers: vLLM's kv_events_config ({"enable_kv_cache_events": true,
     # "endpoint": ...}: `compiled_engine.kv_events.config`); None: off
     kv_events: dict | None = None
+    # LoRA adapters (compiled_engine.lora): the device's adapter slots (the most distinct adapters
+    # in a step), their largest rank, the adapters kept loaded (None: 4 x max_loras), and those
+    # loaded at start as (name, path)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
 

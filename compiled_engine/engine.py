@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.lora.weights import AdapterError
 from compiled_engine.request_state import RequestFeatures, RequestState, propose_drafts
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep
 from compiled_engine.runner.prompt_outputs import KeptRows
@@ -40,9 +41,11 @@ from compiled_engine.runner.sampler import SamplingRow
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
 from compiled_engine.scheduler.scheduler import Scheduler
+from compiled_engine.scheduler.validation import RequestRejected
 
 if TYPE_CHECKING:
     from compiled_engine.kv_events.publisher import KVEventPublisher
+    from compiled_engine.lora.registry import LoRARegistry
     from compiled_engine.runner.compile_cache.session import CompileReport
 
 
@@ -69,11 +72,13 @@ class Engine:
         features: RequestFeatures,
         compile_report: CompileReport | None = None,
         kv_events: KVEventPublisher | None = None,
+        lora: LoRARegistry | None = None,
     ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.features = features  # makes each request's state
         self.compile_report = compile_report  # None: eager
         self.kv_events = kv_events  # gets the prefix cache's events of each step
+        self.lora = lora  # the adapters served (None: no LoRA)
         self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
         # overlap's forward thread, on a synchronous device
@@ -94,12 +99,48 @@ class Engine:
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    compiled_grammar=None) -> None:
+                    compiled_grammar=None, lora_name: str | None = None) -> None:
         """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can
         never run. The sampling parameters are checked by `RequestFeatures`, the ledger's own by
-        the scheduler. `compiled_grammar`: its constraint, compiled ahead (else compiled here)."""
+        the scheduler. `compiled_grammar`: its constraint, compiled ahead (else compiled here);
+        `lora_name`: a loaded adapter's (`add_lora`)."""
+        ledger = params.ledger_params()
+        if lora_name is not None:
+            ledger = dataclasses.replace(ledger, adapter=self._adapter_id(rid, lora_name))
         state = self.features.state(rid, params, len(prompt_ids), compiled_grammar)
-        self.scheduler.add_request(rid, prompt_ids, params.ledger_params(), state)
+        self.scheduler.add_request(rid, prompt_ids, ledger, state)
+
+    def _adapter_id(self, rid: str, name: str) -> int:
+        adapter = None if self.lora is None else self.lora.by_name.get(name)
+        if adapter is None:
+            served = "no LoRA adapters" if self.lora is None else (
+                "adapters " + ", ".join(map(repr, self.lora.by_name)) if self.lora.by_name
+                else "no adapter yet")
+            raise RequestRejected(f"request {rid!r}: no LoRA adapter named {name!r} is loaded "
+                                  f"(this engine serves {served})")
+        return adapter.id
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name`; AdapterError (a ValueError: nothing changed) when
+        it cannot be served or LoRA is off."""
+        if self.lora is None:
+            raise AdapterError("LoRA is off: start the engine with enable_lora (--enable-lora)")
+        self.lora.add(name, path)
+
+    def lora_paths(self) -> dict[str, str]:
+        """The adapters served: name -> path."""
+        return {} if self.lora is None else {a.name: a.path for a in self.lora.by_name.values()}
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name`: False (nothing changed) while a request uses it; KeyError
+        when no adapter has that name."""
+        if self.lora is None or name not in self.lora.by_name:
+            raise KeyError(name)
+        if not self.scheduler.forget_adapter(self.lora.by_name[name].id):
+            return False
+        self.lora.remove(name)
+        return True
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -154,6 +195,9 @@ class Engine:
     def _launch(self, plan: StepPlan) -> _Launched:
         """The sampler's rows (token masks included) and the prompt rows to keep, then the forward.
         Under overlap the previous step's forward runs meanwhile."""
+        if plan.adapter_loads:
+            # no step in flight reads these slots (the ledger's AdapterSlots)
+            self.lora.load_slots(plan.adapter_loads)
         sampling: list[SamplingRow] = []
         kept: list[tuple[KeptRows, RequestState]] = []
         for i, (step, req) in enumerate(zip(plan.reqs, plan.members, strict=True)):

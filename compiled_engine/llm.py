@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.lora.request import LoRARequest
 from compiled_engine.models.names import resolve_model
 from compiled_engine.output_stream import OutputStream
 from compiled_engine.sampling_params import SamplingParams, expand_n
@@ -116,7 +117,10 @@ class LLM:
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter of every prompt, or one per prompt (None: the base model),
+        read on first use (the engine needs `enable_lora`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params_list = (
@@ -124,19 +128,27 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            self._serve_adapter(lora)
         results: list[RequestOutput] = []
         streams: dict[str, OutputStream] = {}
         bar = None
         # A bad prompt, or a request the ranks reject (tp > 1), fails the whole call, and leaves
         # nothing queued or running.
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, lora in zip(prompts, params_list, loras):
                 ids = encode_prompt(self.tokenizer, prompt)
                 results.append(RequestOutput(prompt_token_ids=ids))
                 for sample in expand_n(p):
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
-                    self.engine.add_request(rid, ids, sample)
+                    if lora is None:
+                        self.engine.add_request(rid, ids, sample)
+                    else:
+                        self.engine.add_request(rid, ids, sample, lora_name=lora.lora_name)
                     streams[rid] = OutputStream(
                         rid, IncrementalDetokenizer(
                             self.tokenizer, ids, tuple(p.stop),
@@ -182,3 +194,12 @@ class LLM:
                     )
                 )
         return results
+
+    def _serve_adapter(self, lora: LoRARequest) -> None:
+        """Load a request's adapter on first use (ValueError when another one has its name)."""
+        loaded = self.engine.lora_paths()
+        if lora.lora_name not in loaded:
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        elif loaded[lora.lora_name] != str(lora.lora_path):
+            raise ValueError(f"adapter {lora.lora_name!r} is loaded from "
+                             f"{loaded[lora.lora_name]!r}, not {lora.lora_path!r}")

@@ -24,6 +24,8 @@ from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
 from compiled_engine.kv_events.config import KVEventsConfig
 from compiled_engine.layers.moe import expert_load
+from compiled_engine.lora.registry import LoRARegistry
+from compiled_engine.lora.slots import LoRASlots
 from compiled_engine.models.loader import load_model
 from compiled_engine.models.names import resolve_model
 from compiled_engine.parallel import parallel_state as ps
@@ -155,6 +157,25 @@ def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
     )
 
 
+def start_lora(config: EngineConfig, model: torch.nn.Module,
+               device: torch.device) -> LoRARegistry | None:
+    """The adapter slots in the model's linears and the adapters of `config.lora_modules` (None
+    without `enable_lora`)."""
+    if not config.enable_lora:
+        return None
+    if config.max_loras < 1 or config.max_lora_rank < 1:
+        raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {config.max_loras} and "
+                         f"{config.max_lora_rank}")
+    if not hasattr(model, "lora_linears"):
+        raise ValueError(f"{type(model).__name__} serves no LoRA adapters")
+    slots = LoRASlots(model, config.max_loras, config.max_lora_rank, model.dtype, device)
+    cpu = config.max_cpu_loras if config.max_cpu_loras is not None else 4 * config.max_loras
+    registry = LoRARegistry(slots, max(cpu, len(config.lora_modules)))
+    for name, path in config.lora_modules:
+        registry.add(name, path)
+    return registry
+
+
 def build_engine(
     config: EngineConfig, progress: Callable[[str, int], None] | None = None
 ) -> Engine:
@@ -185,6 +206,7 @@ def build_engine(
     draft = None
     if speculative is not None and speculative.method == "draft_model":
         draft = load_draft_weights(speculative, config, device, hf_config)
+    lora = start_lora(config, model, device)  # its slots count against the pool's memory
     num_pages = size_kv_pool(config, model, max_context, device,
                              draft.model if draft is not None else None)
     scheduler = Scheduler(
@@ -199,6 +221,7 @@ def build_engine(
             eos_token_ids=eos,
             vocab_size=hf_config.vocab_size,
             speculative=speculative.ledger() if speculative is not None else None,
+            max_loras=config.max_loras if lora is not None else 0,
         ),
     )
     runner = ModelRunner(
@@ -238,7 +261,7 @@ def build_engine(
     grammars = GrammarBook(functools.partial(load_tokenizer, model_dir), hf_config.vocab_size, eos)
     features = RequestFeatures(eos, device, grammars, speculative, draft_model)
     engine = Engine(config, model, scheduler, runner, features, report,
-                    start_kv_events(config, scheduler))
+                    start_kv_events(config, scheduler), lora)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

@@ -30,6 +30,7 @@ from kernels.packed import BY_CODE, FORMATS, PackedWeight, dequantize_stack
 from kernels.portable import attention as portable_attention
 from kernels.portable import dequantize as portable_dequantize
 from kernels.portable import linear as portable_linear
+from kernels.portable import lora as portable_lora
 from kernels.portable import moe as portable_moe
 
 _lib = torch.library.Library("kernels", "DEF")
@@ -149,6 +150,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_linears():
         return torch.ops.kernels.linear.default(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """LoRA adapters' delta for a linear's rows, each token with its own adapter (punica's
+    shrink-then-expand): x [T, K], a [S, R, K], b [S, N, R] with the adapters' scaling folded into
+    b, slots [T] int64 -> [T, N], token t's `b[s] @ (a[s] @ x[t])` for its slot s; slot -1 is the
+    last slot, which holds zeros (tokens without an adapter). Each token's result depends on its
+    own row and adapter only: batch-invariant whatever the step's other adapters. Portable torch
+    code on every device (`kernels.portable.lora`), traced into the graphs; no host sync."""
+    return portable_lora.lora_delta(x, a, b, slots)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -17,6 +17,8 @@ class AttentionMetadata:
     seq_lens[B] int32: tokens of row b after this step (0: padding row).
     cu_q_lens[B + 1] int32: row b owns tokens cu_q_lens[b]:cu_q_lens[b + 1].
     is_decode: exactly one new token per row (T == B).
+    lora_slots[T] int64: each token's LoRA adapter slot (-1: none); None when no token of the step
+        has an adapter (the graphs without adapters run then).
     """
 
     out_slots: torch.Tensor
@@ -24,6 +26,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     cu_q_lens: torch.Tensor
     is_decode: bool
+    lora_slots: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

@@ -55,6 +55,7 @@ class _Linear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = ps.get_tp_rank(), ps.get_tp_size()
         self.batch_invariant = False  # deterministic mode (layers/invariance.py)
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.weight: Weight = nn.Parameter(
             torch.empty(out_features, in_features), requires_grad=False
         )
@@ -64,6 +65,31 @@ class _Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         self._packed_parts: dict[int, PackedSource] = {}  # first row -> part, until finish_loading
+        # LoRA (`compiled_engine.lora.slots`): the adapter slots' A [S, P*R, in] and B [S, out, P*R]
+        # of this rank, P the projections an adapter may target here (q, k, v: 3), R the max rank
+        # (buffers: the graphs take them as inputs, as they do the weights)
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
+
+    # the shard ids of the projections an adapter may target in this layer, in B's column order
+    lora_parts: tuple[object, ...] = (None,)
+
+    def out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        """Where projection `shard_id`'s rows of this rank are: (first row here, first row in the
+        full projection, rows)."""
+        return 0, 0, self.out_features
+
+    def in_cols(self) -> tuple[int, int]:
+        """This rank's input features: (first column of the full input, columns)."""
+        return 0, self.in_features
+
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor,
+                  lora: torch.Tensor | None) -> torch.Tensor:
+        """`y` plus the adapters' delta of each token (`lora`: its slot, or None: no adapter in the
+        step)."""
+        if lora is None or self.lora_a is None:
+            return y
+        return y + ops.lora_delta(x, self.lora_a, self.lora_b, lora)
 
     def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
         """This rank's part of a checkpoint weight and the first row it fills."""
@@ -116,17 +142,25 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, _divide(out_features, ps.get_tp_size(), "out_features"), bias)
         self.full_out = out_features
 
-    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+    def full_rows(self, shard_id: object) -> int:
+        """Rows of projection `shard_id` across the ranks."""
+        return self.full_out
+
+    def out_rows(self, shard_id: object) -> tuple[int, int, int]:
         rows = self.full_out // self.tp_size
-        check_shape(src, (self.full_out, *self.in_shape(src)))
-        return 0, narrow(src, 0, self.tp_rank * rows, rows)
+        return 0, self.tp_rank * rows, rows
+
+    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+        check_shape(src, (self.full_rows(shard_id), *self.in_shape(src)))
+        offset, start, rows = self.out_rows(shard_id)
+        return offset, narrow(src, 0, start, rows)
 
     def in_shape(self, src: WeightSource) -> tuple[int, ...]:
         """The input dims a source of this layer has (none for a bias)."""
         return (self.weight.shape[1],) if len(source_shape(src)) == 2 else ()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        return self.with_lora(x, self.matmul(x, self.bias), lora)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -136,14 +170,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(sizes), bias)
         self.sizes = sizes
+        self.lora_parts = tuple(range(len(sizes)))
 
-    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
+    def full_rows(self, shard_id: object) -> int:
         assert isinstance(shard_id, int)
-        full = self.sizes[shard_id]
-        check_shape(src, (full, *self.in_shape(src)))
-        rows = full // self.tp_size
+        return self.sizes[shard_id]
+
+    def out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        assert isinstance(shard_id, int)
+        rows = self.sizes[shard_id] // self.tp_size
         offset = sum(self.sizes[:shard_id]) // self.tp_size
-        return offset, narrow(src, 0, self.tp_rank * rows, rows)
+        return offset, self.tp_rank * rows, rows
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -174,14 +211,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias)
         self.kv_replicas = max(1, tp // num_kv_heads)
 
-    def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
-        check_shape(src, (self.full_sizes[shard_id], *self.in_shape(src)))
+    lora_parts = ("q", "k", "v")
+
+    def full_rows(self, shard_id: object) -> int:
+        return self.full_sizes[shard_id]
+
+    def out_rows(self, shard_id: object) -> tuple[int, int, int]:
         if shard_id == "q":
             offset, rows, head0 = 0, self.q_size, self.tp_rank * self.num_heads
         else:
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             rows, head0 = self.kv_size, (self.tp_rank // self.kv_replicas) * self.num_kv_heads
-        return offset, narrow(src, 0, head0 * self.head_dim, rows)
+        return offset, head0 * self.head_dim, rows
 
 
 class RowParallelLinear(_Linear):
@@ -194,15 +235,25 @@ class RowParallelLinear(_Linear):
         check_shape(src, tuple(self.bias.shape))
         self.bias.data.copy_(dense(src))
 
+    def full_rows(self, shard_id: object) -> int:
+        return self.out_features
+
+    def in_cols(self) -> tuple[int, int]:
+        cols = self.full_in // self.tp_size
+        return self.tp_rank * cols, cols
+
     def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
         check_shape(src, (self.weight.shape[0], self.full_in))
-        cols = self.full_in // self.tp_size
+        start, cols = self.in_cols()
         if isinstance(src, PackedSource) and not src.splits_at(1, cols):
             src = src.dequantize()  # this rank's columns would cut its blocks
-        return 0, narrow(src, 1, self.tp_rank * cols, cols)
+        return 0, narrow(src, 1, start, cols)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.all_reduce(self.matmul(x, None), ordered=self.batch_invariant)
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapters' delta of this rank's input columns joins the partial sum before the
+        all-reduce (A is split as the input, B whole)."""
+        y = ps.all_reduce(self.with_lora(x, self.matmul(x, None), lora),
+                          ordered=self.batch_invariant)
         return y if self.bias is None else y + self.bias
 
 

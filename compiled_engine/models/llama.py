@@ -60,7 +60,7 @@ class DecoderAttention(nn.Module):
         )
 
     def qkv(
-        self, positions: torch.Tensor, x: torch.Tensor
+        self, positions: torch.Tensor, x: torch.Tensor, lora: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed hidden states [T, hidden] -> q [T, H, D] and k [T, Hkv, D] with the rotary
         applied, and the whole projection [T, q + 2 kv], whose last columns are v (`value`).
@@ -70,7 +70,7 @@ class DecoderAttention(nn.Module):
         a buffer of the projection's size at offset 0 and may reuse it for a larger temporary, which
         then runs past the end of the allocation (seen: heap corruption)."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        projection = self.qkv_proj(x)
+        projection = self.qkv_proj(x, lora)
         q, k, _ = projection.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -97,8 +97,9 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora`: each token's adapter slot (`AttentionMetadata.lora_slots`)."""
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -140,15 +141,17 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Each layer is two compile regions around its attention op; the norm that ends a layer's
-        region is the next layer's input norm (the last one: the final norm)."""
+        region is the next layer's input norm (the last one: the final norm). LoRA adapters' deltas
+        (`meta.lora_slots`) are added inside the regions' linears."""
+        lora = meta.lora_slots
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
-            q, k, projection = attention_inputs(layer.self_attn, positions, x)
+            q, k, projection = attention_inputs(layer.self_attn, positions, x, lora)
             out = layer.self_attn.attn(q, k, layer.self_attn.value(projection), meta)
             region = moe_layer_outputs if isinstance(layer.mlp, SparseMoeBlock) else layer_outputs
-            x, residual = region(layer, out, residual, next_norm)
+            x, residual = region(layer, out, residual, next_norm, lora)
         return x
 
 
@@ -157,19 +160,23 @@ class DecoderModel(nn.Module):
 # attention op between them stays outside: it writes the KV cache, and a compile region may not
 # mutate its inputs.
 @torch.compiler.nested_compile_region
-def attention_inputs(attn: DecoderAttention, positions: torch.Tensor, x: torch.Tensor):
-    return attn.qkv(positions, x)
+def attention_inputs(attn: DecoderAttention, positions: torch.Tensor, x: torch.Tensor,
+                     lora: torch.Tensor | None):
+    return attn.qkv(positions, x, lora)
 
 
 def _layer_outputs(
-    layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+    layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm,
+    lora: torch.Tensor | None,
 ):
-    """Attention output [T, H, D] -> (the next layer's normed input, the residual stream)."""
+    """Attention output [T, H, D] -> (the next layer's normed input, the residual stream). A
+    mixture of experts takes no adapter."""
     attn = layer.self_attn
     x, residual = layer.post_attention_layernorm(
-        attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim)), residual
+        attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim), lora), residual
     )
-    return next_norm(layer.mlp(x), residual)
+    mlp = layer.mlp(x) if isinstance(layer.mlp, SparseMoeBlock) else layer.mlp(x, lora)
+    return next_norm(mlp, residual)
 
 
 # One region per layer structure: torch reuses a region's compiled code for every call of the same
@@ -178,14 +185,14 @@ def _layer_outputs(
 # regions.
 @torch.compiler.nested_compile_region
 def layer_outputs(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor,
-                  next_norm: RMSNorm):
-    return _layer_outputs(layer, attn_out, residual, next_norm)
+                  next_norm: RMSNorm, lora: torch.Tensor | None):
+    return _layer_outputs(layer, attn_out, residual, next_norm, lora)
 
 
 @torch.compiler.nested_compile_region
 def moe_layer_outputs(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor,
-                      next_norm: RMSNorm):
-    return _layer_outputs(layer, attn_out, residual, next_norm)
+                      next_norm: RMSNorm, lora: torch.Tensor | None):
+    return _layer_outputs(layer, attn_out, residual, next_norm, lora)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -248,6 +255,18 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
+
+    def lora_linears(self) -> dict[str, nn.Module]:
+        """The linears a LoRA adapter may target, by module path (not a mixture of experts')."""
+        out: dict[str, nn.Module] = {}
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}"
+            out[f"{prefix}.self_attn.qkv_proj"] = layer.self_attn.qkv_proj
+            out[f"{prefix}.self_attn.o_proj"] = layer.self_attn.o_proj
+            if isinstance(layer.mlp, DecoderMLP):
+                out[f"{prefix}.mlp.gate_up_proj"] = layer.mlp.gate_up_proj
+                out[f"{prefix}.mlp.down_proj"] = layer.mlp.down_proj
+        return out
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This TP rank's vocabulary slice of the logits (what the compiled graphs return)."""

@@ -79,6 +79,7 @@ class DecodeGraph:
     n_rows: int
     key: int | str
     captured: _CapturedDecode | None = None
+    lora: bool = False  # with adapters: the LoRA variant of its graph
 
     @property
     def inputs(self) -> StepInputs | None:
@@ -122,7 +123,7 @@ class CompiledForward:
             )
         self.compile_mode = mode
         self._freezing = False
-        # bucket, "extend" or "decode" -> its graph
+        # (bucket, "extend" or "decode"; its LoRA variant or not) -> its graph
         self.graphs: dict[object, Callable[..., _Outputs]] = {}
         if not self.enabled:
             return
@@ -152,14 +153,16 @@ class CompiledForward:
             fn, dynamic=dynamic, fullgraph=fullgraph, options=self._options or None
         )
 
-    def graph_for(self, n: int) -> DecodeGraph:
+    def graph_for(self, n: int, lora: bool = False) -> DecodeGraph:
         """The graph a decode batch of `n` requests runs: its bucket, else the shape-generic decode
         graph at `n` rows, at least 2 there (dynamo specializes a dimension of size 1, so one row
-        would compile a graph of its own)."""
+        would compile a graph of its own). `lora`: a request has an adapter (on CUDA that variant
+        runs uncaptured)."""
         bucket = next_bucket(self.buckets, n)
-        if bucket is not None:
-            return DecodeGraph(bucket, bucket, self.cuda_graphs.get(bucket))
-        return DecodeGraph(max(n, 2) if self.enabled else n, "decode")
+        if bucket is not None and not (lora and self.device.type == "cuda"):
+            return DecodeGraph(bucket, bucket, None if lora else self.cuda_graphs.get(bucket), lora)
+        # (CUDA: a step with adapters runs the dynamic-batch graph, uncaptured)
+        return DecodeGraph(max(n, 2) if self.enabled else n, "decode", lora=lora)
 
     def __call__(
         self, inputs: StepInputs, graph: DecodeGraph | None = None
@@ -178,13 +181,18 @@ class CompiledForward:
     ) -> _Outputs:
         if not self.enabled:
             return _logits(self.model, *_args(inputs))
+        lora = inputs.meta.lora_slots is not None
         if graph is None:
-            return self._run("extend", _args(inputs))
+            return self._run("extend", _args(inputs), lora)
         if graph.captured is not None:  # the inputs were built into its buffers
             return graph.captured.replay()
-        return self._run(graph.key, _args(inputs))
+        return self._run(graph.key, _args(inputs), lora)
 
-    def _run(self, key: object, args: tuple) -> _Outputs:
+    def _run(self, base: object, args: tuple, lora: bool = False) -> _Outputs:
+        """Run graph `base` (a bucket, "extend" or "decode"), or its LoRA variant: the same compiled
+        function, traced again for the adapters' inputs (a graph of its own, and a file of its own
+        when precompiled)."""
+        key = (base, lora)
         graph = self.graphs.get(key)
         if graph is not None:
             return graph(self.model, *args)
@@ -196,17 +204,19 @@ class CompiledForward:
         self.graphs[key] = graph
         return out
 
-    def _first_graph(self, key: object, args: tuple) -> Callable[..., _Outputs]:
+    def _first_graph(self, key: tuple[object, bool], args: tuple) -> Callable[..., _Outputs]:
         """The precompiled graph when there is a folder for it (freezing makes the weights graph
         constants: never saved), else the lazily compiled one."""
-        lazy = self._dynamic.get(key, self._decode)
+        base, lora = key
+        lazy = self._dynamic.get(base, self._decode)
         if self.precompiled_dir is None or self._freezing:
             return lazy
-        name = {"extend": "extend", "decode": "decode-dynamic"}.get(key, f"decode-{key}")
-        path, static = self.precompiled_dir / f"{name}.bin", key not in DYNAMIC_GRAPHS
+        name = {"extend": "extend", "decode": "decode-dynamic"}.get(base, f"decode-{base}")
+        name += "-lora" if lora else ""
+        path, static = self.precompiled_dir / f"{name}.bin", base not in DYNAMIC_GRAPHS
         return (
             precompiled.load_or_compile(
-                lambda: self._aot_compile(key, args), lazy, args, path, static
+                lambda: self._aot_compile(base, args), lazy, args, path, static
             )
             or lazy
         )

@@ -23,6 +23,7 @@ from compiled_engine.runner.step_inputs import (
     StepInputs,
     build_step_inputs,
     sample_targets,
+    uses_lora,
 )
 from compiled_engine.scheduler.plan import StepOutput, StepPlan
 
@@ -179,7 +180,7 @@ class ModelRunner:
     ) -> tuple[StepInputs, tuple[torch.Tensor, torch.Tensor]]:
         """The step's inputs and its forward's outputs (logits, hidden states). A decode step runs
         its bucket's graph, its inputs built into that graph's buffers where it has them."""
-        graph = self.forward.graph_for(len(plan.reqs)) if plan.is_decode else None
+        graph = self.forward.graph_for(len(plan.reqs), uses_lora(plan)) if plan.is_decode else None
         inputs = build_step_inputs(
             plan, self.tables, graph and graph.n_rows, self.staging, graph and graph.inputs, kept
         )

@@ -98,6 +98,11 @@ class StepInputs:
     token_starts: tuple[int, ...] = ()  # request i's tokens are rows [i] .. [i + 1] of the forward
 
 
+def uses_lora(plan: StepPlan) -> bool:
+    """Whether a request of the step has a LoRA adapter (its graphs then add the adapters')."""
+    return any(r.lora_slot >= 0 for r in plan.reqs)
+
+
 def sample_targets(plan: StepPlan, tables: DeviceTables) -> list[int]:
     """Where each sampled token lands in the (flattened) token table, in plan order: after the
     request's last computed position, or (a verify step) after each verified one."""
@@ -119,6 +124,8 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
     lengths = [r.length for r in reqs]
     seq_lens = [r.start + r.length for r in reqs]
     out_slots = [s for r in reqs for s in r.out_slots]
+    lora = uses_lora(plan)
+    lora_slots: list[int] = []
     if plan.is_decode:
         n_pad = (pad_to or len(reqs)) - len(reqs)
         rows += [pad] * n_pad
@@ -127,6 +134,8 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         seq_lens += [0] * n_pad  # seq_len 0: the kernel reads nothing and returns zeros
         out_slots += [-1] * n_pad
         token_rows = rows
+        if lora:
+            lora_slots = [r.lora_slot for r in reqs] + [-1] * n_pad
     else:
         # One padding request of one token at position 0 of the padding row (slot 0: the dummy
         # page).
@@ -136,6 +145,8 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         out_slots.append(-1)
         positions = [p for r in reqs for p in range(r.start, r.start + r.length)] + [0]
         token_rows = [r.row for r in reqs for _ in range(r.length)] + [pad]
+        if lora:
+            lora_slots = [r.lora_slot for r in reqs for _ in range(r.length)] + [-1]
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
@@ -153,11 +164,14 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
     width = len(rows) if plan.is_decode else max(2, len(logits_index))
     logits_index += [cu[-1] - 1] * (width - len(logits_index))
     long, i32, width_t = torch.long, torch.int32, tables.width
-    staged = staging.upload({
+    fields = {
         "token_at": ([r * width_t + p for r, p in zip(token_rows, positions)], long),
         "positions": (positions, long), "table_rows": (rows, long), "out_slots": (out_slots, long),
         "logits_index": (logits_index, long), "seq_lens": (seq_lens, i32), "cu_q_lens": (cu, i32),
-    }, None if into is None else into.staged)
+    }
+    if lora:
+        fields["lora_slots"] = (lora_slots, long)
+    staged = staging.upload(fields, None if into is None else into.staged)
     f = staged.fields
     if into is None:
         input_ids = tables.tokens.view(-1).index_select(0, f["token_at"])
@@ -167,6 +181,7 @@ def build_step_inputs(plan: StepPlan, tables: DeviceTables, pad_to: int | None, 
         page_rows = torch.index_select(
             tables.page_table, 0, f["table_rows"], out=into.meta.page_table
         )
-    meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode)
+    meta = build_metadata(page_rows, f["out_slots"], f["seq_lens"], f["cu_q_lens"], plan.is_decode,
+                          f["lora_slots"] if lora else None)
     return StepInputs(input_ids, f["positions"], meta, f["logits_index"], num_sampled,
                       f["table_rows"], staged, num_prompt, tuple(cu))

@@ -49,7 +49,9 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
     largest bucket) the dynamic-batch decode graph now, through the path serving takes
     (`ModelRunner.logits`). The warm-up plans write nowhere (slot -1) and read only the dummy page.
     `progress(graph, total)` is called as each graph starts. With `precompiled_dir`, each graph is
-    loaded from there, or compiled ahead of time and saved there (see `runner.precompiled`)."""
+    loaded from there, or compiled ahead of time and saved there (see `runner.precompiled`). A
+    model with LoRA slots compiles each graph's LoRA variant too (on CUDA: the extend and
+    dynamic-batch decode graphs', uncaptured)."""
     t0 = time.perf_counter()
     fwd = runner.forward
     max_rows = runner.config.max_rows
@@ -57,15 +59,20 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
     # without buckets); traced at two rows at least, so that the batch dimension stays a symbol.
     largest = max(fwd.buckets, default=0)
     beyond = max(largest + 1, 2) if largest < max_rows else None
+    lora = any(getattr(m, "lora_a", None) is not None for m in runner.model.modules())
+    cuda = runner.device.type == "cuda"
     total = 1 + len(fwd.buckets) + (beyond is not None)
+    if lora:
+        total += 2 if cuda else total
 
     def tick(graph: str) -> None:
         if progress is not None:
             progress(graph, total)
 
-    def decode(n: int) -> StepPlan:
-        tick("decode, any batch" if n == beyond else f"decode, batch {n}")
-        return _plan([1] * n, max_rows, decode=True)
+    def decode(n: int, with_lora: bool = False) -> StepPlan:
+        name = "decode, any batch" if n == beyond else f"decode, batch {n}"
+        tick(name + (", LoRA" if with_lora else ""))
+        return _plan([1] * n, max_rows, decode=True, lora=with_lora)
 
     def captured_inputs(n: int) -> StepInputs:
         return build_step_inputs(decode(n), runner.tables, n, runner.staging)
@@ -87,6 +94,13 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
                     runner.logits(decode(n))
             if beyond is not None:
                 runner.logits(decode(beyond))
+            if lora:
+                tick("prefill, LoRA")
+                runner.logits(_plan([3, 5], max_rows, decode=False, lora=True))
+                for n in [] if cuda else sorted(fwd.buckets, reverse=True):
+                    runner.logits(decode(n, with_lora=True))
+                if beyond is not None or cuda:
+                    runner.logits(decode(beyond or max(largest, 2), with_lora=True))
     finally:
         fwd.precompiled_dir = None  # graphs are saved under the cache entry's lock only
     log.info(
@@ -97,10 +111,11 @@ def warm_up(runner: ModelRunner, progress: Callable[[str, int], None] | None = N
     )
 
 
-def _plan(lengths: list[int], max_rows: int, decode: bool) -> StepPlan:
+def _plan(lengths: list[int], max_rows: int, decode: bool, lora: bool = False) -> StepPlan:
     """A plan that samples every request and writes nowhere; rows are shared when the pool has
-    fewer."""
+    fewer. `lora`: its requests use adapter slot 0."""
     reqs = tuple(
-        ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True) for i, n in enumerate(lengths)
+        ReqStep(f"warmup-{i}", i % max_rows, 0, n, (-1,) * n, True, lora_slot=0 if lora else -1)
+        for i, n in enumerate(lengths)
     )
     return StepPlan(step=-1, reqs=reqs, slot_writes=(), token_writes=(), is_decode=decode)

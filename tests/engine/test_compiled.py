@@ -22,14 +22,10 @@ def test_compiled_greedy_matches_transformers_without_recompiling(
 ) -> None:
     # Four decode buckets, the dynamic extend graph and the dynamic-batch decode graph (batches of 9
     # to 16), compiled (or loaded precompiled) by the warm-up.
-    assert sorted(compiled_llm.engine.runner.forward.graphs, key=str) == [
-        1,
-        2,
-        4,
-        8,
-        "decode",
-        "extend",
-    ]
+    # (no LoRA variant: the model has no adapters)
+    assert set(compiled_llm.engine.runner.forward.graphs) == {
+        (1, False), (2, False), (4, False), (8, False), ("decode", False), ("extend", False)
+    }
     graphs_after_warmup = counters["stats"]["unique_graphs"]
     prompts = ragged_prompts(37, seed=1)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

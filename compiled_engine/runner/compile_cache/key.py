@@ -108,9 +108,12 @@ def cache_key(
 
 
 def weight_layout(model: torch.nn.Module) -> str:
-    """A hash of where the model holds packed weights and in which formats ("dense" for none)."""
+    """A hash of where the model holds packed weights and in which formats, and of its LoRA slots'
+    shapes ("dense" for neither)."""
     packed = [f"{name}:{m.format.name}" for name, m in model.named_modules()
               if isinstance(m, PackedWeight)]
+    packed += [f"{name}:lora{tuple(m.lora_a.shape)}{tuple(m.lora_b.shape)}"
+               for name, m in model.named_modules() if getattr(m, "lora_a", None) is not None]
     if not packed:
         return "dense"
     return hashlib.sha256("\n".join(packed).encode()).hexdigest()[:16]

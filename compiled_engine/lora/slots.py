@@ -1,0 +1,79 @@
+"""The device's adapter slots, inside the model's linears: each targetable linear holds A
+[S + 1, P*R, in] and B [S + 1, out, P*R] of this rank (S slots, a last one of zeros for tokens
+without an adapter, P the projections an adapter may target there, R the largest rank), sharded
+as the linear's own weight: A as its input, B as its output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compiled_engine.layers.linear import RowParallelLinear, _Linear
+from compiled_engine.lora.weights import AdapterError, AdapterWeights
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One projection an adapter may target: its linear and which of the linear's parts it is."""
+
+    layer: _Linear
+    part: int  # index of its columns in B (`_Linear.lora_parts`)
+    shard_id: object
+
+
+class LoRASlots:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.targets: dict[str, Target] = {}  # checkpoint module path -> its target
+        by_fused: dict[str, list[tuple[str, object]]] = {}
+        for name, (fused, shard_id) in getattr(model, "packed_modules", {}).items():
+            by_fused.setdefault(fused, []).append((name, shard_id))
+        for path, layer in model.lora_linears().items():
+            head, _, leaf = path.rpartition(".")
+            for name, shard_id in by_fused.get(leaf, [(leaf, None)]):
+                part = layer.lora_parts.index(shard_id)
+                self.targets[f"{head}.{name}"] = Target(layer, part, shard_id)
+            width = len(layer.lora_parts) * max_rank
+            layer.lora_a = torch.zeros(max_loras + 1, width, layer.in_features, dtype=dtype,
+                                       device=device)
+            layer.lora_b = torch.zeros(max_loras + 1, layer.out_features, width, dtype=dtype,
+                                       device=device)
+        self.layers = list(model.lora_linears().values())
+
+    def check(self, weights: AdapterWeights, name: str) -> None:
+        """AdapterError unless `weights` fits: every module a target of this model, shapes those of
+        the projections, the rank at most `max_rank`."""
+        if weights.rank > self.max_rank:
+            raise AdapterError(f"adapter {name!r} has rank {weights.rank}, above the server's "
+                               f"--max-lora-rank {self.max_rank}")
+        for path, (a, b) in weights.modules.items():
+            target = self.targets.get(path)
+            if target is None:
+                raise AdapterError(f"adapter {name!r} targets {path!r}, which this model does not "
+                                   "have (or serves no adapter on)")
+            layer = target.layer
+            full_in = layer.full_in if isinstance(layer, RowParallelLinear) else layer.in_features
+            out = layer.full_rows(target.shard_id)
+            if a.shape[1] != full_in or b.shape[0] != out:
+                raise AdapterError(f"adapter {name!r}: {path!r} maps {a.shape[1]} -> {b.shape[0]} "
+                                   f"features, the model's projection {full_in} -> {out}")
+
+    def load(self, slot: int, weights: AdapterWeights | None) -> None:
+        """Put `weights` (checked) in slot `slot` of every linear; None empties it."""
+        for layer in self.layers:
+            layer.lora_a[slot].zero_()
+            layer.lora_b[slot].zero_()
+        if weights is None:
+            return
+        r = self.max_rank
+        for path, (a, b) in weights.modules.items():
+            target = self.targets[path]
+            layer, col = target.layer, target.part * r
+            start, cols = layer.in_cols()
+            offset, first, rows = layer.out_rows(target.shard_id)
+            a_slot, b_slot = layer.lora_a[slot], layer.lora_b[slot]
+            a_slot[col : col + weights.rank].copy_(a[:, start : start + cols])
+            b_slot[offset : offset + rows, col : col + weights.rank].copy_(b[first : first + rows])

@@ -1,0 +1,29 @@
+"""An adapter's weights on the host, whatever file they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the projections an adapter may target (Hugging Face's module names)
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served (the message says why): unreadable, an unsupported
+    option, a module the model does not have, wrong shapes, a rank above the limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """`modules`: each targeted module (its checkpoint path, e.g. `model.layers.0.self_attn.q_proj`)
+    -> (A [r, in], B [out, r]) in fp32, the scaling already in B."""
+
+    rank: int
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.modules.values())
