@@ -1,13 +1,15 @@
 """Shared by the model tests: tiny random HF checkpoints and a minimal paged-KV driver of our
 models."""
 
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from compiled_engine.layers.attention import AttentionMetadata
-from compiled_engine.models.demo import DEMO_CONFIG
+from compiled_engine.models.demo import DEMO_CONFIG, demo_model_dir
 
 BASE = dict(
     hidden_size=64,
@@ -68,6 +70,13 @@ def make_checkpoint(
                 param.normal_(1.0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     hf.save_pretrained(path, **kwargs)
+    return path
+
+
+def add_demo_tokenizer(path: str) -> str:
+    """Give a checkpoint folder the demo tokenizer's files (its vocabulary must cover it)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(demo_model_dir()) / name, Path(path) / name)
     return path
 
 

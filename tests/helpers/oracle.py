@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,12 @@ def hf_fp32_greedy(
     """Plain argmax steps over transformers' KV cache: no EOS handling (`generate`'s min_new_tokens
     would mask EOS, while the engine's ignore_eos still picks it when it is the argmax). Log-probs
     come back on the CPU."""
-    hf = hf_model(path, torch.float32, device)
+    return module_fp32_greedy(hf_model(path, torch.float32, device), prompts, new_tokens, device)
+
+
+def module_fp32_greedy(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
+                       device: str = "cpu") -> list[Reference]:
+    """`hf_fp32_greedy` of a model built in this process (transformers + PEFT)."""
     refs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -174,12 +180,27 @@ def hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference], t
     if device != "cpu":
         return _spread_here(path, prompts, refs, top, device)
     emulated = [emulated_bf16_spread(path, prompts, refs, top, seed) for seed in EMULATED_SEEDS]
-    hf = _portable_hf_bf16_spread(path, prompts, refs, top)
+    return _combined(_portable_hf_bf16_spread(path, prompts, refs, top), emulated)
+
+
+def _combined(hf: Spread, emulated: list[Spread]) -> Spread:
+    """The worst of a bf16 run and the emulated ones; the low-ranked maximum, the noisiest figure,
+    from the emulated runs' median: no one seed widens the sanity bound on it."""
     worst = Spread.worst([hf, *emulated])
-    # the low-ranked maximum, the noisiest figure, from the emulated runs' median: no one seed
-    # widens the sanity bound on it
     return Spread(worst.chosen, max(hf.top, statistics.median(e.top for e in emulated)),
                   worst.typical)
+
+
+def module_bf16_spread(fp32_model: Callable[[], torch.nn.Module], prompts: list[list[int]],
+                       refs: list[Reference], top: int) -> Spread:
+    """`hf_bf16_spread` of a model built in this process (transformers + PEFT): its bf16 run here
+    and the emulated runs of its fp32 model (`fp32_model()` makes one)."""
+    bf16 = _spread_of(fp32_model().to(torch.bfloat16), prompts, refs, top, "cpu")
+    emulated = []
+    for seed in EMULATED_SEEDS:
+        with bf16_rounding(fp32_model(), seed) as model:
+            emulated.append(_spread_of(model, prompts, refs, top, "cpu"))
+    return _combined(bf16, emulated)
 
 
 def _portable_hf_bf16_spread(path: str, prompts: list[list[int]], refs: list[Reference],
@@ -310,13 +331,13 @@ class Agreement:
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], refs: list[Reference], top: int, rank_slack: float,
-            agreement: Agreement) -> None:
+            agreement: Agreement, lora_request=None) -> None:
     """The engine's own greedy run: each prompt's steps compared while its tokens equal fp32's; at a
     divergence, fp32's gap between its token and ours."""
     params = SamplingParams(
         max_tokens=len(refs[0].tokens), temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP
     )
-    outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, lora_request=lora_request)]
     for p, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         assert len(out.token_ids) == len(ref.tokens)
         for step, (ours, theirs) in enumerate(zip(out.token_ids, ref.tokens, strict=True)):
@@ -338,13 +359,14 @@ def _teacher_forced(
     top: int,
     rank_slack: float,
     agreement: Agreement,
+    lora_request=None,
 ) -> None:
     """The engine's next-token log-probs after the prompt and each prefix of fp32's tokens (one
     request each)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=FORCED_TOP)
     forced = [prompt + ref.tokens[:step] for prompt, ref in zip(prompts, refs, strict=True)
               for step in range(len(ref.tokens))]
-    outputs = iter(o.outputs[0] for o in llm.generate(forced, params))
+    outputs = iter(o.outputs[0] for o in llm.generate(forced, params, lora_request=lora_request))
     for p, ref in enumerate(refs):
         for step, lp in enumerate(ref.logprobs):
             agreement.score(
@@ -353,14 +375,15 @@ def _teacher_forced(
 
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference], bounds: Bounds, what: str,
-          top: int = TOP) -> Agreement:
+          top: int = TOP, lora_request=None) -> Agreement:
     """Assert what a user of the engine would see as 'the same model' as fp32: greedy tokens equal
     fp32's up to near ties, and log-probabilities within `bounds` at every step teacher-forced on
     fp32's tokens and at each greedy step before a divergence; the engine's top k (k = `top` - 1)
-    ranked where fp32 ranks it."""
+    ranked where fp32 ranks it. `lora_request`: every request's adapter (the references then come
+    from the adapter merged into the checkpoint)."""
     agreement = Agreement()
-    _greedy(llm, prompts, refs, top, bounds.rank_slack, agreement)
-    _teacher_forced(llm, prompts, refs, top, bounds.rank_slack, agreement)
+    _greedy(llm, prompts, refs, top, bounds.rank_slack, agreement, lora_request)
+    _teacher_forced(llm, prompts, refs, top, bounds.rank_slack, agreement, lora_request)
     report = agreement.report(what) + f" (bounds {bounds})"
     print(report)
     assert agreement.max_chosen_error <= bounds.chosen, f"chosen-token log-probs too far: {report}"
