@@ -87,6 +87,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}\' (README, '
         '"Scaling out")',
     )
+    lora = p.add_argument_group("LoRA adapters (README, \"LoRA adapters\")")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: each request names its own (its `model`)")
+    lora.add_argument(
+        "--lora-modules", "--lora-paths", nargs="+", type=lora_module, default=[],
+        metavar="NAME=PATH",
+        help="adapters loaded at start: name=path, or vLLM's JSON {\"name\": ..., \"path\": ...} "
+        "(a PEFT folder or a GGUF LoRA file)",
+    )
+    lora.add_argument("--max-loras", "--max-loras-per-batch", type=int,
+                      default=EngineConfig.max_loras,
+                      help="adapter slots: the most distinct adapters running at once")
+    lora.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                      help="the largest rank an adapter may have")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="the most adapters kept loaded (default: 4 x --max-loras)")
 
 
 def _kv_events(text: str) -> dict:
@@ -106,6 +122,25 @@ def _speculative(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
     assert config is not None
     return json.loads(text)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """`--lora-modules`' one value: (name, path)."""
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {e}") from None
+        unknown = set(spec) - {"name", "path", "base_model_name"}
+        name, path = spec.get("name"), spec.get("path")
+        if unknown or not isinstance(name, str) or not isinstance(path, str):
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules: a JSON value has a string name and path only, got {text}")
+        return name, path
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
+    return name, path
 
 
 def _overlap(args: argparse.Namespace) -> bool | None:
@@ -134,6 +169,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative_config,
         kv_events=args.kv_events_config,
         compile_cache_dir=args.compile_cache_dir,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=list(args.lora_modules),
     )
 
 

@@ -22,7 +22,7 @@ from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
-from server import embeddings, info_routes, responses, routes
+from server import embeddings, info_routes, lora_routes, responses, routes
 from server.engine_client import EngineClient
 from server.grammar_check import GrammarChecker
 from server.handlers import error_response
@@ -68,7 +68,8 @@ def create_app(config: ServerConfig) -> Starlette:
         grammars = GrammarChecker(resolve_model(config.engine.model), handle.ready.vocab_size,
                                   handle.ready.eos_token_ids, config.grammar_compile_timeout_s)
         app.state.server = ServerState(
-            config, client, tokenizer, limits, metrics, config.engine.model, grammars
+            config, client, tokenizer, limits, metrics, config.engine.model, grammars,
+            adapters=dict(config.engine.lora_modules),
         )
         try:
             yield
@@ -95,6 +96,10 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/get_load", info_routes.get_load, methods=["GET"]),
         Route("/kv_event_sources", info_routes.kv_event_sources, methods=["GET"]),
+        Route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"]),
+        Route("/load_lora_adapter", lora_routes.sglang_load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", lora_routes.sglang_unload_lora_adapter, methods=["POST"]),
     ]
     if config.debug:
         table.append(Route("/debug/integrity", routes.integrity, methods=["GET"]))

@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from compiled_engine.ranks.launcher import EngineFailure, EngineHandle
@@ -23,9 +23,12 @@ from compiled_engine.ranks.messages import (
     Add,
     Fatal,
     Finish,
+    LoadLora,
+    LoraReply,
     RequestError,
     StatsReply,
     StatsRequest,
+    UnloadLora,
 )
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import TokenEvent
@@ -55,6 +58,7 @@ class Submission(Protocol):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora_name: str | None
 
 
 class RequestGroup:
@@ -92,7 +96,7 @@ class EngineClient:
         self.handle = handle
         self.max_in_flight = max_in_flight
         self._queues: dict[str, asyncio.Queue] = {}
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._waiters: dict[int, asyncio.Future] = {}  # token -> a stats or LoRA reply's future
         self._tokens = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
@@ -147,7 +151,7 @@ class EngineClient:
             self._queues[s.rid] = group.queue
         try:
             for s in subs:
-                self.send(Add(s.rid, s.prompt_ids, s.params))
+                self.send(Add(s.rid, s.prompt_ids, s.params, s.lora_name))
             yield group
         finally:
             for s in subs:
@@ -168,14 +172,25 @@ class EngineClient:
     async def stats(self, timeout_s: float, check_integrity: bool = False) -> StatsReply:
         """A round trip to rank 0 (also the health ping); `check_integrity` adds the ledger's full
         check."""
+        return await self._call(lambda token: StatsRequest(token, check_integrity), timeout_s)
+
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> LoraReply:
+        """Every rank reads, checks and serves the adapter (or none does: the reply says why)."""
+        return await self._call(lambda token: LoadLora(token, name, path), timeout_s)
+
+    async def unload_lora(self, name: str, timeout_s: float) -> LoraReply:
+        return await self._call(lambda token: UnloadLora(token, name), timeout_s)
+
+    async def _call(self, make: Callable[[int], object], timeout_s: float):
+        """Send `make(token)` to rank 0 and wait for its reply with that token."""
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters[token] = fut
+        self._waiters[token] = fut
         try:
-            self.send(StatsRequest(token, check_integrity))
+            self.send(make(token))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
-            self._stats_waiters.pop(token, None)
+            self._waiters.pop(token, None)
 
     async def recent_stats(self, max_age_s: float, timeout_s: float) -> StatsReply:
         """Stats at most `max_age_s` old: concurrent callers share one round trip, and callers
@@ -217,8 +232,8 @@ class EngineClient:
                 q = self._queues.get(ev.rid)
                 if q is not None:
                     q.put_nowait(EngineRejected(ev.message, ev.field))
-            elif isinstance(ev, StatsReply):
-                fut = self._stats_waiters.get(ev.token)
+            elif isinstance(ev, StatsReply | LoraReply):
+                fut = self._waiters.get(ev.token)
                 if fut is not None and not fut.done():
                     fut.set_result(ev)
 
@@ -231,6 +246,6 @@ class EngineClient:
         """End every in-flight request with EngineDead (each waiting client gets a clear error)."""
         for q in {id(q): q for q in self._queues.values()}.values():
             q.put_nowait(EngineDead(reason))
-        for fut in self._stats_waiters.values():
+        for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDead(reason))

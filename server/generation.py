@@ -44,6 +44,7 @@ class Choice(OutputStream):
     params: SamplingParams = field(default_factory=SamplingParams)
     index: int = 0
     prompt_ids: list[int] = field(default_factory=list)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
     start: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     _sent_tokens: int = 0
@@ -128,6 +129,7 @@ def expand_choices(
     prompts: list[list[int]],
     params: list[SamplingParams],
     constraint_param: str | None = None,
+    lora_name: str | None = None,
 ) -> Generation:
     """Expand prompts x n into choices, one sub-request each (`expand_n`); `constraint_param` names
     the field of their constraint, for the 400 of one that does not compile in the engine. A request
@@ -145,6 +147,7 @@ def expand_choices(
                     params=sample,
                     index=len(choices),
                     prompt_ids=ids,
+                    lora_name=lora_name,
                 )
             )
     return Generation(request_id, choices, [len(ids) for ids in prompts], constraint_param)

@@ -134,16 +134,22 @@ async def tokenize_prompts(st: ServerState, prompts: list[str | list[int]]) -> l
 
 
 def check_model(st: ServerState, model: str | None) -> None:
-    """404 in OpenAI's shape for a model this server does not serve (absent: the served one)."""
-    if model is not None and model not in st.model_names:
-        raise ProtocolError(f"the model '{model[:100]}' does not exist; this server serves "
-                            f"{', '.join(repr(n) for n in st.model_names)}", "model", status=404,
-                            code="model_not_found")
+    """404 in OpenAI's shape for a model this server does not serve (absent: the served one); a
+    LoRA adapter's name is one (`ServerState.adapter_of`)."""
+    st.adapter_of(model)
 
 
 def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts: list[list[int]],
                 default_max_tokens: int | None) -> Generation:
-    check_model(st, req.model)
+    lora = st.adapter_of(req.model)
+    if req.lora_path is not None:
+        if lora is not None:
+            raise ProtocolError("give the adapter in `model` or in `lora_path`, not both",
+                                "lora_path")
+        lora = next((n for n, p in st.adapters.items() if req.lora_path in (n, p)), None)
+        if lora is None:
+            raise ProtocolError(f"no LoRA adapter named '{req.lora_path[:100]}' is loaded",
+                                "lora_path", status=404)
     params = [
         dataclasses.replace(
             req.params, max_tokens=resolve_max_tokens(req, len(ids), st.limits, default_max_tokens)
@@ -151,7 +157,7 @@ def new_generation(st: ServerState, prefix: str, req: GenerationRequest, prompts
         for ids in prompts
     ]
     gen = expand_choices(
-        f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param
+        f"{prefix}-{uuid.uuid4().hex}", st.tokenizer, prompts, params, req.structured_param, lora
     )
     st.metrics.prompt_tokens.inc(gen.prompt_tokens)
     return gen

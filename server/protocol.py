@@ -62,7 +62,7 @@ CHAT_FIELDS = _COMMON_FIELDS | set(CHAT_ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "parallel_tool_calls",
 }
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model",
-                           "return_text_in_logprobs", *NATIVE_ROUTER_DEFAULTS})
+                           "return_text_in_logprobs", "lora_path", *NATIVE_ROUTER_DEFAULTS})
 NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {
     "max_new_tokens",
     "max_tokens",
@@ -95,6 +95,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    lora_path: str | None = None  # /generate (SGLang): a loaded adapter's name or path
 
 
 @dataclass
@@ -557,5 +558,6 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
         structured_param=structured_param,
         stream=get_bool(body, "stream", False),
         model=get_str(body, "model", None),
+        lora_path=get_str(body, "lora_path", None),
     )
     return prompt, req

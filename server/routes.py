@@ -100,9 +100,12 @@ async def models(request: Request) -> Response:
         "owned_by": "compiled-engine",
         "max_model_len": st.limits.max_context,
     }
+    # LoRA adapters as vLLM lists them: their path as root, the base model as parent
+    adapters = [card | {"id": name, "root": path, "parent": st.model_name}
+                for name, path in st.adapters.items()]
     if st.is_demo:
         card["description"] = DEMO_LABEL
-    return json_response({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 @endpoint("completions")

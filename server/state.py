@@ -13,6 +13,7 @@ from server.engine_client import EngineClient
 from server.grammar_check import GrammarChecker
 from server.metrics import Metrics
 from server.protocol import Limits
+from server.request_errors import ProtocolError
 from server.response_store import ResponseStore
 from server.tools import parser_for_template
 
@@ -52,6 +53,8 @@ class ServerState:
     grammars: GrammarChecker  # each output constraint compiles here first, within a time budget
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored
+    # the LoRA adapters served (name -> path), as the engine ranks have confirmed them
+    adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -59,6 +62,20 @@ class ServerState:
         component."""
         tail = Path(self.model_name.rstrip("/")).name
         return (self.model_name,) if tail in ("", self.model_name) else (self.model_name, tail)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (vLLM: its name; SGLang: `base:name`), None for
+        the base model; 404 in OpenAI's shape for a name this server does not serve."""
+        if model is None or model in self.model_names:
+            return None
+        if model in self.adapters:
+            return model
+        base, sep, name = model.rpartition(":")
+        if sep and base in self.model_names and name in self.adapters:
+            return name
+        served = ", ".join(repr(n) for n in (*self.model_names, *self.adapters))
+        raise ProtocolError(f"the model '{model[:100]}' does not exist; this server serves "
+                            f"{served}", "model", status=404, code="model_not_found")
 
     @property
     def tool_parser(self) -> str:

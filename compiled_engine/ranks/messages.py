@@ -15,6 +15,7 @@ class Add:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora_name: str | None = None  # a loaded LoRA adapter's (None: the base model)
 
 
 @dataclass(slots=True)
@@ -36,6 +37,24 @@ class StatsRequest:
 
     token: int
     check_integrity: bool = False
+
+
+@dataclass(slots=True)
+class LoadLora:
+    """Every rank reads, checks and serves the adapter at `path` as `name`; rank 0 answers with a
+    `LoraReply`."""
+
+    token: int
+    name: str
+    path: str
+
+
+@dataclass(slots=True)
+class UnloadLora:
+    """Every rank stops serving adapter `name` (refused while a request uses it)."""
+
+    token: int
+    name: str
 
 
 @dataclass(slots=True)
@@ -79,6 +98,16 @@ class StatsReply:
     token: int
     stats: dict  # SchedulerStats fields + total_pages, idle, steps
     integrity_error: str | None
+
+
+@dataclass(slots=True)
+class LoraReply:
+    """The outcome of a `LoadLora` / `UnloadLora`: `error` None when done, else why not, with the
+    HTTP status it maps to (400 a bad adapter or one in use, 404 no such adapter)."""
+
+    token: int
+    error: str | None = None
+    status: int = 200
 
 
 @dataclass(slots=True)

@@ -33,11 +33,14 @@ from compiled_engine.ranks.messages import (
     Admit,
     Fatal,
     Finish,
+    LoadLora,
+    LoraReply,
     Ready,
     RequestError,
     Shutdown,
     StatsReply,
     StatsRequest,
+    UnloadLora,
 )
 from compiled_engine.ranks.rank_spec import RankSpec
 
@@ -184,7 +187,7 @@ def _as_list(received: object) -> list:
     return received if isinstance(received, list) else [received]
 
 
-def _apply(engine, waiting: GrammarWait, msg: Add | Admit | Abort | Finish, events: list) -> None:
+def _apply(engine, waiting: GrammarWait, msg: object, events: list) -> None:
     if isinstance(msg, Add):
         if not waiting.hold(msg):
             _add(engine, msg, events)
@@ -202,13 +205,30 @@ def _apply(engine, waiting: GrammarWait, msg: Add | Admit | Abort | Finish, even
     elif isinstance(msg, Finish):
         if not waiting.drop(msg.rid):
             engine.finish(msg.rid, msg.reason)
+    elif isinstance(msg, LoadLora | UnloadLora):
+        events.append(_lora(engine, msg))
     else:
         raise TypeError(f"unknown engine input {msg!r}")
 
 
+def _lora(engine, msg: LoadLora | UnloadLora) -> LoraReply:
+    """Load or unload an adapter on this rank (each rank does, in the same step)."""
+    try:
+        if isinstance(msg, LoadLora):
+            engine.add_lora(msg.name, msg.path)
+        elif not engine.remove_lora(msg.name):
+            return LoraReply(msg.token, f"the LoRA adapter '{msg.name}' is in use by running "
+                             "requests: unload it once they finish", 400)
+    except KeyError:
+        return LoraReply(msg.token, f"The lora adapter '{msg.name}' cannot be found.", 404)
+    except ValueError as e:  # AdapterError: nothing changed
+        return LoraReply(msg.token, str(e), 400)
+    return LoraReply(msg.token)
+
+
 def _add(engine, msg: Add, events: list, compiled_grammar=None) -> None:
     try:
-        engine.add_request(msg.rid, msg.prompt_ids, msg.params, compiled_grammar)
+        engine.add_request(msg.rid, msg.prompt_ids, msg.params, compiled_grammar, msg.lora_name)
     # RequestRejected, bad parameters, a bad constraint: answer that request only
     except ValueError as e:
         events.append(_request_error(msg.rid, e))

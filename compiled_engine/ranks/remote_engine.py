@@ -1,6 +1,6 @@
 """The TP engine (ranks spawned by the launcher) driven synchronously through rank 0's channel, with
 the calls `LLM` makes on an in-process `Engine`: add_request, abort, finish, has_work, step,
-shutdown."""
+shutdown, and the LoRA adapters' add_lora, remove_lora, lora_paths."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ import itertools
 from dataclasses import fields
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.lora.weights import AdapterError
 from compiled_engine.ranks.launcher import EngineFailure, launch
 from compiled_engine.ranks.messages import (
     Abort,
     Add,
     Fatal,
     Finish,
+    LoadLora,
+    LoraReply,
     RequestError,
     StatsReply,
     StatsRequest,
+    UnloadLora,
 )
 from compiled_engine.request_state import check_sampling
 from compiled_engine.sampling_params import SamplingParams
@@ -37,8 +41,10 @@ class RemoteEngine:
         self._backlog: list = []  # events received while waiting for a stats reply
         self._tokens = itertools.count()
         self._closed = False
+        self._adapters = dict(config.lora_modules)  # the LoRA adapters served: name -> path
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    lora_name: str | None = None) -> None:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank
         0."""
         ready = self.handle.ready
@@ -57,7 +63,9 @@ class RemoteEngine:
             ready.capacity_tokens,
             ready.vocab_size,
         )
-        self._outbox.append(Add(rid, list(prompt_ids), params))
+        if lora_name is not None and lora_name not in self._adapters:
+            raise ValueError(f"request {rid!r}: no LoRA adapter named {lora_name!r} is loaded")
+        self._outbox.append(Add(rid, list(prompt_ids), params, lora_name))
         self._live[rid] = None
 
     def abort(self, rid: str) -> None:
@@ -98,15 +106,37 @@ class RemoteEngine:
 
     def stats(self) -> dict:
         token = next(self._tokens)
-        self._outbox.append(StatsRequest(token))
+        return self._call(StatsRequest(token), token).stats
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Every rank serves the adapter at `path` as `name` (AdapterError: nothing changed)."""
+        reply = self._call(LoadLora(token := next(self._tokens), name, path), token)
+        if reply.error is not None:
+            raise AdapterError(reply.error)
+        self._adapters[name] = str(path)
+
+    def remove_lora(self, name: str) -> bool:
+        """As `Engine.remove_lora`: False while a request uses it, KeyError for no such name."""
+        reply = self._call(UnloadLora(token := next(self._tokens), name), token)
+        if reply.status == 404:
+            raise KeyError(name)
+        if reply.error is None:
+            del self._adapters[name]
+        return reply.error is None
+
+    def lora_paths(self) -> dict[str, str]:
+        return dict(self._adapters)
+
+    def _call(self, msg: object, token: int) -> StatsReply | LoraReply:
+        """Send `msg` and wait for rank 0's reply with `token`; other events wait for `step`."""
+        self._outbox.append(msg)
         while True:
             events = self._recv()
-            reply = next(
-                (ev for ev in events if isinstance(ev, StatsReply) and ev.token == token), None
-            )
-            self._backlog.extend(ev for ev in events if not isinstance(ev, StatsReply))
+            reply = next((ev for ev in events if isinstance(ev, StatsReply | LoraReply)
+                          and ev.token == token), None)
+            self._backlog.extend(ev for ev in events if ev is not reply)
             if reply is not None:
-                return reply.stats
+                return reply
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -115,3 +115,23 @@ def test_smollm2_bf16_compiled_with_an_adapter(tmp_path_factory) -> None:
     llm = LLM("smollm2", **LORA, **ENGINE)
     check(llm, prompts, refs, peft_bf16_bounds(path, adapter, prompts, refs),
           "SmolLM2 bf16 + LoRA compiled", lora_request=LoRARequest("qvo", 1, adapter))
+
+
+def test_tp2_compiled_fp32_equals_peft(adapters) -> None:
+    """Two ranks, compiled: A split as each linear's input, B as its output; adapters loaded on
+    every rank (one at start, two on first use) give PEFT's tokens, mixed with the base model in
+    one call."""
+    base, requests, refs = adapters
+    first = requests["a"]
+    llm = LLM(base, dtype="float32", tp_size=2, lora_modules=[(first.lora_name, first.lora_path)],
+              **LORA, **ENGINE)
+    try:
+        names = [*requests, None]
+        prompts = [p for _ in names for p in PROMPTS]
+        loras = [requests.get(n) for n in names for _ in PROMPTS]
+        got = [o.outputs[0].token_ids
+               for o in llm.generate(prompts, GREEDY, lora_request=loras)]
+        assert got == [t for n in names for t in refs[n]]
+        assert set(llm.engine.lora_paths()) == set(requests)
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,105 @@
+"""Loading and unloading LoRA adapters while serving: vLLM's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (plain-text success, OpenAI-shaped errors) and SGLang's
+`/load_lora_adapter` and `/unload_lora_adapter` (`{"success", "error_message", "loaded_adapters"}`).
+Every engine rank reads and checks the adapter; a bad one is a 400 and changes nothing. An adapter
+that running requests use is not unloaded (400: unload it once they finish)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from server.handlers import endpoint, json_response, read_json, state_of
+from server.protocol import ProtocolError, check_fields, get_bool, get_int, get_str, require_object
+from server.state import ServerState
+
+LORA_TIMEOUT_S = 120.0  # every rank reads the adapter's file
+
+
+def _lora_on(st: ServerState) -> None:
+    if not st.config.engine.enable_lora:
+        raise ProtocolError("this server serves no LoRA adapters: start it with --enable-lora")
+
+
+def _name(body: dict) -> str:
+    name = get_str(body, "lora_name", None)
+    if not name:
+        raise ProtocolError("'lora_name' is required", "lora_name")
+    return name
+
+
+async def _load(st: ServerState, body: dict) -> str:
+    """The adapter's name once every rank serves it; ProtocolError why not."""
+    _lora_on(st)
+    name = _name(body)
+    path = get_str(body, "lora_path", None)
+    if not path:
+        raise ProtocolError("'lora_path' is required", "lora_path")
+    if name in st.adapters or name in st.model_names:
+        raise ProtocolError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    reply = await st.client.load_lora(name, path, LORA_TIMEOUT_S)
+    if reply.error is not None:
+        raise ProtocolError(reply.error, "lora_path", status=reply.status)
+    st.adapters[name] = path
+    return name
+
+
+async def _unload(st: ServerState, body: dict) -> str:
+    _lora_on(st)
+    name = _name(body)
+    if name not in st.adapters:
+        raise ProtocolError(f"The lora adapter '{name}' cannot be found.", "lora_name", status=404)
+    reply = await st.client.unload_lora(name, LORA_TIMEOUT_S)
+    if reply.error is not None:
+        raise ProtocolError(reply.error, "lora_name", status=reply.status)
+    del st.adapters[name]
+    return name
+
+
+@endpoint("load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's: {"lora_name", "lora_path"}."""
+    body = require_object(await read_json(request))
+    check_fields(body, frozenset({"lora_name", "lora_path", "load_inplace"}))
+    if get_bool(body, "load_inplace", False):
+        raise ProtocolError("load_inplace is not supported: unload the adapter, then load it",
+                            "load_inplace")
+    name = await _load(state_of(request), body)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@endpoint("unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's: {"lora_name"} (and its optional `lora_int_id`, which names nothing more here)."""
+    body = require_object(await read_json(request))
+    check_fields(body, frozenset({"lora_name", "lora_int_id"}))
+    get_int(body, "lora_int_id", None, 0, 2**63)
+    name = await _unload(state_of(request), body)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _sglang(request: Request, fields: frozenset[str], load: bool) -> Response:
+    """SGLang's answer: 200 with success true, else 400 (404: no such adapter) with its message."""
+    st = state_of(request)
+    try:
+        body = require_object(await read_json(request))
+        check_fields(body, fields)
+        if get_bool(body, "pinned", False):
+            raise ProtocolError("pinned adapters are not supported", "pinned")
+        await (_load if load else _unload)(st, body)
+    except ProtocolError as e:
+        return json_response({"success": False, "error_message": e.message,
+                              "loaded_adapters": dict(st.adapters)}, e.status)
+    return json_response({"success": True, "error_message": None,
+                          "loaded_adapters": dict(st.adapters)})
+
+
+@endpoint("load_lora_adapter")
+async def sglang_load_lora_adapter(request: Request) -> Response:
+    """SGLang's: {"lora_name", "lora_path"}."""
+    return await _sglang(request, frozenset({"lora_name", "lora_path", "pinned"}), load=True)
+
+
+@endpoint("unload_lora_adapter")
+async def sglang_unload_lora_adapter(request: Request) -> Response:
+    return await _sglang(request, frozenset({"lora_name"}), load=False)

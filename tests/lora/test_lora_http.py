@@ -1,0 +1,126 @@
+"""LoRA adapters through the server: a request picks its adapter by `model` (vLLM: the name;
+SGLang: `base:name`) or `/generate`'s `lora_path`; `/v1/models` lists them with `root` and `parent`;
+adapters are loaded, used, unloaded and loaded again live through vLLM's and SGLang's endpoints,
+with the answers those servers give; a bad adapter or one in use is a 400 that changes nothing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
+from tests.helpers.lora import ADAPTERS, make_adapter, peft_greedy
+from tests.helpers.servers import start_server, wait_idle
+
+SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=2000)
+PROMPT = list(range(3, 30))
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-http")
+    base = add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM", **SHAPE))
+    paths = {name: make_adapter(base, str(root / name), targets, rank, rslora, seed=i)
+             for i, (name, (targets, rank, rslora)) in enumerate(ADAPTERS.items(), 1)}
+    refs = {name: peft_greedy(base, path, [PROMPT], NEW)[0] for name, path in paths.items()}
+    refs[None] = peft_greedy(base, None, [PROMPT], NEW)[0]
+    server = start_server(
+        engine=dict(model=base, dtype="float32", enforce_eager=True, enable_lora=True,
+                    max_loras=2, max_lora_rank=16, lora_modules=[("a", paths["a"])]),
+        debug=True,
+    )
+    try:
+        yield server, base, paths, refs, root
+    finally:
+        server.stop()
+
+
+def _tokens(http: httpx.Client, model: str, **extra) -> list[int]:
+    r = http.post("/generate", json={"input_ids": PROMPT, "model": model, **extra,
+                                     "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+                                                         "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_requests_pick_their_adapter(served) -> None:
+    server, base, paths, refs, _ = served
+    with server.http() as http:
+        models = http.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [base, "a"]
+        assert models[1]["root"] == paths["a"] and models[1]["parent"] == base
+        assert _tokens(http, "a") == refs["a"]
+        assert _tokens(http, f"{base}:a") == refs["a"]  # SGLang's base:adapter
+        assert _tokens(http, base, lora_path="a") == refs["a"]  # SGLang's /generate field
+        assert _tokens(http, base) == refs[None]
+        completion = server.openai().completions.create(
+            model="a", prompt=PROMPT, max_tokens=NEW, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert completion.model == "a"
+        r = http.post("/v1/completions", json={"model": "nope", "prompt": PROMPT})
+        assert r.status_code == 404 and "'a'" in r.json()["error"]["message"]
+
+
+def test_load_use_unload_and_load_again_live(served) -> None:
+    server, base, paths, refs, root = served
+    with server.http() as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]})
+        assert r.status_code == 200, r.text
+        assert r.text == "Success: LoRA adapter 'b' added successfully."
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [base, "a", "b"]
+        assert _tokens(http, "b") == refs["b"]
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "The lora adapter 'b' has already been loaded."
+        # SGLang's endpoints and answers
+        r = http.post("/unload_lora_adapter", json={"lora_name": "b"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"success": True, "error_message": None,
+                            "loaded_adapters": {"a": paths["a"]}}
+        assert http.post("/generate", json={"input_ids": PROMPT, "model": "b"}).status_code == 404
+        r = http.post("/load_lora_adapter", json={"lora_name": "c", "lora_path": paths["c"]})
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": paths["a"],
+                                                                        "c": paths["c"]}
+        assert _tokens(http, "c") == refs["c"]
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+        assert r.text == "Success: LoRA adapter 'c' removed successfully."
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "The lora adapter 'c' cannot be found."
+        # the name again, other files
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": paths["b"]})
+        assert r.status_code == 200
+        assert _tokens(http, "c") == refs["b"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 200
+        assert wait_idle(http)["integrity_error"] is None
+
+
+def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_path) -> None:
+    server, base, paths, refs, _ = served
+    big = make_adapter(base, str(tmp_path / "big"), ["q_proj"], 32)
+    with server.http() as http:
+        before = http.get("/v1/models").json()
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": big})
+        assert r.status_code == 400 and "--max-lora-rank 16" in r.json()["error"]["message"]
+        r = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such"})
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert "no adapter at" in r.json()["error_message"]
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": paths["b"],
+                                                     "load_inplace": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "path": paths["b"]})
+        assert r.status_code == 400  # a field these endpoints do not have
+        assert http.get("/v1/models").json() == before
+        # in use: a long stream of `a` runs while the unload is asked
+        body = {"model": "a", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+            assert r.status_code == 400 and "in use" in r.json()["error"]["message"]
+            assert sum(1 for _ in lines) > 0  # the stream goes on to its end
+        assert http.get("/v1/models").json() == before
+        assert _tokens(http, "a") == refs["a"]
+        assert wait_idle(http)["integrity_error"] is None
