@@ -50,7 +50,10 @@ def packed_runs(parts: dict[int, PackedSource]) -> list[PackedWeight]:
     ]
 
 
-class _Linear(nn.Module):
+class LinearBase(nn.Module):
+    """What the column- and row-parallel linears share: the weight (dense or packed), its loaders,
+    the matmul and the LoRA adapters' slots."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = ps.get_tp_rank(), ps.get_tp_size()
@@ -137,7 +140,7 @@ def source_shape_rows(src: WeightSource) -> int:
     return source_shape(src)[0]
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, _divide(out_features, ps.get_tp_size(), "out_features"), bias)
         self.full_out = out_features
@@ -225,7 +228,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return offset, head0 * self.head_dim, rows
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(_divide(in_features, ps.get_tp_size(), "in_features"), out_features, bias)
         self.full_in = in_features
@@ -272,7 +275,7 @@ def quantize_linears(model: nn.Module, quantization: str) -> None:
             module.quantize(fmt)
             continue
         weight = getattr(module, "weight", None)
-        if (isinstance(module, _Linear) and isinstance(weight, nn.Parameter)
+        if (isinstance(module, LinearBase) and isinstance(weight, nn.Parameter)
                 and weight.shape[1] % fmt.block == 0):
             del module.weight
             module.weight = quantize(weight.data, fmt)

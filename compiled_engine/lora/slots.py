@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compiled_engine.layers.linear import RowParallelLinear, _Linear
+from compiled_engine.layers.linear import LinearBase, RowParallelLinear
 from compiled_engine.lora.weights import AdapterError, AdapterWeights
 
 
@@ -18,8 +18,8 @@ from compiled_engine.lora.weights import AdapterError, AdapterWeights
 class Target:
     """One projection an adapter may target: its linear and which of the linear's parts it is."""
 
-    layer: _Linear
-    part: int  # index of its columns in B (`_Linear.lora_parts`)
+    layer: LinearBase
+    part: int  # index of its columns in B (`LinearBase.lora_parts`)
     shard_id: object
 
 
