@@ -354,6 +354,24 @@ def _cmd_speculative(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lora(args: argparse.Namespace) -> int:
+    from benchmarks.lora import run
+
+    settings = {"enforce_eager": args.enforce_eager} | _placement(args)
+    result = run(resolve_bench_model(args.model), args.adapters, args.rank, args.requests,
+                 args.prompt_len, args.output_len, args.rounds, args.peft_requests, log=_log,
+                 **settings)
+    print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
+    if args.json:
+        write_json(args.json, "lora", {"settings": settings | vars_of(args), "result": result})
+    return 0
+
+
+def vars_of(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("adapters", "rank", "requests", "prompt_len",
+                                          "output_len", "rounds", "peft_requests")}
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     from benchmarks.router import bench_router
 
@@ -490,6 +508,27 @@ def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.set_defaults(func=_cmd_speculative)
     _add_router_parser(kinds)
+    _add_lora_parser(kinds)
+
+
+def _add_lora_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "lora",
+        help="LoRA adapters mixed in one batch vs the base model alone (A/B in one process), and "
+        "vs transformers + PEFT switching adapters per request",
+    )
+    p.add_argument("--model", default="bench")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
+    p.add_argument("--peft-requests", type=int, default=8)
+    p.add_argument("--enforce-eager", action="store_true")
+    _add_placement_args(p)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=_cmd_lora)
 
 
 def _add_router_parser(kinds: argparse._SubParsersAction) -> None:

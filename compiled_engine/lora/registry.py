@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+from compiled_engine.lora.gguf import load_gguf_lora
 from compiled_engine.lora.peft import load_peft
 from compiled_engine.lora.slots import LoRASlots
 from compiled_engine.lora.weights import AdapterError, AdapterWeights
@@ -20,13 +21,11 @@ class Adapter:
     path: str
 
 
-def read_adapter(path: str) -> AdapterWeights:
+def read_adapter(path: str, slots: LoRASlots) -> AdapterWeights:
     """An adapter's weights from its folder (PEFT) or GGUF file."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        from compiled_engine.lora.gguf import load_gguf_lora
-
-        return load_gguf_lora(p)
+        return load_gguf_lora(p, slots.heads())
     if not p.exists():
         raise AdapterError(f"no adapter at {path!r}")
     return load_peft(p)
@@ -48,7 +47,7 @@ class LoRARegistry:
         if len(self.by_name) >= self.max_cpu_loras:
             raise AdapterError(f"{len(self.by_name)} adapters are loaded, the most this server "
                                f"keeps (--max-cpu-loras {self.max_cpu_loras}): unload one first")
-        weights = read_adapter(path)
+        weights = read_adapter(path, self.slots)
         self.slots.check(weights, name)
         adapter = Adapter(name, next(self._ids), str(path))
         self.by_name[name] = adapter

@@ -43,6 +43,13 @@ class LoRASlots:
                                        device=device)
         self.layers = list(model.lora_linears().values())
 
+    def heads(self) -> dict[str, int]:
+        """Attention heads of q_proj and k_proj (all ranks'): a GGUF adapter's rows of them come
+        permuted as the base model's (`models.gguf_checkpoint.unpermute_rotary_rows`)."""
+        qkv = next(t.layer for p, t in self.targets.items() if p.endswith("q_proj"))
+        return {"q_proj": qkv.full_rows("q") // qkv.head_dim,
+                "k_proj": qkv.full_rows("k") // qkv.head_dim}
+
     def check(self, weights: AdapterWeights, name: str) -> None:
         """AdapterError unless `weights` fits: every module a target of this model, shapes those of
         the projections, the rank at most `max_rank`."""
@@ -74,6 +81,7 @@ class LoRASlots:
             layer, col = target.layer, target.part * r
             start, cols = layer.in_cols()
             offset, first, rows = layer.out_rows(target.shard_id)
+            rank = a.shape[0]  # (a GGUF file may give each module its own)
             a_slot, b_slot = layer.lora_a[slot], layer.lora_b[slot]
-            a_slot[col : col + weights.rank].copy_(a[:, start : start + cols])
-            b_slot[offset : offset + rows, col : col + weights.rank].copy_(b[first : first + rows])
+            a_slot[col : col + rank].copy_(a[:, start : start + cols])
+            b_slot[offset : offset + rows, col : col + rank].copy_(b[first : first + rows])

@@ -37,7 +37,7 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # Architectures whose Q/K rows llama.cpp's converter permuted.
-_PERMUTED = frozenset({"llama"})
+PERMUTED_ARCHS = frozenset({"llama"})
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -187,7 +187,7 @@ class GGUFCheckpoint:
         from compiled_engine.layers.weight_utils import PackedSource
         from kernels.packed import FORMATS
 
-        names = _hf_names(self.arch, int(self.metadata(f"{self.arch}.block_count")))
+        names = hf_tensor_names(self.arch, int(self.metadata(f"{self.arch}.block_count")))
         c = self.config_dict
         for t in self._reader.tensors:
             hf = names.get(t.name)
@@ -211,7 +211,7 @@ class GGUFCheckpoint:
                         f"{t.tensor_type.name} is not supported ({e})"
                     ) from e
                 w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
-            if self.arch in _PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            if self.arch in PERMUTED_ARCHS and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = c["num_attention_heads"] if "q_proj" in hf else c["num_key_value_heads"]
                 if isinstance(w, PackedSource):  # whole rows move: the blocks move with them
                     w = PackedSource(unpermute_rotary_rows(w.blocks, heads), w.format, w.shape)
@@ -232,7 +232,7 @@ def unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_names(arch: str, blocks: int) -> dict[str, str]:
+def hf_tensor_names(arch: str, blocks: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, from the `gguf` package's own mapping tables."""
     import gguf
 

@@ -90,3 +90,38 @@ def peft_bf16_bounds(base: str, adapter: str, prompts: list[list[int]],
     spread = module_bf16_spread(lambda: peft_model(base, adapter), prompts, refs, TOP)
     print(f"transformers + PEFT bf16 vs fp32: {spread}")
     return Bounds.bf16(spread)
+
+
+def gguf_adapter(peft_dir: str, out: str, heads: dict[str, int], arch: str = "llama") -> str:
+    """The PEFT adapter in `peft_dir` as llama.cpp's `convert_lora_to_gguf.py` writes it:
+    `general.type = adapter`, `adapter.lora.alpha`, `<gguf tensor>.lora_a` / `.lora_b` (fp32), the
+    rows of q's and k's B permuted into llama.cpp's rotary layout (`heads`: of q_proj, k_proj)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from compiled_engine.models.gguf_checkpoint import hf_tensor_names
+
+    config = json.loads((Path(peft_dir) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(peft_dir) / "adapter_model.safetensors"))
+    blocks = 1 + max(int(k.split("layers.")[1].split(".")[0]) for k in tensors)
+    to_gguf = {hf: name for name, hf in hf_tensor_names(arch, blocks).items()}
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config["lora_alpha"]))
+    for key in sorted(tensors):
+        module, which = key.removeprefix("base_model.model.").split(".lora_")
+        w = tensors[key].float()
+        leaf = module.rsplit(".", 1)[-1]
+        if which.startswith("B") and leaf in heads:  # llama.cpp's permute of the rows
+            n = heads[leaf]
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        suffix = "lora_a" if which.startswith("A") else "lora_b"
+        writer.add_tensor(f"{to_gguf[module + '.weight']}.{suffix}", w.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

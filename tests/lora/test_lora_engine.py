@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -17,7 +19,7 @@ from compiled_engine.lora.weights import AdapterError
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.validation import RequestRejected
 from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
-from tests.helpers.lora import ADAPTERS, make_adapter, peft_greedy
+from tests.helpers.lora import ADAPTERS, gguf_adapter, make_adapter, peft_greedy
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=2000)
 PROMPT = list(range(3, 60))  # long enough to fill cached pages
@@ -124,3 +126,25 @@ def test_no_more_adapters_than_max_cpu_loras(setup) -> None:
     for name in extra:
         assert engine.remove_lora(name)
     assert engine.lora_paths() == loaded
+
+
+def test_a_gguf_adapter_as_llama_cpp_writes_it(setup, tmp_path) -> None:
+    """The same adapter as a GGUF LoRA file (q's and k's B rows in llama.cpp's rotary order) gives
+    PEFT's tokens; a GGUF file that is a model, not an adapter, is refused."""
+    _, base, paths, llm = setup
+    engine = llm.engine
+    heads = {"q_proj": 4, "k_proj": 2}  # BASE: 4 heads over 2 KV heads
+    for name in ("a", "c"):  # c: k_proj too
+        path = gguf_adapter(paths[name], str(tmp_path / f"{name}.gguf"), heads)
+        got = _tokens(llm, PROMPT, LoRARequest(f"{name}-gguf", 7, path))
+        assert got == peft_greedy(base, paths[name], [PROMPT], NEW)[0], name
+        assert engine.remove_lora(f"{name}-gguf")
+    model = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(model), "llama")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    with pytest.raises(AdapterError, match="not a GGUF LoRA adapter"):
+        engine.add_lora("model", str(model))
