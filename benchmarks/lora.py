@@ -114,7 +114,9 @@ def run(model_dir: str, adapters: int, rank: int, requests: int, prompt_len: int
         log("starting the LoRA engine")
         lora = LLM(model_dir, enable_lora=True, max_loras=adapters, max_lora_rank=rank,
                    **settings)
-        lora.generate(prompts[:1], params, use_tqdm=False, lora_request=loras)  # reads them
+        # reads every adapter (a request of each)
+        lora.generate(prompts[:adapters], SamplingParams(max_tokens=1), use_tqdm=False,
+                      lora_request=loras)
         best: dict[str, float] = {}
 
         def keep(name: str, value: float, lower: bool = False) -> None:

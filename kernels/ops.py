@@ -49,6 +49,7 @@ _SCHEMAS = {
     "dequantize": "(Tensor blocks, int format, int in_features) -> Tensor",
     "fused_moe": "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
     "bool invariant=False, int w13_format=-1, int w2_format=-1) -> Tensor",
+    "lora_delta": "(Tensor x, Tensor a, Tensor b, Tensor slots, int[] part_rows) -> Tensor",
 }
 _PORTABLE = {
     "store_kv": portable_attention.store_kv,
@@ -59,6 +60,8 @@ _PORTABLE = {
     "linear_packed": portable_dequantize.linear_packed,
     "dequantize": portable_dequantize.dequantize,
     "fused_moe": portable_moe.fused_moe,
+    # (B is zero off its projections' blocks: the full product is the same)
+    "lora_delta": lambda x, a, b, slots, part_rows: portable_lora.lora_delta(x, a, b, slots),
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
@@ -152,15 +155,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     return F.linear(x, weight, bias)
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               slots: torch.Tensor) -> torch.Tensor:
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+               part_rows: tuple[int, ...]) -> torch.Tensor:
     """LoRA adapters' delta for a linear's rows, each token with its own adapter (punica's
     shrink-then-expand): x [T, K], a [S, R, K], b [S, N, R] with the adapters' scaling folded into
     b, slots [T] int64 -> [T, N], token t's `b[s] @ (a[s] @ x[t])` for its slot s; slot -1 is the
-    last slot, which holds zeros (tokens without an adapter). Each token's result depends on its
-    own row and adapter only: batch-invariant whatever the step's other adapters. Portable torch
-    code on every device (`kernels.portable.lora`), traced into the graphs; no host sync."""
+    last slot, which holds zeros (tokens without an adapter). `part_rows`: the P + 1 row boundaries
+    of B's projections (q / k / v, gate / up), B being block-diagonal: projection p's rows are zero
+    but in the p-th R / P columns. Each token's result depends on its own row and adapter only:
+    batch-invariant whatever the step's other adapters; no host sync.
+    The op `kernels::lora_delta` on CUDA (Triton's kernels, `kernels.triton.lora`) and on the CPU
+    with the native kernels (native/lora.cpp): each token's adapter read in place, each projection's
+    block of B only, sums in fp32. Elsewhere the portable torch code (`kernels.portable.lora`,
+    adapters gathered per token, B whole), called directly so that it is traced into the graphs."""
+    if x.device.type == "cuda" or (x.device.type == "cpu" and _native_lora()):
+        return torch.ops.kernels.lora_delta.default(x, a, b, slots, part_rows)
     return portable_lora.lora_delta(x, a, b, slots)
+
+
+@torch.compiler.assume_constant_result
+def _native_lora() -> bool:
+    """Whether the native CPU kernels serve `lora_delta` here (a constant to torch.compile)."""
+    return _cpu_kernels_loaded()
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -277,6 +293,12 @@ def _dense_experts(w: torch.Tensor, format: int, in_features: int,
     return w if format < 0 else dequantize_stack(w, format, in_features).to(dtype)
 
 
+def _lora_delta_cuda(x, a, b, slots, part_rows):
+    from kernels.triton import lora
+
+    return lora.lora_delta_triton(x, a, b, slots, part_rows)
+
+
 def _linear_cuda(x, weight, bias=None, invariant=False):
     if not invariant:
         return F.linear(x, weight, bias)
@@ -298,6 +320,7 @@ _lib.impl("store_kv", _store_kv_cuda, "CUDA")
 _lib.impl("linear_packed", _linear_packed_cuda, "CUDA")
 _lib.impl("linear", _linear_cuda, "CUDA")
 _lib.impl("fused_moe", _fused_moe_cuda, "CUDA")
+_lib.impl("lora_delta", _lora_delta_cuda, "CUDA")
 _lib.impl("decode_attention", _decode_attention_cuda, "CUDA")
 _lib.impl("extend_attention", _extend_attention_cuda, "CUDA")
 
@@ -349,6 +372,11 @@ def _(blocks, format, in_features):
 @torch.library.register_fake("kernels::fused_moe")
 def _(x, w13, w2, topk_weights, topk_ids, invariant=False, w13_format=-1, w2_format=-1):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("kernels::lora_delta")
+def _(x, a, b, slots, part_rows):
+    return x.new_empty(x.shape[0], b.shape[1])
 
 
 @torch.library.register_fake("kernels::argmax")

@@ -73,6 +73,7 @@ class LinearBase(nn.Module):
         # (buffers: the graphs take them as inputs, as they do the weights)
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
+        self.lora_part_rows: tuple[int, ...] = ()  # where each part's rows of B start, and the end
 
     # the shard ids of the projections an adapter may target in this layer, in B's column order
     lora_parts: tuple[object, ...] = (None,)
@@ -92,7 +93,7 @@ class LinearBase(nn.Module):
         step)."""
         if lora is None or self.lora_a is None:
             return y
-        return y + ops.lora_delta(x, self.lora_a, self.lora_b, lora)
+        return y + ops.lora_delta(x, self.lora_a, self.lora_b, lora, self.lora_part_rows)
 
     def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
         """This rank's part of a checkpoint weight and the first row it fills."""

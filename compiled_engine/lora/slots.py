@@ -36,6 +36,8 @@ class LoRASlots:
             for name, shard_id in by_fused.get(leaf, [(leaf, None)]):
                 part = layer.lora_parts.index(shard_id)
                 self.targets[f"{head}.{name}"] = Target(layer, part, shard_id)
+            rows = [layer.out_rows(shard_id) for shard_id in layer.lora_parts]
+            layer.lora_part_rows = (*(offset for offset, _, _ in rows), rows[-1][0] + rows[-1][2])
             width = len(layer.lora_parts) * max_rank
             layer.lora_a = torch.zeros(max_loras + 1, width, layer.in_features, dtype=dtype,
                                        device=device)
