@@ -10,6 +10,7 @@ _LAZY = {
     "LLM": "compiled_engine.llm",
     "SamplingParams": "compiled_engine.sampling_params",
     "EngineConfig": "compiled_engine.config",
+    "LoRARequest": "compiled_engine.lora.request",
 }
 
 __all__ = sorted(_LAZY)

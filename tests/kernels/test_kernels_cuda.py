@@ -183,3 +183,26 @@ def test_packed_linear(name: str) -> None:
     got = ops.linear(x.cuda(), w, invariant=True)
     _close(got, exact.bfloat16())
     assert torch.equal(ops.linear(x[:5].cuda(), w, invariant=True), got[:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_is_each_tokens_product_and_batch_invariant(dtype: torch.dtype) -> None:
+    """The LoRA op on CUDA (Triton) at a 4096-wide model's qkv shapes (q 4096, k and v 1024, rank 16
+    each, 8 adapters): each token's product, and the same bits alone as among 300 tokens."""
+    gen = torch.Generator().manual_seed(0)
+    k, rank, part_rows, slots_n = 4096, 16, (0, 4096, 5120, 6144), 8
+    x = torch.randn(300, k, generator=gen).to(dtype)
+    a = (torch.randn(slots_n + 1, 3 * rank, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.zeros(slots_n + 1, part_rows[-1], 3 * rank)
+    for p, (lo, hi) in enumerate(zip(part_rows, part_rows[1:])):
+        b[:, lo:hi, p * rank:(p + 1) * rank] = torch.randn(slots_n + 1, hi - lo, rank,
+                                                           generator=gen) / rank**0.5
+    a[-1], b[-1] = 0, 0
+    b = b.to(dtype)
+    slots = torch.randint(-1, slots_n, (300,), generator=gen)
+    got = ops.lora_delta(x.cuda(), a.cuda(), b.cuda(), slots.cuda(), part_rows)
+    want = torch.stack([b[s].float() @ (a[s].float() @ x[t].float())
+                        for t, s in enumerate(slots.tolist())])
+    _close(got, want.to(dtype))
+    alone = ops.lora_delta(x[7:8].cuda(), a.cuda(), b.cuda(), slots[7:8].cuda(), part_rows)
+    assert torch.equal(alone, got[7:8])
