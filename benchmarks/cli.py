@@ -363,11 +363,12 @@ def _cmd_lora(args: argparse.Namespace) -> int:
                  **settings)
     print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
     if args.json:
-        write_json(args.json, "lora", {"settings": settings | vars_of(args), "result": result})
+        write_json(args.json, "lora", {"settings": settings | _lora_workload(args),
+                                       "result": result})
     return 0
 
 
-def vars_of(args: argparse.Namespace) -> dict:
+def _lora_workload(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("adapters", "rank", "requests", "prompt_len",
                                           "output_len", "rounds", "peft_requests")}
 

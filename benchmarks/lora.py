@@ -25,9 +25,8 @@ import torch
 
 from compiled_engine.llm import LLM
 from compiled_engine.lora.request import LoRARequest
+from compiled_engine.lora.weights import TARGET_MODULES
 from compiled_engine.sampling_params import SamplingParams
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def make_adapters(model_dir: str, folder: Path, count: int, rank: int) -> list[str]:
@@ -39,7 +38,7 @@ def make_adapters(model_dir: str, folder: Path, count: int, rank: int) -> list[s
     paths = []
     for i in range(count):
         torch.manual_seed(i)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES),
                             init_lora_weights=False)
         model = get_peft_model(base, config)
         with torch.no_grad():

@@ -197,6 +197,7 @@ class Engine:
         Under overlap the previous step's forward runs meanwhile."""
         if plan.adapter_loads:
             # no step in flight reads these slots (the ledger's AdapterSlots)
+            assert self.lora is not None, "adapter loads without LoRA"
             self.lora.load_slots(plan.adapter_loads)
         sampling: list[SamplingRow] = []
         kept: list[tuple[KeptRows, RequestState]] = []

@@ -168,6 +168,9 @@ def start_lora(config: EngineConfig, model: torch.nn.Module,
                          f"{config.max_lora_rank}")
     if not hasattr(model, "lora_linears"):
         raise ValueError(f"{type(model).__name__} serves no LoRA adapters")
+    if config.compile_mode != "default":
+        # freezing makes the slot buffers graph constants: a later adapter load would not be seen
+        raise ValueError(f"LoRA adapters need compile_mode 'default', not {config.compile_mode!r}")
     slots = LoRASlots(model, config.max_loras, config.max_lora_rank, model.dtype, device)
     cpu = config.max_cpu_loras if config.max_cpu_loras is not None else 4 * config.max_loras
     registry = LoRARegistry(slots, max(cpu, len(config.lora_modules)))

@@ -61,7 +61,7 @@ _PORTABLE = {
     "dequantize": portable_dequantize.dequantize,
     "fused_moe": portable_moe.fused_moe,
     # (B is zero off its projections' blocks: the full product is the same)
-    "lora_delta": lambda x, a, b, slots, part_rows: portable_lora.lora_delta(x, a, b, slots),
+    "lora_delta": portable_lora.lora_delta,
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
@@ -164,19 +164,14 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.T
     of B's projections (q / k / v, gate / up), B being block-diagonal: projection p's rows are zero
     but in the p-th R / P columns. Each token's result depends on its own row and adapter only:
     batch-invariant whatever the step's other adapters; no host sync.
-    The op `kernels::lora_delta` on CUDA (Triton's kernels, `kernels.triton.lora`) and on the CPU
-    with the native kernels (native/lora.cpp): each token's adapter read in place, each projection's
-    block of B only, sums in fp32. Elsewhere the portable torch code (`kernels.portable.lora`,
-    adapters gathered per token, B whole), called directly so that it is traced into the graphs."""
-    if x.device.type == "cuda" or (x.device.type == "cpu" and _native_lora()):
+    On CUDA the op `kernels::lora_delta`: Triton's kernels (`kernels.triton.lora`, each token's
+    adapter read in place, sums in fp32). Elsewhere the portable torch code
+    (`kernels.portable.lora`), called directly so that it is traced into the graphs: on the CPU
+    inductor fuses its gathers into the batched GEMVs, faster there than a hand-written kernel was
+    (docs/benchmarks.md, "LoRA adapters")."""
+    if x.device.type == "cuda":
         return torch.ops.kernels.lora_delta.default(x, a, b, slots, part_rows)
-    return portable_lora.lora_delta(x, a, b, slots)
-
-
-@torch.compiler.assume_constant_result
-def _native_lora() -> bool:
-    """Whether the native CPU kernels serve `lora_delta` here (a constant to torch.compile)."""
-    return _cpu_kernels_loaded()
+    return portable_lora.lora_delta(x, a, b, slots, part_rows)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

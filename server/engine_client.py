@@ -181,7 +181,8 @@ class EngineClient:
     async def unload_lora(self, name: str, timeout_s: float) -> LoraReply:
         return await self._call(lambda token: UnloadLora(token, name), timeout_s)
 
-    async def _call(self, make: Callable[[int], object], timeout_s: float):
+    async def _call(self, make: Callable[[int], object],
+                    timeout_s: float) -> StatsReply | LoraReply:
         """Send `make(token)` to rank 0 and wait for its reply with that token."""
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()

@@ -30,6 +30,7 @@ import zmq
 
 from compiled_engine.kv_events.config import KVEventsConfig
 from compiled_engine.scheduler.prefix_cache import CacheRemoved, CacheStored
+from compiled_engine.scheduler.request import ADAPTER_SHIFT
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,23 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+def adapter_of(path: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """A cache path's LoRA adapter (0: none) and its token ids: an adapter's paths carry its id in
+    each key's high bits (`Request.cache_tokens`)."""
+    adapter = path[0] >> ADAPTER_SHIFT if path else 0
+    if not adapter:
+        return 0, path
+    mask = (1 << ADAPTER_SHIFT) - 1
+    return adapter, tuple(t & mask for t in path)
+
+
 def chain_hashes(path: tuple[int, ...], page_size: int) -> list[bytes]:
     """The chained hash of every page of `path` (page-aligned), in order: sha256 of the previous
-    page's hash (none for the first) and the page's tokens as little-endian uint32."""
-    out, prev = [], b""
+    page's hash (none for the first; under a LoRA adapter, the hash of its id) and the page's
+    tokens as little-endian uint32."""
+    adapter, path = adapter_of(path)
+    out = []
+    prev = hashlib.sha256(b"lora" + adapter.to_bytes(8, "little")).digest() if adapter else b""
     for i in range(0, len(path), page_size):
         prev = hashlib.sha256(prev + struct.pack(f"<{page_size}I", *path[i : i + page_size]))
         prev = prev.digest()
@@ -93,8 +107,9 @@ def to_events(
         own = [external(h) for h in hashes[first:]]
         if isinstance(ev, CacheStored):
             parent = external(hashes[first - 1]) if first else None
-            out.append(BlockStored(own, parent, list(ev.path[ev.start :]), page_size, None,
-                                   MEDIUM, None))
+            adapter, tokens = adapter_of(ev.path)
+            out.append(BlockStored(own, parent, list(tokens[ev.start :]), page_size,
+                                   adapter or None, MEDIUM, None))
         else:
             out.append(BlockRemoved(own, MEDIUM))
     return out

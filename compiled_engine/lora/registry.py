@@ -32,6 +32,8 @@ def read_adapter(path: str, slots: LoRASlots) -> AdapterWeights:
 
 
 class LoRARegistry:
+    """The adapters served by name (at most `max_cpu_loras`) and the device slots they load into."""
+
     def __init__(self, slots: LoRASlots, max_cpu_loras: int) -> None:
         self.slots = slots
         self.max_cpu_loras = max_cpu_loras

@@ -20,10 +20,5 @@ class AdapterWeights:
     """`modules`: each targeted module (its checkpoint path, e.g. `model.layers.0.self_attn.q_proj`)
     -> (A [r, in], B [out, r]) in fp32, the scaling already in B."""
 
-    rank: int
+    rank: int  # the largest of its modules'
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                   for a, b in self.modules.values())

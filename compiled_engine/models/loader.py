@@ -155,7 +155,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def checkpoint_target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
     """Checkpoint tensor name -> (our parameter name, shard id)."""
     expert = expert_target(name)
     if expert is not None:
@@ -225,7 +225,7 @@ def load_weights(
     for path, name, src in checkpoint_tensors(model_path, keep_packed):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        pname, shard_id = checkpoint_target(name, packed)
+        pname, shard_id = _target(name, packed)
         if name not in expected or pname not in params:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for {type(model).__name__}")
         param = params[pname]

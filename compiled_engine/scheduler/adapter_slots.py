@@ -21,6 +21,8 @@ class AdapterSlot:
 
 
 class AdapterSlots:
+    """`n` slots, the adapter each holds and its users; the loads the next plan carries."""
+
     def __init__(self, n: int) -> None:
         self.slots = [AdapterSlot() for _ in range(n)]
         self.by_adapter: dict[int, int] = {}  # adapter id -> its slot
@@ -70,6 +72,7 @@ class AdapterSlots:
         return True
 
     def take_loads(self) -> tuple[tuple[int, int], ...]:
+        """The (slot, adapter) loads made since the last plan, for the next one."""
         loads = tuple(self.loads)
         self.loads.clear()
         return loads

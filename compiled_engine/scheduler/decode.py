@@ -105,8 +105,8 @@ class DecodePlanner:
 
     def add_drafts(self, plan: StepPlan, drafts: Sequence[tuple[int, ...]]) -> StepPlan:
         """`plan` with the proposed drafts (one tuple per `plan.draft_asks`, at most its k) in its
-        decodes; the pages past the drafts go back at once (no step has seen them). A request
-        retracted later in the same planning gave its pages back already: it carries none."""
+        decodes; the pages past the drafts go back at once (no step has seen them). A request that
+        asks runs: once a step has an ask, its planning retracts no one (`_page_for`)."""
         if len(drafts) != len(plan.draft_asks):
             raise ValueError(f"step {plan.step}: {len(drafts)} proposals for "
                              f"{len(plan.draft_asks)} draft asks")
@@ -115,8 +115,6 @@ class DecodePlanner:
         slot_writes, token_writes = list(plan.slot_writes), list(plan.token_writes)
         for ask, proposed in zip(plan.draft_asks, drafts, strict=True):
             req, rs = plan.members[ask.index], plan.reqs[ask.index]
-            if req.status is not Status.RUNNING:
-                continue
             tokens = tuple(proposed)[: ask.k]
             if not tokens:
                 req.spec.empty_at = plan.step

@@ -21,6 +21,7 @@ from compiled_engine.ranks.launcher import free_port
 from compiled_engine.scheduler.allocator import PageAllocator
 from compiled_engine.scheduler.prefix_cache import CacheRemoved, CacheStored
 from compiled_engine.scheduler.radix_cache import RadixCache
+from compiled_engine.scheduler.request import ADAPTER_SHIFT
 
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                "medium", "lora_name"]
@@ -113,6 +114,28 @@ def test_block_hashes_chain_sha256_of_the_pages_as_documented() -> None:
     first = hashlib.sha256(struct.pack("<2I", 7, 8)).digest()
     second = hashlib.sha256(first + struct.pack("<2I", 9, 10)).digest()
     assert event["block_hashes"] == [int.from_bytes(d[-8:], "big") for d in (first, second)]
+
+
+def test_an_adapters_pages_carry_its_id_and_hash_apart() -> None:
+    """A LoRA adapter's pages (their cache keys salted with its id): the plain token ids, the
+    adapter's id as `lora_id`, and hashes chained from the adapter's, so that the same tokens under
+    the base model or another adapter never share a block."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(KVEventsConfig(True, endpoint=endpoint), 2)
+    sub = subscriber(endpoint)
+    salted = tuple((3 << ADAPTER_SHIFT) | t for t in (7, 8, 9, 10))
+    try:
+        pub.publish([CacheStored((7, 8, 9, 10), 0), CacheStored(salted, 0)])
+        base, adapter = receive(sub)[1]
+    finally:
+        sub.close(linger=0)
+        pub.shutdown()
+    assert adapter["token_ids"] == base["token_ids"] == [7, 8, 9, 10]
+    assert adapter["lora_id"] == 3 and base["lora_id"] is None
+    first = hashlib.sha256(hashlib.sha256(b"lora" + (3).to_bytes(8, "little")).digest()
+                           + struct.pack("<2I", 7, 8)).digest()
+    assert adapter["block_hashes"][0] == int.from_bytes(first[-8:], "big")
+    assert not set(adapter["block_hashes"]) & set(base["block_hashes"])
 
 
 def test_a_served_prompt_is_published_then_its_eviction(demo_dir: str) -> None:

@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1, and the portable path, against each token's product in fp32, at small shapes
 that cross the kernels' tile edges (K, N and R), with tokens without an adapter (slot -1), B whole
 or block-diagonal by projection (q / k / v); and batch-invariant (a token's result the same bits
-alone or in a batch). The CPU's (native/lora.cpp where the native kernels load) the same way."""
+alone or in a batch). The CPU's path (portable, eager and compiled) the same way."""
 
 import importlib.util
 import os
@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 
-import kernels
 from kernels import ops
 from kernels.portable.lora import lora_delta
 
@@ -69,7 +68,7 @@ def test_the_triton_delta_is_each_tokens_product(dtype: torch.dtype, r: int,
 
 def test_the_portable_delta_is_each_tokens_product() -> None:
     x, a, b, slots = _adapters(7, 40, 48, (0, 20, 28, 36), 3, torch.float32)
-    got = lora_delta(x, a, b, slots)
+    got = lora_delta(x, a, b, slots, (0, 20, 28, 36))
     torch.testing.assert_close(got, _reference(x, a, b, slots), atol=1e-5, rtol=1e-5)
 
 
@@ -77,14 +76,14 @@ def test_the_portable_delta_is_each_tokens_product() -> None:
 @pytest.mark.parametrize(("r", "part_rows"), [(16, (0, 36)), (48, (0, 20, 28, 36))])
 def test_the_cpu_delta_is_each_tokens_product_alone_or_batched(dtype: torch.dtype, r: int,
                                                                part_rows: tuple[int, ...]) -> None:
-    """What a CPU step runs (`ops.lora_delta`: the native kernel where it loads, else the portable
-    code): each token's product, zeros without an adapter, the same bits alone as in a batch."""
-    kernels.init("cpu")  # as an engine starts
+    """What a CPU step runs (`ops.lora_delta`: the portable code, eager and compiled as a graph
+    holds it): each token's product, zeros without an adapter, the same bits alone as in a batch."""
     x, a, b, slots = _adapters(19, 40, r, part_rows, 3, dtype)
-    got = ops.lora_delta(x, a, b, slots, part_rows)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(got.float(), _reference(x, a, b, slots), atol=tol, rtol=tol)
-    assert torch.equal(got[slots == -1], torch.zeros_like(got[slots == -1]))
-    for lo, hi in ((0, 1), (5, 6), (3, 19), (17, 19)):
-        alone = ops.lora_delta(x[lo:hi], a, b, slots[lo:hi], part_rows)
-        assert torch.equal(alone, got[lo:hi]), (lo, hi)
+    for delta in (ops.lora_delta, torch.compile(ops.lora_delta, dynamic=True)):
+        got = delta(x, a, b, slots, part_rows)
+        torch.testing.assert_close(got.float(), _reference(x, a, b, slots), atol=tol, rtol=tol)
+        assert torch.equal(got[slots == -1], torch.zeros_like(got[slots == -1]))
+        for lo, hi in ((0, 2), (5, 7), (3, 19), (17, 19)):
+            alone = delta(x[lo:hi], a, b, slots[lo:hi], part_rows)
+            assert torch.equal(alone, got[lo:hi]), (lo, hi)

@@ -92,7 +92,7 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(setup, tmp_path) -> None:
     assert _tokens(llm, PROMPT, a) == peft_greedy(base, paths["a"], [PROMPT], NEW)[0]
 
 
-def test_unload_waits_for_the_requests_that_use_it(setup) -> None:
+def test_an_adapter_in_use_is_not_unloaded(setup) -> None:
     _, base, paths, llm = setup
     engine = llm.engine
     engine.add_lora("c", paths["c"])

@@ -46,9 +46,6 @@ int ce_decode_attention(int dt, const void* q, int64_t q_stride, const void* k_c
                         float soft_cap);
 int64_t ce_store_kv(void* k_cache, void* v_cache, const void* k, const void* v, int64_t k_stride, int64_t v_stride,
                     const int64_t* slots, int64_t T, int64_t row, int64_t elem, int64_t S);
-void ce_lora_delta(int dt, const void* x, int64_t x_stride, const void* a, const void* b, const int64_t* slots,
-                   void* out, int64_t tokens, int64_t width, int64_t K, int64_t N, const int64_t* part_rows,
-                   int64_t parts);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 int64_t ce_packed_bf16_size(int64_t N, int64_t K);
 void ce_pack_bf16_weight(const void* w, void* out, int64_t N, int64_t K);
@@ -513,31 +510,6 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
     return out.view(shape);
 }
 
-// ---- LoRA adapters' delta ---------------------------------------------------------------------------------
-// lora.cpp: each token's adapter read from the slot buffers (float32 or bf16, one dtype throughout); anything
-// else goes to the portable op.
-at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
-                      at::IntArrayRef part_rows) {
-    const auto dt = x.scalar_type();
-    const int64_t parts = static_cast<int64_t>(part_rows.size()) - 1;
-    const bool covered = (dt == at::kFloat || dt == at::kBFloat16) && a.scalar_type() == dt &&
-                         b.scalar_type() == dt && x.dim() == 2 && x.stride(1) == 1 && a.dim() == 3 &&
-                         b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(2) == x.size(1) &&
-                         slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-                         slots.numel() == x.size(0) && parts >= 1 && a.size(1) % parts == 0 &&
-                         b.size(2) == a.size(1) && part_rows.back() == b.size(1);
-    static const auto portable =
-        torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            at::IntArrayRef)>("kernels::lora_delta_portable");
-    if (!covered) return portable.call(x, a, b, slots, part_rows);
-    at::Tensor out = at::empty({x.size(0), b.size(1)}, x.options());
-    const std::vector<int64_t> rows(part_rows.begin(), part_rows.end());
-    ce_lora_delta(dt == at::kFloat ? 0 : 1, x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
-                  slots.data_ptr<int64_t>(), out.data_ptr(), x.size(0), a.size(1), x.size(1), b.size(1),
-                  rows.data(), parts);
-    return out;
-}
-
 // ---- greedy argmax ----------------------------------------------------------------------------------------
 at::Tensor argmax(const at::Tensor& x) {
     const int code = dtype_code(x.scalar_type());
@@ -571,5 +543,4 @@ TORCH_LIBRARY_IMPL(kernels, CPU, m) {
     m.impl("linear", linear);
     m.impl("argmax", argmax);
     m.impl("linear_packed", linear_packed);
-    m.impl("lora_delta", lora_delta);
 }
