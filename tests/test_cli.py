@@ -100,3 +100,24 @@ def test_torchrun_placement_is_read_from_torchruns_environment() -> None:
     env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
            "LOCAL_WORLD_SIZE": "2"}
     assert torchrun_placement(env) == TorchrunPlacement(3, 4, 1, 2)
+
+
+def test_lora_flags_with_vllm_and_sglang_names(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config(parser.parse_args([
+        "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat.gguf"}',
+        "--max-loras", "2", "--max-lora-rank", "32", "--max-cpu-loras", "5",
+    ]))
+    assert config.enable_lora  # adapters given: LoRA is on
+    assert config.lora_modules == [("sql", "/a/sql"), ("chat", "/a/chat.gguf")]
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 32, 5)
+    sglang = engine_config(parser.parse_args(["--lora-paths", "x=/a/x",
+                                              "--max-loras-per-batch", "8"]))
+    assert sglang.lora_modules == [("x", "/a/x")] and sglang.max_loras == 8
+    assert not engine_config(parser.parse_args([])).enable_lora
+    for bad, says in (("sql", "takes name=path"), ('{"name": "x"}', "a string name and path"),
+                      ('{"name": "x", "path": "/p", "rank": 4}', "a string name and path")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--lora-modules", bad])
+        assert says in capsys.readouterr().err

@@ -133,5 +133,10 @@ def test_tp2_compiled_fp32_equals_peft(adapters) -> None:
                for o in llm.generate(prompts, GREEDY, lora_request=loras)]
         assert got == [t for n in names for t in refs[n]]
         assert set(llm.engine.lora_paths()) == set(requests)
+        assert llm.engine.remove_lora("b") and "b" not in llm.engine.lora_paths()  # every rank
+        with pytest.raises(KeyError):
+            llm.engine.remove_lora("b")
+        again = llm.generate(PROMPTS, GREEDY, lora_request=requests["b"])  # loaded again
+        assert [o.outputs[0].token_ids for o in again] == refs["b"]
     finally:
         llm.engine.shutdown()
