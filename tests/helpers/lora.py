@@ -12,6 +12,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
 from tests.helpers.oracle import (
     TOP,
     Bounds,
@@ -56,6 +57,15 @@ def make_adapter(base: str, out: str, targets: list[str], rank: int, rslora: boo
                 param.normal_(0.0, std)
     model.save_pretrained(out)
     return out
+
+
+def llama_with_adapters(root: Path, **shape: object) -> tuple[str, dict[str, str]]:
+    """A random Llama checkpoint (with the demo tokenizer) under `root` and the test adapters of it
+    (`ADAPTERS`), by name -> folder."""
+    base = add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM", **shape))
+    paths = {name: make_adapter(base, str(root / name), targets, rank, rslora, seed=i)
+             for i, (name, (targets, rank, rslora)) in enumerate(ADAPTERS.items(), 1)}
+    return base, paths
 
 
 def peft_model(base: str, adapter: str) -> torch.nn.Module:

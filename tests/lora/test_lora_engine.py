@@ -18,8 +18,8 @@ from compiled_engine.lora.request import LoRARequest
 from compiled_engine.lora.weights import AdapterError
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.validation import RequestRejected
-from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
-from tests.helpers.lora import ADAPTERS, gguf_adapter, make_adapter, peft_greedy
+from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.lora import gguf_adapter, llama_with_adapters, make_adapter, peft_greedy
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=2000)
 PROMPT = list(range(3, 60))  # long enough to fill cached pages
@@ -30,9 +30,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-engine")
-    base = add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM", **SHAPE))
-    paths = {name: make_adapter(base, str(root / name), targets, rank, rslora, seed=i)
-             for i, (name, (targets, rank, rslora)) in enumerate(ADAPTERS.items(), 1)}
+    base, paths = llama_with_adapters(root, **SHAPE)
     llm = LLM(base, dtype="float32", enforce_eager=True, enable_lora=True, max_loras=2,
               max_lora_rank=16, max_cpu_loras=4, page_size=4)
     return root, base, paths, llm

@@ -8,8 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
-from tests.helpers.lora import ADAPTERS, make_adapter, peft_greedy
+from tests.helpers.lora import llama_with_adapters, make_adapter, peft_greedy
 from tests.helpers.servers import start_server, wait_idle
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=2000)
@@ -20,9 +19,7 @@ NEW = 6
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-http")
-    base = add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM", **SHAPE))
-    paths = {name: make_adapter(base, str(root / name), targets, rank, rslora, seed=i)
-             for i, (name, (targets, rank, rslora)) in enumerate(ADAPTERS.items(), 1)}
+    base, paths = llama_with_adapters(root, **SHAPE)
     refs = {name: peft_greedy(base, path, [PROMPT], NEW)[0] for name, path in paths.items()}
     refs[None] = peft_greedy(base, None, [PROMPT], NEW)[0]
     server = start_server(

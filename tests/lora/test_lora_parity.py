@@ -17,6 +17,7 @@ from compiled_engine.tokenization import encode_chat, load_tokenizer
 from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
 from tests.helpers.lora import (
     ADAPTERS,
+    llama_with_adapters,
     make_adapter,
     peft_bf16_bounds,
     peft_fp32_greedy,
@@ -34,12 +35,8 @@ LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
 def adapters(tmp_path_factory) -> tuple[str, dict[str, LoRARequest], dict]:
     """A random fp32 Llama, the three test adapters (PEFT's files) and PEFT's greedy tokens for
     each adapter and the base (None)."""
-    root = tmp_path_factory.mktemp("lora")
-    base = add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM", **SHAPE))
-    requests = {}
-    for i, (name, (targets, rank, rslora)) in enumerate(ADAPTERS.items(), 1):
-        path = make_adapter(base, str(root / name), targets, rank, rslora, seed=i)
-        requests[name] = LoRARequest(name, i, path)
+    base, paths = llama_with_adapters(tmp_path_factory.mktemp("lora"), **SHAPE)
+    requests = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(paths.items(), 1)}
     refs = {name: peft_greedy(base, r.lora_path, PROMPTS, NEW_TOKENS)
             for name, r in requests.items()}
     refs[None] = peft_greedy(base, None, PROMPTS, NEW_TOKENS)
