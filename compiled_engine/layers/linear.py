@@ -68,7 +68,7 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         self._packed_parts: dict[int, PackedSource] = {}  # first row -> part, until finish_loading
-        # LoRA (`compiled_engine.lora.slots`): the adapter slots' A [S, P*R, in] and B [S, out, P*R]
+        # LoRA (`compiled_engine.lora.slots`): the adapter slots' A [S, P*R, in] and B [S, P*R, out]
         # of this rank, P the projections an adapter may target here (q, k, v: 3), R the max rank
         # (buffers: the graphs take them as inputs, as they do the weights)
         self.register_buffer("lora_a", None, persistent=False)
@@ -93,7 +93,8 @@ class LinearBase(nn.Module):
         step)."""
         if lora is None or self.lora_a is None:
             return y
-        return y + ops.lora_delta(x, self.lora_a, self.lora_b, lora, self.lora_part_rows)
+        b = self.lora_b.transpose(1, 2)  # stored [S, P*R, out]: the op takes [S, out, P*R]
+        return y + ops.lora_delta(x, self.lora_a, b, lora, self.lora_part_rows)
 
     def shard(self, src: WeightSource, shard_id: object) -> tuple[int, WeightSource]:
         """This rank's part of a checkpoint weight and the first row it fills."""

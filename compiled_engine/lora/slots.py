@@ -1,7 +1,8 @@
 """The device's adapter slots, inside the model's linears: each targetable linear holds A
-[S + 1, P*R, in] and B [S + 1, out, P*R] of this rank (S slots, a last one of zeros for tokens
-without an adapter, P the projections an adapter may target there, R the largest rank), sharded
-as the linear's own weight: A as its input, B as its output."""
+[S + 1, P*R, in] and B stored transposed, [S + 1, P*R, out], of this rank (S slots, a last one of
+zeros for tokens without an adapter, P the projections an adapter may target there, R the largest
+rank), sharded as the linear's own weight: A as its input, B as its output. B transposed: the
+expand then reads along the output, which the CPU's vectorized loops and CUDA's loads want."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class LoRASlots:
             width = len(layer.lora_parts) * max_rank
             layer.lora_a = torch.zeros(max_loras + 1, width, layer.in_features, dtype=dtype,
                                        device=device)
-            layer.lora_b = torch.zeros(max_loras + 1, layer.out_features, width, dtype=dtype,
+            layer.lora_b = torch.zeros(max_loras + 1, width, layer.out_features, dtype=dtype,
                                        device=device)
         self.layers = list(model.lora_linears().values())
 
@@ -86,4 +87,4 @@ class LoRASlots:
             rank = a.shape[0]  # (a GGUF file may give each module its own)
             a_slot, b_slot = layer.lora_a[slot], layer.lora_b[slot]
             a_slot[col : col + rank].copy_(a[:, start : start + cols])
-            b_slot[offset : offset + rows, col : col + rank].copy_(b[first : first + rows])
+            b_slot[col : col + rank, offset : offset + rows].copy_(b[first : first + rows].T)

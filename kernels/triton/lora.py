@@ -52,7 +52,7 @@ def lora_shrink_kernel(
 @triton.jit
 def lora_expand_kernel(
     partial, b, slots, out, num_slots, N, R, num_splits, stride_pt, stride_ps, stride_bs, stride_bn,
-    stride_o, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    stride_br, stride_o, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,7 +66,8 @@ def lora_expand_kernel(
         r_mask = offs_r < R
         h = tl.sum(tl.load(token_partial + offs_r[None, :], mask=s_mask[:, None] & r_mask[None, :],
                            other=0.0), axis=0)
-        br = tl.load(rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        br = tl.load(rows + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :],
+                     other=0.0)
         acc += br.to(tl.float32) * h[None, :]
     tl.store(out + token * stride_o + offs_n, tl.sum(acc, axis=1).to(out.dtype.element_ty),
              mask=n_mask)
@@ -79,7 +80,6 @@ def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: 
     reading the p-th R / P columns only (() or (0, N): one projection)."""
     x, slots = (x if x.stride(-1) == 1 else x.contiguous()), slots.contiguous()
     a = a if a.stride(-1) == 1 else a.contiguous()
-    b = b if b.stride(-1) == 1 else b.contiguous()
     (tokens, k), (num_slots, r, _), n = x.shape, a.shape, b.shape[1]
     bounds = list(part_rows) or [0, n]
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
@@ -102,7 +102,8 @@ def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: 
         cols = slice(p * width, (p + 1) * width)
         lora_expand_kernel[(tokens, triton.cdiv(hi - lo, block_n))](
             partial[:, :, cols], b[:, lo:hi, cols], slots, out[:, lo:hi], num_slots, hi - lo, width,
-            splits, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            splits, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1), b.stride(2),
+            out.stride(0),
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_N=block_n,
             BLOCK_R=min(block_r, triton.next_power_of_2(width)),
         )  # fmt: skip

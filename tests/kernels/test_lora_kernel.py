@@ -1,8 +1,9 @@
 """LoRA's delta: the Triton kernels (CUDA's, `kernels/triton/lora.py`) on CPU tensors under
 TRITON_INTERPRET=1, and the portable path, against each token's product in fp32, at small shapes
 that cross the kernels' tile edges (K, N and R), with tokens without an adapter (slot -1), B whole
-or block-diagonal by projection (q / k / v); and batch-invariant (a token's result the same bits
-alone or in a batch). The CPU's path (portable, eager and compiled) the same way."""
+or block-diagonal by projection (q / k / v), contiguous or strided as the linears store it; and
+batch-invariant (a token's result the same bits alone or in a batch). The CPU's path (portable,
+eager and compiled) the same way."""
 
 import importlib.util
 import os
@@ -38,6 +39,11 @@ def _adapters(tokens: int, k: int, r: int, part_rows: tuple[int, ...], slots: in
     return x, a.to(dtype), b.to(dtype), ids
 
 
+def _as_stored(b: torch.Tensor) -> torch.Tensor:
+    """B [S, N, R] as the linears pass it: a view of their [S, R, N] buffer."""
+    return b.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                slots: torch.Tensor) -> torch.Tensor:
     """Token by token in fp32: b[s] @ (a[s] @ x[t])."""
@@ -56,6 +62,8 @@ def test_the_triton_delta_is_each_tokens_product(dtype: torch.dtype, r: int,
     # the interpreter's tiles are 16 wide: K in two splits of 32 (the last partial), N and R across
     # tiles
     x, a, b, slots = _adapters(19, 40, r, part_rows, 3, dtype)
+    if len(part_rows) > 2:
+        b = _as_stored(b)
     got = lora_delta_triton(x, a, b, slots, part_rows)
     assert got.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -79,6 +87,7 @@ def test_the_cpu_delta_is_each_tokens_product_alone_or_batched(dtype: torch.dtyp
     """What a CPU step runs (`ops.lora_delta`: the portable code, eager and compiled as a graph
     holds it): each token's product, zeros without an adapter, the same bits alone as in a batch."""
     x, a, b, slots = _adapters(19, 40, r, part_rows, 3, dtype)
+    b = _as_stored(b)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for delta in (ops.lora_delta, torch.compile(ops.lora_delta, dynamic=True)):
         got = delta(x, a, b, slots, part_rows)
