@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.lora.weights import AdapterError
+from compiled_engine.lora.weights import AdapterError, AdapterWeights
 from compiled_engine.request_state import RequestFeatures, RequestState, propose_drafts
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep
 from compiled_engine.runner.prompt_outputs import KeptRows
@@ -124,9 +124,19 @@ class Engine:
     def add_lora(self, name: str, path: str) -> None:
         """Serve the adapter at `path` as `name`; AdapterError (a ValueError: nothing changed) when
         it cannot be served or LoRA is off."""
+        self.serve_lora(name, path, self.read_lora(name, path))
+
+    def read_lora(self, name: str, path: str) -> AdapterWeights:
+        """The adapter at `path`, read and checked (changes nothing: a thread may read while the
+        engine steps); AdapterError as `add_lora`."""
         if self.lora is None:
             raise AdapterError("LoRA is off: start the engine with enable_lora (--enable-lora)")
-        self.lora.add(name, path)
+        return self.lora.read(name, path)
+
+    def serve_lora(self, name: str, path: str, weights: AdapterWeights) -> None:
+        """Serve weights from `read_lora` as `name` (AdapterError if the name was taken since)."""
+        assert self.lora is not None, "weights read without LoRA"
+        self.lora.serve(name, path, weights)
 
     def lora_paths(self) -> dict[str, str]:
         """The adapters served: name -> path."""

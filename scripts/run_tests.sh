@@ -30,7 +30,7 @@ for isa in $levels; do
   run "$isa invariance" env COMPILED_ENGINE_CPU_ISA="$isa" "$py" -m pytest -q "${args[@]}" \
     tests/kernels/test_kernels_invariant.py
   run "$isa parity" env COMPILED_ENGINE_CPU_ISA="$isa" "$py" -m pytest -q -m parity -k "$select" "${args[@]}" \
-    tests/parity
+    tests/parity tests/lora/test_lora_parity.py
 done
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "== make test: failed runs: $(IFS=';'; echo "${failed[*]}")"

@@ -14,6 +14,8 @@ from server.protocol import ProtocolError, check_fields, get_bool, get_int, get_
 from server.state import ServerState
 
 LORA_TIMEOUT_S = 120.0  # every rank reads the adapter's file
+MAX_NAME_CHARS = 256
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
 def _lora_on(st: ServerState) -> None:
@@ -21,20 +23,24 @@ def _lora_on(st: ServerState) -> None:
         raise ProtocolError("this server serves no LoRA adapters: start it with --enable-lora")
 
 
+def _required(body: dict, field: str, max_chars: int) -> str:
+    value = get_str(body, field, None)
+    if not value:
+        raise ProtocolError(f"'{field}' is required", field)
+    if len(value) > max_chars:
+        raise ProtocolError(f"'{field}' has {len(value)} characters, more than {max_chars}", field)
+    return value
+
+
 def _name(body: dict) -> str:
-    name = get_str(body, "lora_name", None)
-    if not name:
-        raise ProtocolError("'lora_name' is required", "lora_name")
-    return name
+    return _required(body, "lora_name", MAX_NAME_CHARS)
 
 
 async def _load(st: ServerState, body: dict) -> str:
     """The adapter's name once every rank serves it; ProtocolError why not."""
     _lora_on(st)
     name = _name(body)
-    path = get_str(body, "lora_path", None)
-    if not path:
-        raise ProtocolError("'lora_path' is required", "lora_path")
+    path = _required(body, "lora_path", MAX_PATH_CHARS)
     if name in st.adapters or name in st.model_names:
         raise ProtocolError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
     reply = await st.client.load_lora(name, path, LORA_TIMEOUT_S)
@@ -79,7 +85,8 @@ async def unload_lora_adapter(request: Request) -> Response:
 
 
 async def _sglang(request: Request, fields: frozenset[str], load: bool) -> Response:
-    """SGLang's answer: 200 with success true, else 400 (404: no such adapter) with its message."""
+    """SGLang's answer: 200 with success true, else 400 (every failure, as SGLang) with its
+    message."""
     st = state_of(request)
     try:
         body = require_object(await read_json(request))
@@ -89,7 +96,7 @@ async def _sglang(request: Request, fields: frozenset[str], load: bool) -> Respo
         await (_load if load else _unload)(st, body)
     except ProtocolError as e:
         return json_response({"success": False, "error_message": e.message,
-                              "loaded_adapters": dict(st.adapters)}, e.status)
+                              "loaded_adapters": dict(st.adapters)}, 400)
     return json_response({"success": True, "error_message": None,
                           "loaded_adapters": dict(st.adapters)})
 

@@ -23,6 +23,12 @@ class Target:
     part: int  # index of its columns in B (`LinearBase.lora_parts`)
     shard_id: object
 
+    def full_shape(self) -> tuple[int, int]:
+        """The projection's (in, out) features over all ranks (an adapter's A and B span them)."""
+        layer = self.layer
+        full_in = layer.full_in if isinstance(layer, RowParallelLinear) else layer.in_features
+        return full_in, layer.full_rows(self.shard_id)
+
 
 class LoRASlots:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
@@ -53,6 +59,11 @@ class LoRASlots:
         return {"q_proj": qkv.full_rows("q") // qkv.head_dim,
                 "k_proj": qkv.full_rows("k") // qkv.head_dim}
 
+    def max_adapter_bytes(self) -> int:
+        """The bytes of the largest adapter this model serves (every module, rank `max_rank`, in
+        fp32): no adapter file's tensors are larger."""
+        return 4 * self.max_rank * sum(sum(t.full_shape()) for t in self.targets.values())
+
     def check(self, weights: AdapterWeights, name: str) -> None:
         """AdapterError unless `weights` fits: every module a target of this model, shapes those of
         the projections, the rank at most `max_rank`."""
@@ -64,9 +75,7 @@ class LoRASlots:
             if target is None:
                 raise AdapterError(f"adapter {name!r} targets {path!r}, which this model does not "
                                    "have (or serves no adapter on)")
-            layer = target.layer
-            full_in = layer.full_in if isinstance(layer, RowParallelLinear) else layer.in_features
-            out = layer.full_rows(target.shard_id)
+            full_in, out = target.full_shape()
             if a.shape[1] != full_in or b.shape[0] != out:
                 raise AdapterError(f"adapter {name!r}: {path!r} maps {a.shape[1]} -> {b.shape[0]} "
                                    f"features, the model's projection {full_in} -> {out}")

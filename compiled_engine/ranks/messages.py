@@ -41,8 +41,8 @@ class StatsRequest:
 
 @dataclass(slots=True)
 class LoadLora:
-    """Every rank reads, checks and serves the adapter at `path` as `name`; rank 0 answers with a
-    `LoraReply`."""
+    """Every rank reads and checks the adapter at `path` (off its loop), then serves it as `name`;
+    rank 0 answers with a `LoraReply`."""
 
     token: int
     name: str
@@ -69,6 +69,14 @@ class Admit:
     them, at the same step (`grammar_wait`)."""
 
     rids: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class AdaptersRead:
+    """These `LoadLora`s' adapters have been read (or failed to) on rank 0: every rank now serves
+    them, at the same step (`adapter_wait`)."""
+
+    tokens: tuple[int, ...]
 
 
 # ---- rank 0 -> server ----------------------------------------------------------------------------

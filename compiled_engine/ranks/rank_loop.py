@@ -4,7 +4,8 @@ Rank 0 drains its private channel (a `multiprocessing` Connection from the launc
 input to all ranks in the same order (one `broadcast_object_list` per iteration over the gloo
 control group), so each rank's scheduler consumes the same inputs at the same step, then every rank
 applies the inputs and steps. A constrained request waits outside the engine until its grammar
-has compiled (grammar_wait.py). Rank 0 sends each step's events back over the channel as one list.
+has compiled (grammar_wait.py), and a LoRA adapter is served once every rank has read its file
+(adapter_wait.py). Rank 0 sends each step's events back over the channel as one list.
 Each iteration stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode,
 checks that every rank planned and sampled the same (see digest.py).
 """
@@ -25,10 +26,12 @@ import kernels
 from compiled_engine.config import EngineConfig
 from compiled_engine.constraints import ConstraintError
 from compiled_engine.layers.moe import expert_load
+from compiled_engine.ranks.adapter_wait import AdapterWait
 from compiled_engine.ranks.digest import compare_across_ranks, debug_enabled, ledger_digest
 from compiled_engine.ranks.grammar_wait import GrammarWait
 from compiled_engine.ranks.messages import (
     Abort,
+    AdaptersRead,
     Add,
     Admit,
     Fatal,
@@ -131,18 +134,27 @@ def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
 
 def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
     waiting = GrammarWait(engine.features.grammars)
+    adapters = AdapterWait(engine)
+    try:
+        _iterate(spec, engine, conn, control, debug, waiting, adapters)
+    finally:
+        adapters.close()
+
+
+def _iterate(spec: RankSpec, engine, conn: Connection | None, control, debug: bool,
+             waiting: GrammarWait, adapters: AdapterWait) -> None:
     engine.keep_last_plan = debug
     while True:
         if spec.heartbeats is not None:
             spec.heartbeats[spec.rank] = time.monotonic()
-        inputs, local = _receive(spec, conn, engine.has_work(), waiting, control)
+        inputs, local = _receive(conn, engine.has_work(), waiting, adapters, control)
         events: list = []
         stop = False
         for msg in inputs:
             if isinstance(msg, Shutdown):
                 stop = True
             else:
-                _apply(engine, waiting, msg, events)
+                _apply(engine, waiting, adapters, control, msg, events)
         if stop:
             return
         stepped = engine.has_work()
@@ -158,14 +170,14 @@ def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool)
 
 
 def _receive(
-    spec: RankSpec, conn: Connection | None, busy: bool, waiting: GrammarWait, control
+    conn: Connection | None, busy: bool, waiting: GrammarWait, adapters: AdapterWait, control
 ) -> tuple[list, list[StatsRequest]]:
     """Rank 0: this iteration's inputs from the channel, then the admission of the requests whose
-    grammar has compiled. Every rank: the same list, in the same order."""
+    grammar has compiled and the adapters read. Every rank: the same list, in the same order."""
     inputs: list = []
     local: list[StatsRequest] = []
     if conn is not None:
-        timeout = 0.0 if busy else GRAMMAR_POLL_S if waiting else IDLE_POLL_S
+        timeout = 0.0 if busy else GRAMMAR_POLL_S if waiting or adapters else IDLE_POLL_S
         while conn.poll(timeout):
             for msg in _as_list(conn.recv()):
                 (local if isinstance(msg, StatsRequest) else inputs).append(msg)
@@ -173,6 +185,9 @@ def _receive(
         ready = waiting.ready()
         if ready:
             inputs.append(Admit(ready))
+        read = adapters.ready()
+        if read:
+            inputs.append(AdaptersRead(read))
     if control is not None:
         import torch.distributed as dist
 
@@ -187,7 +202,8 @@ def _as_list(received: object) -> list:
     return received if isinstance(received, list) else [received]
 
 
-def _apply(engine, waiting: GrammarWait, msg: object, events: list) -> None:
+def _apply(engine, waiting: GrammarWait, adapters: AdapterWait, control, msg: object,
+           events: list) -> None:
     if isinstance(msg, Add):
         if not waiting.hold(msg):
             _add(engine, msg, events)
@@ -205,24 +221,24 @@ def _apply(engine, waiting: GrammarWait, msg: object, events: list) -> None:
     elif isinstance(msg, Finish):
         if not waiting.drop(msg.rid):
             engine.finish(msg.rid, msg.reason)
-    elif isinstance(msg, LoadLora | UnloadLora):
-        events.append(_lora(engine, msg))
+    elif isinstance(msg, LoadLora):
+        adapters.start(msg)
+    elif isinstance(msg, AdaptersRead):
+        events.extend(adapters.serve(msg.tokens, control))
+    elif isinstance(msg, UnloadLora):
+        events.append(_unload(engine, msg))
     else:
         raise TypeError(f"unknown engine input {msg!r}")
 
 
-def _lora(engine, msg: LoadLora | UnloadLora) -> LoraReply:
-    """Load or unload an adapter on this rank (each rank does, in the same step)."""
+def _unload(engine, msg: UnloadLora) -> LoraReply:
+    """Unload an adapter on this rank (each rank does, in the same step)."""
     try:
-        if isinstance(msg, LoadLora):
-            engine.add_lora(msg.name, msg.path)
-        elif not engine.remove_lora(msg.name):
+        if not engine.remove_lora(msg.name):
             return LoraReply(msg.token, f"the LoRA adapter '{msg.name}' is in use by running "
                              "requests: unload it once they finish", 400)
     except KeyError:
         return LoraReply(msg.token, f"The lora adapter '{msg.name}' cannot be found.", 404)
-    except ValueError as e:  # AdapterError: nothing changed
-        return LoraReply(msg.token, str(e), 400)
     return LoraReply(msg.token)
 
 

@@ -5,18 +5,17 @@ own bf16 forward."""
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
 from tests.helpers.oracle import (
     TOP,
     Bounds,
     Reference,
+    hf_model,
     module_bf16_spread,
     module_fp32_greedy,
 )
@@ -32,16 +31,7 @@ ADAPTERS = {
 def base_model(path: str) -> torch.nn.Module:
     """transformers' fp32 model of a checkpoint folder or GGUF file (a copy of the one loaded
     first: PEFT wraps the model it is given)."""
-    return copy.deepcopy(_loaded(path))
-
-
-@functools.lru_cache(maxsize=1)
-def _loaded(path: str) -> torch.nn.Module:
-    where = Path(path)
-    if where.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(where.parent), gguf_file=where.name,
-                                                    dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return copy.deepcopy(hf_model(path, torch.float32))
 
 
 def make_adapter(base: str, out: str, targets: list[str], rank: int, rslora: bool = False,

@@ -1,10 +1,12 @@
 """LoRA adapters in the engine: the prefix cache never shares a prefix across adapters, a bad
 adapter is refused with a message and changes nothing, an adapter in use is not unloaded, one
-unloaded is gone and its name can be loaded again."""
+unloaded is gone and its name can be loaded again; a file larger than the model's largest adapter
+is refused unread."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -72,6 +74,13 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(setup, tmp_path) -> None:
     tensors = load_file(deep / "adapter_model.safetensors")
     moved = {k.replace("layers.0.", "layers.99."): v.clone() for k, v in tensors.items()}
     save_file(tensors | moved, deep / "adapter_model.safetensors")
+    huge = Path(make_adapter(base, str(tmp_path / "huge"), ["q_proj"], 4))
+    os.truncate(huge / "adapter_model.safetensors", 1 << 40)  # sparse: refused unread
+    huge_config = Path(make_adapter(base, str(tmp_path / "huge-config"), ["q_proj"], 4))
+    os.truncate(huge_config / "adapter_config.json", 1 << 30)
+    huge_gguf = tmp_path / "huge.gguf"
+    huge_gguf.touch()
+    os.truncate(huge_gguf, 1 << 40)
     cases = {
         wrong_shape: "maps 64 -> 64 features, the model's projection 128 -> 64",
         big: "rank 32, above the server's --max-lora-rank 16",
@@ -80,6 +89,10 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(setup, tmp_path) -> None:
         str(dora): "use_dora=True is not served",
         str(tmp_path / "missing"): "no adapter at",
         str(root / "base"): "no adapter_config.json",
+        str(huge): "has 1099511627776 bytes, more than an adapter of this model can",
+        str(huge_config): "has 1073741824 bytes, more than an adapter of this model can",
+        str(huge_gguf): "has 1099511627776 bytes, more than an adapter of this model can",
+        "/dev/zero": "no adapter_config.json",
     }
     before = llm.engine.lora_paths()
     for path, message in cases.items():

@@ -108,6 +108,12 @@ def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_p
         assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "path": paths["b"]})
         assert r.status_code == 400  # a field these endpoints do not have
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "x" * 10_000,
+                                                     "lora_path": paths["b"]})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "'lora_name' has 10000 characters, more than 256"
+        r = http.post("/unload_lora_adapter", json={"lora_name": "never-loaded"})
+        assert r.status_code == 400 and r.json()["success"] is False  # SGLang: every failure
         assert http.get("/v1/models").json() == before
         # in use: a long stream of `a` runs while the unload is asked
         body = {"model": "a", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,

@@ -2,7 +2,8 @@
 greedy tokens equal in fp32, eager and compiled; a batch mixing three adapters and the base model
 gives each request what it gets alone (bit for bit in deterministic mode), with fewer adapter slots
 than adapters; bf16 against transformers + PEFT fp32, within the bound of their own bf16 run, on a
-random checkpoint and on SmolLM2."""
+random checkpoint (eager and compiled: marked `parity`, so rerun at each CPU ISA level) and on
+SmolLM2."""
 
 from __future__ import annotations
 
@@ -76,9 +77,12 @@ def test_fp32_greedy_equals_peft_alone_and_mixed(fp32_llm, adapters) -> None:
     assert stats.num_running == 0 and stats.num_waiting == 0
 
 
-def test_bf16_compiled_within_the_parity_bound(tmp_path_factory) -> None:
-    """A random Qwen2 (biases on q, k, v) in bf16 with an adapter on every module, compiled (the
-    default): against transformers + PEFT fp32, within the bound of their own bf16 run."""
+@pytest.mark.parity
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_bf16_within_the_parity_bound(tmp_path_factory, mode) -> None:
+    """A random Qwen2 (biases on q, k, v) in bf16 with an adapter on every module, eager and
+    compiled (the default): against transformers + PEFT fp32, within the bound of their own bf16
+    run."""
     root = tmp_path_factory.mktemp("lora-bf16")
     base = add_demo_tokenizer(
         make_checkpoint(str(root / "base"), "Qwen2ForCausalLM", torch.bfloat16, **SHAPE)
@@ -86,10 +90,10 @@ def test_bf16_compiled_within_the_parity_bound(tmp_path_factory) -> None:
     targets, rank, _ = ADAPTERS["c"]
     adapter = make_adapter(base, str(root / "c"), targets, rank, seed=3, std=0.1)
     refs = peft_fp32_greedy(base, adapter, PROMPTS, NEW_TOKENS)
-    llm = LLM(base, **LORA, **ENGINE)
+    llm = LLM(base, enforce_eager=mode == "eager", **LORA, **ENGINE)
     assert llm.engine.model.dtype == torch.bfloat16
     check(llm, PROMPTS, refs, peft_bf16_bounds(base, adapter, PROMPTS, refs),
-          "Qwen2 bf16 + LoRA compiled", lora_request=LoRARequest("c", 1, adapter))
+          f"Qwen2 bf16 + LoRA {mode}", lora_request=LoRARequest("c", 1, adapter))
 
 
 CHAT = ["What is the capital of France?", "List three prime numbers."]
