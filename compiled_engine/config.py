@@ -64,6 +64,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    # The KV tier (compiled_engine.kv_tier): prefix-cache pages kept on local disk under this
+    # directory, at most `kv_cache_disk_gb` GB of them (None: no tier)
+    kv_cache_dir: str | None = None
+    kv_cache_disk_gb: float = 16.0
     extra: dict = field(default_factory=dict)
 
 

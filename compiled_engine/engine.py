@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.kv_tier.keys import files_identity, salt
+from compiled_engine.kv_tier.tier import HostPages
 from compiled_engine.lora.weights import AdapterError, AdapterWeights
 from compiled_engine.request_state import RequestFeatures, RequestState, propose_drafts
 from compiled_engine.runner.model_runner import ModelRunner, PendingStep
@@ -40,11 +44,13 @@ from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
+from compiled_engine.scheduler.request import cache_key_tokens
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
 
 if TYPE_CHECKING:
     from compiled_engine.kv_events.publisher import KVEventPublisher
+    from compiled_engine.kv_tier.tier import KVTier
     from compiled_engine.lora.registry import LoRARegistry
     from compiled_engine.runner.compile_cache.session import CompileReport
 
@@ -73,12 +79,15 @@ class Engine:
         compile_report: CompileReport | None = None,
         kv_events: KVEventPublisher | None = None,
         lora: LoRARegistry | None = None,
+        tier: KVTier | None = None,
     ) -> None:
         self.config, self.model, self.scheduler, self.runner = config, model, scheduler, runner
         self.features = features  # makes each request's state
         self.compile_report = compile_report  # None: eager
         self.kv_events = kv_events  # gets the prefix cache's events of each step
         self.lora = lora  # the adapters served (None: no LoRA)
+        self.tier = tier  # the prefix cache's pages on disk (None: no tier)
+        self._adapter_seeds: dict[int, bytes] = {}  # the tier's: adapter id -> its files' hash
         self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
         # overlap's forward thread, on a synchronous device
@@ -99,16 +108,74 @@ class Engine:
 
     # ---- inputs -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    compiled_grammar=None, lora_name: str | None = None) -> None:
+                    compiled_grammar=None, lora_name: str | None = None,
+                    host: HostPages | None = None) -> None:
         """Queue a request; raises RequestRejected (a ValueError) with a clear message if it can
         never run. The sampling parameters are checked by `RequestFeatures`, the ledger's own by
         the scheduler. `compiled_grammar`: its constraint, compiled ahead (else compiled here);
-        `lora_name`: a loaded adapter's (`add_lora`)."""
+        `lora_name`: a loaded adapter's (`add_lora`); `host`: its prompt's pages read from the KV
+        tier (`read_tier`)."""
         ledger = params.ledger_params()
         if lora_name is not None:
             ledger = dataclasses.replace(ledger, adapter=self._adapter_id(rid, lora_name))
+        if host is not None:
+            ledger = dataclasses.replace(ledger, host_pages=(host.first, host.end))
         state = self.features.state(rid, params, len(prompt_ids), compiled_grammar)
+        state.host_kv = host
         self.scheduler.add_request(rid, prompt_ids, ledger, state)
+
+    # ---- the KV tier --------------------------------------------------------------------------
+    def tier_span(self, prompt_ids: list[int], lora_name: str | None = None
+                  ) -> tuple[int, int] | None:
+        """The prompt's pages [first, end) past the pool's cached prefix that the KV tier has (None:
+        none). Read them with `read_tier` (off the step loop: it reads files)."""
+        found = self._tier_keys(prompt_ids, lora_name)
+        if found is None:
+            return None
+        keys, tokens = found
+        first = self.scheduler.cache.peek(tokens[: len(keys) * self.scheduler.config.page_size])
+        end = self.tier.stored_after(keys, first)
+        return (first, end) if end > first else None
+
+    def tier_reader(self, prompt_ids: list[int], lora_name: str | None,
+                    span: tuple[int, int]) -> Callable[[], HostPages | None]:
+        """What reads the prompt's pages `span` from this rank's tier (thread-safe: the keys are
+        taken now)."""
+        found = self._tier_keys(prompt_ids, lora_name)
+        keys = [] if found is None else found[0][span[0] : span[1]]
+        return functools.partial(self.tier.fetch, span[0], keys)
+
+    def read_tier(self, prompt_ids: list[int], lora_name: str | None = None) -> HostPages | None:
+        """The prompt's pages the KV tier has past the pool's cached prefix, read now (offline
+        callers; the rank loop reads on a thread)."""
+        span = self.tier_span(prompt_ids, lora_name)
+        return None if span is None else self.tier_reader(prompt_ids, lora_name, span)()
+
+    def _tier_keys(self, prompt_ids: list[int], lora_name: str | None
+                   ) -> tuple[list[bytes], tuple[int, ...]] | None:
+        """The tier's keys of the prompt's pages and its prefix-cache tokens (None: no tier, or an
+        adapter that is not loaded, which add_request refuses)."""
+        if self.tier is None:
+            return None
+        adapter = 0
+        if lora_name is not None:
+            found = None if self.lora is None else self.lora.by_name.get(lora_name)
+            if found is None:
+                return None
+            adapter = found.id
+        tokens = cache_key_tokens(prompt_ids, adapter)
+        return self.tier.keys(tokens, self.tier_adapter_seeds()), tokens
+
+    def tier_adapter_seeds(self) -> dict[int, bytes]:
+        """The adapters served, id -> the hash of their files (the tier's keys of their pages)."""
+        if self.lora is None:
+            return {}
+        seeds = {}
+        for adapter in self.lora.by_name.values():
+            if adapter.id not in self._adapter_seeds:
+                self._adapter_seeds[adapter.id] = salt(adapter=files_identity(adapter.path))
+            seeds[adapter.id] = self._adapter_seeds[adapter.id]
+        return seeds
 
     def _adapter_id(self, rid: str, name: str) -> int:
         adapter = None if self.lora is None else self.lora.by_name.get(name)
@@ -186,17 +253,21 @@ class Engine:
 
     def _publish_cache_events(self) -> None:
         """Hand what the prefix cache stored and evicted since last time to the KV event
-        publisher."""
-        if self.kv_events is None:
-            return
+        publisher and the KV tier (which writes the pages it lacks)."""
         cache = self.scheduler.cache
-        if cache.events:
+        if not cache.events:
+            return
+        if self.tier is not None:
+            self.tier.save(cache.events)
+        if self.kv_events is not None:
             self.kv_events.publish(cache.events)
-            cache.events = []
+        cache.events = []
 
     def shutdown(self) -> None:
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.tier is not None:
+            self.tier.shutdown()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         # `startup.build_engine` froze the engine's objects: they may be collected again
@@ -209,6 +280,8 @@ class Engine:
             # no step in flight reads these slots (the ledger's AdapterSlots)
             assert self.lora is not None, "adapter loads without LoRA"
             self.lora.load_slots(plan.adapter_loads)
+        if plan.tier_loads:
+            self._load_host_pages(plan)
         sampling: list[SamplingRow] = []
         kept: list[tuple[KeptRows, RequestState]] = []
         for i, (step, req) in enumerate(zip(plan.reqs, plan.members, strict=True)):
@@ -228,6 +301,16 @@ class Engine:
                 self._worker = ThreadPoolExecutor(1, "forward")
             pending = self._worker.submit(self.runner.execute, plan, sampling, rows)
         return _Launched(plan, pending, kept)
+
+    def _load_host_pages(self, plan: StepPlan) -> None:
+        """Write the prompt pages requests hold on the host into the pages the plan gave them (no
+        step in flight touches those)."""
+        assert self.tier is not None, "tier loads without a tier"
+        members = {req.rid: req for req in plan.members}
+        for load in plan.tier_loads:
+            host: HostPages = members[load.rid].hooks.host_kv
+            at = load.first - host.first
+            self.tier.load(load.pages, host.kv[at : at + len(load.pages)])
 
     def _commit(self, launched: _Launched, output: StepOutput) -> list[TokenEvent]:
         """Hand each kept prompt chunk's log-probs and hidden states to its request's record; the

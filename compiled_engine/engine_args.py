@@ -8,7 +8,7 @@ import json
 
 from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
 from compiled_engine.kv_events.config import KVEventsConfig
-from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
+from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME, cache_root
 from compiled_engine.models.names import SMOLLM2_NAME, default_model
 from compiled_engine.runner.buckets import parse_buckets
 from compiled_engine.speculative.config import SpeculativeConfig
@@ -103,6 +103,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       help="the largest rank an adapter may have")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="the most adapters kept loaded (default: 4 x --max-loras)")
+    tier = p.add_argument_group("the KV tier: the prefix cache on disk (README, \"KV tier\")")
+    tier.add_argument("--kv-cache-dir", default=None, metavar="PATH",
+                      help="keep prefix-cache pages in files under PATH: a prefix outlives the "
+                      "pool and a restart")
+    tier.add_argument("--kv-cache-disk-gb", type=float, default=EngineConfig.kv_cache_disk_gb,
+                      help="the most the KV tier keeps on disk, in GB (least recently used out)")
+    tier.add_argument("--enable-hierarchical-cache", action="store_true",
+                      help="SGLang's name: the KV tier, under --kv-cache-dir (default: "
+                      "<cache root>/kv-tier)")
 
 
 def _kv_events(text: str) -> dict:
@@ -174,6 +183,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=list(args.lora_modules),
+        kv_cache_dir=_kv_cache_dir(args),
+        kv_cache_disk_gb=args.kv_cache_disk_gb,
     )
+
+
+def _kv_cache_dir(args: argparse.Namespace) -> str | None:
+    if args.kv_cache_disk_gb <= 0:
+        raise ValueError(f"--kv-cache-disk-gb must be > 0, got {args.kv_cache_disk_gb}")
+    if args.kv_cache_dir is None and args.enable_hierarchical_cache:
+        return str(cache_root() / "kv-tier")
+    return args.kv_cache_dir
 
 

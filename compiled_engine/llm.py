@@ -142,13 +142,12 @@ class LLM:
             for prompt, p, lora in zip(prompts, params_list, loras):
                 ids = encode_prompt(self.tokenizer, prompt)
                 results.append(RequestOutput(prompt_token_ids=ids))
+                name = None if lora is None else lora.lora_name
+                host = self.engine.read_tier(ids, name)  # the KV tier's pages of its prompt
                 for sample in expand_n(p):
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
-                    if lora is None:
-                        self.engine.add_request(rid, ids, sample)
-                    else:
-                        self.engine.add_request(rid, ids, sample, lora_name=lora.lora_name)
+                    self.engine.add_request(rid, ids, sample, lora_name=name, host=host)
                     streams[rid] = OutputStream(
                         rid, IncrementalDetokenizer(
                             self.tokenizer, ids, tuple(p.stop),

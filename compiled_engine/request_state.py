@@ -13,6 +13,7 @@ import torch
 
 from compiled_engine.constraints import GrammarBook, RequestGrammar
 from compiled_engine.jax import bridge
+from compiled_engine.kv_tier.tier import HostPages
 from compiled_engine.prompt_record import PromptRecord
 from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow, needs_history
@@ -38,6 +39,8 @@ class RequestState:
     drafter: Drafter | None = None  # speculative decoding: proposes the request's drafts
     # prompt log-probs / an embedding's hidden states, until its first event carries them away
     prompt: PromptRecord | None = None
+    # the KV tier: prompt pages read for it while it waited (`LedgerParams.host_pages`)
+    host_kv: HostPages | None = None
     logprobs: int | None = field(init=False)  # RequestHooks: the params' logprobs
     history: bool = field(init=False)  # the sampler reads its token history (penalties, processors)
 

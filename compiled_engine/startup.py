@@ -23,6 +23,9 @@ from compiled_engine.engine import Engine
 from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
 from compiled_engine.kv_events.config import KVEventsConfig
+from compiled_engine.kv_tier import keys as tier_keys
+from compiled_engine.kv_tier.store import PageStore
+from compiled_engine.kv_tier.tier import KVTier
 from compiled_engine.layers.moe import expert_load
 from compiled_engine.lora.registry import LoRARegistry
 from compiled_engine.lora.slots import LoRASlots
@@ -127,6 +130,34 @@ def start_kv_events(config: EngineConfig, scheduler: Scheduler) -> KVEventPublis
 
     scheduler.cache.events = []
     return KVEventPublisher(kv_events, config.page_size)
+
+
+def start_tier(config: EngineConfig, model_dir: str, runner: ModelRunner, scheduler: Scheduler,
+               engine: Engine) -> KVTier | None:
+    """This rank's KV tier under `config.kv_cache_dir` (None without one): a directory per model,
+    dtype, KV layout and TP rank, so that no page is read where its bytes mean something else."""
+    if config.kv_cache_dir is None:
+        return None
+    if config.prefix_cache != "radix":
+        raise ValueError("the KV tier needs the radix prefix cache (--prefix-cache radix)")
+    k = runner.k_caches[0]
+    seed = tier_keys.salt(model=tier_keys.files_identity(model_dir), dtype=str(k.dtype),
+                          kv_shape=list(k.shape[1:]), layers=len(runner.k_caches),
+                          page_size=config.page_size, tp_rank=ps.get_tp_rank(),
+                          tp_size=ps.get_tp_size())
+    root = Path(config.kv_cache_dir).expanduser() / seed.hex()[:16]
+    others = [p.name for p in root.parent.iterdir() if p.is_dir() and p != root] if (
+        root.parent.is_dir()) else []
+    if others:
+        log.info("KV tier: %s also holds %d other stores (another model, dtype, layout or TP "
+                 "rank): never read here", root.parent, len(others))
+    store = PageStore(root, int(config.kv_cache_disk_gb * 1e9))
+    if scheduler.cache.events is None:
+        scheduler.cache.events = []
+    log.info("KV tier: %s holds %d pages (%.2f GB of %.2f)", root, len(store), store.bytes / 1e9,
+             config.kv_cache_disk_gb)
+    return KVTier(store, seed, config.page_size, runner.k_caches, runner.v_caches,
+                  engine.tier_adapter_seeds)
 
 
 def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -265,6 +296,7 @@ def build_engine(
     features = RequestFeatures(eos, device, grammars, speculative, draft_model)
     engine = Engine(config, model, scheduler, runner, features, report,
                     start_kv_events(config, scheduler), lora)
+    engine.tier = start_tier(config, model_dir, runner, scheduler, engine)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

@@ -40,7 +40,7 @@ from tests.scheduler.fake_executor import FakeExecutor, reference_output
 VOCAB = 12
 EOS = (0, 1)
 PATHS = ("retraction", "eviction", "dedup", "prefix wait", "draft accepted", "draft rejected",
-         "adapter reload")
+         "adapter reload", "tier load")
 DRAFT_MODES = ("right", "partial", "wrong", "none")
 REACHED: collections.Counter[str] = collections.Counter()  # examples that reached each path
 
@@ -71,6 +71,9 @@ request_args = st.fixed_dictionaries(
         "stop": st.lists(st.integers(0, VOCAB - 1), max_size=1),
         # LoRA: 0 the base model, else an adapter (more of them than the machine has slots)
         "adapter": st.sampled_from([0, 0, 1, 2, 3]),
+        # the KV tier: prompt pages [first, end) the engine read from the tier (whole pages only)
+        "host_pages": st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 2), st.integers(0, 6))
+                                .map(lambda fe: (fe[0], max(fe))) ),
     }
 )
 
@@ -156,7 +159,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add_one(self, args):
         self.add(**args)
 
-    def add(self, base, keep, suffix, max_tokens, min_tokens, ignore_eos, stop, adapter):
+    def add(self, base, keep, suffix, max_tokens, min_tokens, ignore_eos, stop, adapter,
+            host_pages):
         rid = f"r{self.count}"
         self.count += 1
         prompt = self.bases[base][:keep] + suffix
@@ -166,6 +170,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             ignore_eos=ignore_eos,
             stop_token_ids=tuple(stop),
             adapter=adapter,
+            host_pages=host_pages,
         )
         cap = self.cfg.capacity_tokens
         if (not prompt or len(prompt) >= self.cfg.max_context or len(prompt) + 1 > cap
@@ -330,6 +335,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "dedup": self.sched.book.num_dedup_pages,
                 "adapter reload": self.sched.book.adapters.num_loads
                 - len(self.sched.book.adapters.by_adapter),
+                "tier load": self.sched.book.tier_hit_tokens,
                 "prefix wait": self.sched.num_prefix_waits,
                 "draft accepted": self.sched.spec.num_accepted_tokens,
                 "draft rejected": self.sched.spec.num_draft_tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from compiled_engine.kv_tier.tier import HostPages
 from compiled_engine.ranks.messages import Add
 
 
@@ -19,26 +20,27 @@ class GrammarWait:
         """`grammars`: the engine's GrammarBook (None: the engine serves no constraints, and its
         add_request refuses them)."""
         self._grammars = grammars
-        self._waiting: dict[str, tuple[Add, Future]] = {}
+        self._waiting: dict[str, tuple[Add, Future, HostPages | None]] = {}
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def hold(self, msg: Add) -> bool:
-        """Keep `msg` here, its grammar compiling, if it has a constraint; False: add it now."""
+    def hold(self, msg: Add, host: HostPages | None = None) -> bool:
+        """Keep `msg` (and its prompt's pages read from the KV tier) here, its grammar compiling,
+        if it has a constraint; False: add it now."""
         spec = msg.params.structured
         if spec is None or self._grammars is None:
             return False
-        self._waiting[msg.rid] = (msg, self._grammars.compile_async(spec))
+        self._waiting[msg.rid] = (msg, self._grammars.compile_async(spec), host)
         return True
 
     def ready(self) -> tuple[str, ...]:
         """The requests whose compile has finished here, in arrival order (rank 0 admits them)."""
-        return tuple(rid for rid, (_, future) in self._waiting.items() if future.done())
+        return tuple(rid for rid, (_, future, _) in self._waiting.items() if future.done())
 
-    def admit(self, rids: tuple[str, ...]) -> list[tuple[Add, Future]]:
+    def admit(self, rids: tuple[str, ...]) -> list[tuple[Add, Future, HostPages | None]]:
         """Take `rids` out (those still here: one aborted meanwhile is gone), each with its
-        compile (done once this rank's own compile is: `result()` waits for it)."""
+        compile (done once this rank's own compile is: `result()` waits for it) and its pages."""
         return [self._waiting.pop(rid) for rid in rids if rid in self._waiting]
 
     def drop(self, rid: str) -> bool:

@@ -16,6 +16,9 @@ class Add:
     prompt_ids: list[int]
     params: SamplingParams
     lora_name: str | None = None  # a loaded LoRA adapter's (None: the base model)
+    # the prompt's pages [first, end) that rank 0's KV tier has: every rank reads them while the
+    # request waits (`tier_wait`); rank 0 sets it before it forwards the request
+    tier_span: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +70,14 @@ class Shutdown:
 class Admit:
     """These requests' constraints have compiled (or failed to) on rank 0: every rank now adds
     them, at the same step (`grammar_wait`)."""
+
+    rids: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class TierRead:
+    """These requests' prompt pages have been read from the KV tier on rank 0: every rank now adds
+    them, at the same step, with the pages every rank has read (`tier_wait`)."""
 
     rids: tuple[str, ...]
 

@@ -5,7 +5,8 @@ input to all ranks in the same order (one `broadcast_object_list` per iteration 
 control group), so each rank's scheduler consumes the same inputs at the same step, then every rank
 applies the inputs and steps. A constrained request waits outside the engine until its grammar
 has compiled (grammar_wait.py), and a LoRA adapter is served once every rank has read its file
-(adapter_wait.py). Rank 0 sends each step's events back over the channel as one list.
+(adapter_wait.py); a request whose prompt's pages the KV tier has waits while every rank reads
+them (tier_wait.py). Rank 0 sends each step's events back over the channel as one list.
 Each iteration stamps the rank's heartbeat (the launcher's hang detection) and, in TP debug mode,
 checks that every rank planned and sampled the same (see digest.py).
 """
@@ -43,9 +44,11 @@ from compiled_engine.ranks.messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
+    TierRead,
     UnloadLora,
 )
 from compiled_engine.ranks.rank_spec import RankSpec
+from compiled_engine.ranks.tier_wait import TierWait
 
 log = logging.getLogger(__name__)
 
@@ -133,28 +136,41 @@ def _init_distributed(spec: RankSpec) -> tuple[EngineConfig, object | None]:
 
 
 def _loop(spec: RankSpec, engine, conn: Connection | None, control, debug: bool) -> None:
-    waiting = GrammarWait(engine.features.grammars)
-    adapters = AdapterWait(engine)
+    waits = Waits(GrammarWait(engine.features.grammars), AdapterWait(engine), TierWait(engine))
     try:
-        _iterate(spec, engine, conn, control, debug, waiting, adapters)
+        _iterate(spec, engine, conn, control, debug, waits)
     finally:
-        adapters.close()
+        waits.adapters.close()
+        waits.tiers.close()
+
+
+@dataclasses.dataclass(slots=True)
+class Waits:
+    """What waits outside the engine's steps: constrained requests for their grammar, adapters
+    for their files, requests for their prompt's pages from the KV tier."""
+
+    grammars: GrammarWait
+    adapters: AdapterWait
+    tiers: TierWait
+
+    def __bool__(self) -> bool:
+        return bool(len(self.grammars) or len(self.adapters) or len(self.tiers))
 
 
 def _iterate(spec: RankSpec, engine, conn: Connection | None, control, debug: bool,
-             waiting: GrammarWait, adapters: AdapterWait) -> None:
+             waits: Waits) -> None:
     engine.keep_last_plan = debug
     while True:
         if spec.heartbeats is not None:
             spec.heartbeats[spec.rank] = time.monotonic()
-        inputs, local = _receive(conn, engine.has_work(), waiting, adapters, control)
+        inputs, local = _receive(engine, conn, waits, control)
         events: list = []
         stop = False
         for msg in inputs:
             if isinstance(msg, Shutdown):
                 stop = True
             else:
-                _apply(engine, waiting, adapters, control, msg, events)
+                _apply(engine, waits, control, msg, events)
         if stop:
             return
         stepped = engine.has_work()
@@ -164,30 +180,30 @@ def _iterate(spec: RankSpec, engine, conn: Connection | None, control, debug: bo
             plan = engine.last_plan if stepped else None
             compare_across_ranks(engine.steps, ledger_digest(engine.steps, plan, events), control)
         for req in local:
-            events.append(_stats(engine, waiting, req))
+            events.append(_stats(engine, waits, req))
         if conn is not None and events:
             conn.send(events)
 
 
-def _receive(
-    conn: Connection | None, busy: bool, waiting: GrammarWait, adapters: AdapterWait, control
-) -> tuple[list, list[StatsRequest]]:
-    """Rank 0: this iteration's inputs from the channel, then the admission of the requests whose
-    grammar has compiled and the adapters read. Every rank: the same list, in the same order."""
+def _receive(engine, conn: Connection | None, waits: Waits, control
+             ) -> tuple[list, list[StatsRequest]]:
+    """Rank 0: this iteration's inputs from the channel (a request's prompt pages in the KV tier
+    named), then the requests whose grammar has compiled or whose pages were read, and the adapters
+    read. Every rank: the same list, in the same order."""
     inputs: list = []
     local: list[StatsRequest] = []
     if conn is not None:
-        timeout = 0.0 if busy else GRAMMAR_POLL_S if waiting or adapters else IDLE_POLL_S
+        timeout = 0.0 if engine.has_work() else GRAMMAR_POLL_S if waits else IDLE_POLL_S
         while conn.poll(timeout):
             for msg in _as_list(conn.recv()):
+                if isinstance(msg, Add) and engine.tier is not None:
+                    msg.tier_span = engine.tier_span(msg.prompt_ids, msg.lora_name)
                 (local if isinstance(msg, StatsRequest) else inputs).append(msg)
             timeout = 0.0
-        ready = waiting.ready()
-        if ready:
-            inputs.append(Admit(ready))
-        read = adapters.ready()
-        if read:
-            inputs.append(AdaptersRead(read))
+        for ready, message in ((waits.tiers.ready(), TierRead), (waits.grammars.ready(), Admit),
+                               (waits.adapters.ready(), AdaptersRead)):
+            if ready:
+                inputs.append(message(ready))
     if control is not None:
         import torch.distributed as dist
 
@@ -202,29 +218,32 @@ def _as_list(received: object) -> list:
     return received if isinstance(received, list) else [received]
 
 
-def _apply(engine, waiting: GrammarWait, adapters: AdapterWait, control, msg: object,
-           events: list) -> None:
+def _apply(engine, waits: Waits, control, msg: object, events: list) -> None:
     if isinstance(msg, Add):
-        if not waiting.hold(msg):
+        if not waits.tiers.hold(msg) and not waits.grammars.hold(msg):
             _add(engine, msg, events)
+    elif isinstance(msg, TierRead):
+        for add, host in waits.tiers.admit(msg.rids, control):
+            if not waits.grammars.hold(add, host):
+                _add(engine, add, events, host=host)
     elif isinstance(msg, Admit):
-        for add, compile_ in waiting.admit(msg.rids):
+        for add, compile_, host in waits.grammars.admit(msg.rids):
             try:
                 compiled = compile_.result()
             except ConstraintError as e:  # a bad constraint: that request's error only
                 events.append(_request_error(add.rid, e))
                 continue
-            _add(engine, add, events, compiled)
+            _add(engine, add, events, compiled, host)
     elif isinstance(msg, Abort):
-        if not waiting.drop(msg.rid):
+        if not waits.grammars.drop(msg.rid) and not waits.tiers.drop(msg.rid):
             engine.abort(msg.rid)
     elif isinstance(msg, Finish):
-        if not waiting.drop(msg.rid):
+        if not waits.grammars.drop(msg.rid) and not waits.tiers.drop(msg.rid):
             engine.finish(msg.rid, msg.reason)
     elif isinstance(msg, LoadLora):
-        adapters.start(msg)
+        waits.adapters.start(msg)
     elif isinstance(msg, AdaptersRead):
-        events.extend(adapters.serve(msg.tokens, control))
+        events.extend(waits.adapters.serve(msg.tokens, control))
     elif isinstance(msg, UnloadLora):
         events.append(_unload(engine, msg))
     else:
@@ -242,9 +261,10 @@ def _unload(engine, msg: UnloadLora) -> LoraReply:
     return LoraReply(msg.token)
 
 
-def _add(engine, msg: Add, events: list, compiled_grammar=None) -> None:
+def _add(engine, msg: Add, events: list, compiled_grammar=None, host=None) -> None:
     try:
-        engine.add_request(msg.rid, msg.prompt_ids, msg.params, compiled_grammar, msg.lora_name)
+        engine.add_request(msg.rid, msg.prompt_ids, msg.params, compiled_grammar, msg.lora_name,
+                           host)
     # RequestRejected, bad parameters, a bad constraint: answer that request only
     except ValueError as e:
         events.append(_request_error(msg.rid, e))
@@ -255,15 +275,15 @@ def _request_error(rid: str, error: ValueError) -> RequestError:
     return RequestError(rid, str(error), field)
 
 
-def _stats(engine, waiting: GrammarWait, req: StatsRequest) -> StatsReply:
+def _stats(engine, waits: Waits, req: StatsRequest) -> StatsReply:
     sched = engine.scheduler
     own = sched.stats()
     stats = asdict(own) | {
         "total_pages": sched.allocator.total,
-        "idle": not engine.has_work() and not waiting,
-        # waiting for its grammar is waiting (vLLM's WAITING_FOR_FSM too)
-        "num_waiting": own.num_waiting + len(waiting),
-        "num_waiting_grammar": len(waiting),
+        "idle": not engine.has_work() and not waits,
+        # waiting for its grammar (vLLM's WAITING_FOR_FSM too) or its KV pages is waiting
+        "num_waiting": own.num_waiting + len(waits.grammars) + len(waits.tiers),
+        "num_waiting_grammar": len(waits.grammars),
         "steps": engine.steps,
         "expert_tokens": expert_load(engine.model),
     }

@@ -43,8 +43,12 @@ class RemoteEngine:
         self._closed = False
         self._adapters = dict(config.lora_modules)  # the LoRA adapters served: name -> path
 
+    def read_tier(self, prompt_ids: list[int], lora_name: str | None = None) -> None:
+        """None: the ranks read their KV tiers themselves (`ranks.tier_wait`)."""
+        return None
+
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    lora_name: str | None = None) -> None:
+                    lora_name: str | None = None, host: None = None) -> None:
         """Checks what the engine would reject at once (ValueError), then queues the request on rank
         0."""
         ready = self.handle.ready

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compiled_engine.scheduler.plan import DraftAsk, ReqStep, SlotWrite, TokenWrite
+from compiled_engine.scheduler.plan import DraftAsk, ReqStep, SlotWrite, TierLoad, TokenWrite
 from compiled_engine.scheduler.request import Request
 
 
@@ -16,6 +16,7 @@ class StepDraft:
     slot_writes: list[SlotWrite] = field(default_factory=list)
     token_writes: list[TokenWrite] = field(default_factory=list)
     draft_asks: list[DraftAsk] = field(default_factory=list)
+    tier_loads: list[TierLoad] = field(default_factory=list)
 
     def add(self, req: Request, step: ReqStep, write: SlotWrite) -> None:
         self.reqs.append(step)

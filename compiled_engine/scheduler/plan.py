@@ -58,6 +58,16 @@ class DraftAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class TierLoad:
+    """Request `rid`'s prompt pages from index `first` on, which the engine holds on the host
+    (`LedgerParams.host_pages`), go into `pages` before the step runs: no prefill computes them."""
+
+    rid: str
+    first: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     step: int  # increasing step id
     reqs: tuple[ReqStep, ...]  # in a deterministic order
@@ -70,6 +80,8 @@ class StepPlan:
     draft_asks: tuple[DraftAsk, ...] = ()
     # LoRA: (slot, adapter id) to load into the device's adapter slots before this step runs
     adapter_loads: tuple[tuple[int, int], ...] = ()
+    # pages of prompts the engine holds on the host (the KV tier): written before this step runs
+    tier_loads: tuple[TierLoad, ...] = ()
 
 
 # A prompt token's log-prob given the tokens before it, its rank in the vocabulary (1: the most

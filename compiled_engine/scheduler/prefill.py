@@ -11,7 +11,7 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.decode import decode_page_reserve
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
-from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TokenWrite
+from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TierLoad, TokenWrite
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import Request, Status
 
@@ -82,15 +82,21 @@ class PrefillPlanner:
             )
             req.fill_to = len(tokens)
             req.row, req.adapter_slot = row, slot
-            if not plan_chunk(book, req, draft, budget, 0, reserve):
+            load = TierLoad(req.rid, 0, ()) if whole else _load_host_pages(book, req, reserve)
+            if load is None or not plan_chunk(book, req, draft, budget, 0, reserve):
                 book.cache.unlock(handle)
                 book.rows.free([row])
                 if slot >= 0:
                     book.adapters.release(slot, -1)
+                if load is not None:
+                    book.allocator.free(list(load.pages))  # no step has seen them
                 req.lock, req.pages, req.prefix_pages, req.planned_len, req.row = None, [], 0, 0, -1
                 req.adapter_slot = -1
                 return admitted
             book.cache.record(len(tokens), len(hit) * ps)
+            if load.pages:
+                draft.tier_loads.append(load)
+                book.tier_hit_tokens += len(load.pages) * ps
             waiting.popleft()
             req.status = Status.RUNNING
             admitted.append(req)
@@ -127,6 +133,25 @@ class PrefillPlanner:
                 continue
             return True
         return False
+
+
+def _load_host_pages(book: KvBook, req: Request, reserve: int) -> TierLoad | None:
+    """Pages for the prompt pages the engine holds on the host past the cache's hit (the load is
+    empty when there are none, or the hit does not reach them); None when the pages are not
+    available beyond `reserve` (nothing changed)."""
+    first, end = req.params.host_pages
+    have = len(req.pages)
+    end = min(end, (req.fill_to - 1) // book.page_size)  # at least one position is computed
+    if not first <= have < end:
+        return TierLoad(req.rid, have, ())
+    if end - have + reserve > book.available_pages():
+        return None
+    pages = book.alloc(end - have)
+    if pages is None:
+        return None
+    req.pages.extend(pages)
+    req.planned_len = end * book.page_size
+    return TierLoad(req.rid, have, tuple(pages))
 
 
 def plan_chunk(

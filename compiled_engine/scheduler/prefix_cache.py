@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class CacheStored:
-    """Pages now cached: the KV of `path[start:]`, which follows the cached `path[:start]`."""
+    """Pages now cached: the KV of `path[start:]`, which follows the cached `path[:start]`, in
+    `pages`."""
 
     path: tuple[int, ...]
     start: int
+    pages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def match(self, tokens: Sequence[int]) -> tuple[object, tuple[int, ...]]:
         """Longest cached page-aligned prefix of ``tokens``: its handle and its pages."""
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """How many pages of ``tokens`` `match` would find now (changes nothing)."""
+        return 0
 
     @abstractmethod
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[object, tuple[int, ...]]:

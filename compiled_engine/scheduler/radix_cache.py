@@ -81,6 +81,22 @@ class RadixCache(PrefixCache):
         node, pages, _ = self._walk(tokens, len(tokens) // self.page_size * self.page_size)
         return node, tuple(pages)
 
+    def peek(self, tokens: Sequence[int]) -> int:
+        tokens = tuple(tokens)
+        ps = self.page_size
+        n = len(tokens) // ps * ps
+        node, i = self.root, 0
+        while i < n:
+            child = node.children.get(tokens[i : i + ps])
+            if child is None:
+                break
+            m = self._common(child.key, tokens, i, n)
+            i += m
+            if m < len(child.key):
+                break
+            node = child
+        return i // ps
+
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int]
     ) -> tuple[RadixNode, tuple[int, ...]]:
@@ -100,7 +116,7 @@ class RadixCache(PrefixCache):
             out.extend(leaf.pages)
             node = leaf
             if self.events is not None:
-                self.events.append(CacheStored(tokens, i))
+                self.events.append(CacheStored(tokens, i, leaf.pages))
         return node, tuple(out)
 
     def _split(self, child: RadixNode, m: int) -> RadixNode:

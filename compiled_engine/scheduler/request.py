@@ -4,6 +4,7 @@ rules."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +28,10 @@ class LedgerParams:
     # LoRA: the engine's id of the request's adapter (0: the base model). Its prefix-cache entries
     # are its own: the same tokens under another adapter have other KV.
     adapter: int = 0
+    # The KV tier: the prompt's pages [first, end) whose KV the engine holds on the host (read from
+    # the tier while the request waited). Admitted with a cache hit of at least `first` pages, the
+    # request gets them loaded instead of computed.
+    host_pages: tuple[int, int] = (0, 0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -40,6 +45,11 @@ class LedgerParams:
             ),
             (self.adapter >= 0, "adapter must be >= 0", self.adapter),
             (
+                0 <= self.host_pages[0] <= self.host_pages[1],
+                "host_pages must be 0 <= first <= end",
+                self.host_pages,
+            ),
+            (
                 all(t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be >= 0",
                 self.stop_token_ids,
@@ -51,6 +61,14 @@ class LedgerParams:
 
 # a prefix-cache key's bits above this are its adapter's id (token ids stay below 2**32)
 ADAPTER_SHIFT = 32
+
+
+def cache_key_tokens(tokens: Sequence[int], adapter: int) -> tuple[int, ...]:
+    """`tokens` as the prefix cache keys them under `adapter` (0: the base model)."""
+    if not adapter:
+        return tuple(tokens)
+    salt = adapter << ADAPTER_SHIFT
+    return tuple(salt | t for t in tokens)
 
 
 class TokenRejected(Exception):
@@ -117,12 +135,7 @@ class Request:
     def cache_tokens(self) -> tuple[int, ...]:
         """Its tokens as the prefix cache keys them: under an adapter each id carries the adapter's
         in its high bits (`ADAPTER_SHIFT`), so that no prefix is shared across adapters."""
-        tokens = self.tokens()
-        adapter = self.params.adapter
-        if not adapter:
-            return tokens
-        salt = adapter << ADAPTER_SHIFT
-        return tuple(salt | t for t in tokens)
+        return cache_key_tokens(self.tokens(), self.params.adapter)
 
     def slots(self, page_size: int, lo: int, hi: int) -> tuple[int, ...]:
         """KV slots of positions [lo, hi) (on its pages)."""

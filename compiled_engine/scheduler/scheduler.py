@@ -56,6 +56,7 @@ class SchedulerStats:
     # prompt tokens looked up in the prefix cache at admission, and found there (totals)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens loaded from the KV tier
 
 
 class Scheduler:
@@ -172,6 +173,7 @@ class Scheduler:
             members=tuple(draft.members),
             draft_asks=tuple(draft.draft_asks),
             adapter_loads=self.book.adapters.take_loads(),
+            tier_loads=tuple(draft.tier_loads),
         )
         self.inflight.append(plan)
         return plan
@@ -329,6 +331,7 @@ class Scheduler:
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
             prefix_cache_queries=self.book.cache.queried_tokens,
             prefix_cache_hits=self.book.cache.hit_tokens,
+            tier_hit_tokens=self.book.tier_hit_tokens,
         )
 
     def check_integrity(self) -> None:

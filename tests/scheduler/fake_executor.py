@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 
 from compiled_engine.scheduler.config import SchedulerConfig
-from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
+from compiled_engine.scheduler.plan import StepOutput, StepPlan, TierLoad, TokenEvent
 from compiled_engine.scheduler.request import Request
 from compiled_engine.scheduler.scheduler import Scheduler
 
@@ -58,6 +58,7 @@ class FakeExecutor:
 
     def __init__(self, config: SchedulerConfig, vocab_size: int = 64, verify: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.page_size = config.page_size
         self.verify = verify
         width = config.max_context
         self.token_table = [[-1] * width for _ in range(config.max_rows)]
@@ -84,6 +85,8 @@ class FakeExecutor:
             self.token_table[tw.row][tw.start : tw.start + len(tw.tokens)] = tw.tokens
         for sw in batch.slot_writes:
             self.page_table[sw.row][sw.start : sw.start + len(sw.slots)] = sw.slots
+        for load in batch.tier_loads:
+            self._load(batch, load)
         sampled = []
         assert len({rs.row for rs in batch.reqs}) == len(batch.reqs), (
             f"step {batch.step}: a row twice"
@@ -145,6 +148,22 @@ class FakeExecutor:
                 f"{entry[0]} token {entry[1]} (stale or wrong page)"
             )
         return entry
+
+    def _load(self, batch: StepPlan, load: TierLoad) -> None:
+        """Write the KV a prefill would have into the pages of a tier load (the engine's host copy
+        of the request's prompt pages)."""
+        rs = next(r for r in batch.reqs if r.rid == load.rid)
+        tokens, ps = self.token_table[rs.row], self.page_size
+        adapter = self.adapter_in_slot[rs.lora_slot] if rs.lora_slot >= 0 else 0
+        slots = [p * ps + o for p in load.pages for o in range(ps)]
+        if self.verify:
+            self._check_not_in_flight(rs.rid, tuple(slots), rs.row)
+        h = 0
+        for q in range((load.first + len(load.pages)) * ps):
+            assert tokens[q] >= 0, f"{rs.rid}: a tier load before its prompt is on the device"
+            h = mix(h, tokens[q], q, adapter)
+            if q >= load.first * ps:
+                self.kv[slots[q - load.first * ps]] = (q, tokens[q], h)
 
     def _check_not_in_flight(self, rid: str, out_slots: tuple[int, ...], row: int) -> None:
         for step, slots, rows, _ in self._pending:
