@@ -82,10 +82,15 @@ class Metrics:
             for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
         ]
         self.prefix = {
-            field: Counter(f"vllm:prefix_cache_{name}", help_, registry=r)
+            field: Counter(f"vllm:{name}", help_, registry=r)
             for field, name, help_ in (
-                ("prefix_cache_queries", "queries", "prompt tokens looked up in the prefix cache"),
-                ("prefix_cache_hits", "hits", "prompt tokens found in the prefix cache"),
+                ("prefix_cache_queries", "prefix_cache_queries",
+                 "prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "prefix_cache_hits",
+                 "prompt tokens found in the prefix cache"),
+                # vLLM's name for hits outside its pool (a KV connector's): here the KV tier's
+                ("tier_hit_tokens", "external_prefix_cache_hits",
+                 "prompt tokens loaded from the KV tier (disk)"),
             )
         }
         self._prefix_seen = dict.fromkeys(self.prefix, 0)

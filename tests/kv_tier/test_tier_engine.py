@@ -1,0 +1,130 @@
+"""The KV tier in the engine: a request's tokens and log-probs are bit-identical whether its
+prompt's prefix was computed, found in the pool, loaded from the tier after the pool evicted it, or
+loaded after a restart (deterministic mode; bf16, eager and compiled, and TP=2 compiled); a corrupt
+page is recomputed, never read; another model's store is never read; one directory serves one
+engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_engine.kv_tier.store import StoreBusy
+from compiled_engine.llm import LLM
+from compiled_engine.sampling_params import SamplingParams
+from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
+
+SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=2000)
+PAGE = 16
+PROMPT = [(7 * i) % 1900 + 5 for i in range(200)]  # 12 whole pages before its last position
+OTHERS = [[(11 * i + j) % 1900 + 5 for i in range(150)] for j in range(3)]  # fill the pool
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+ENGINE = dict(deterministic=True, page_size=PAGE, num_pages=32, max_running=4)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("tier-model")
+    return add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM",
+                                              torch.bfloat16, **SHAPE))
+
+
+def _run(llm: LLM, prompt: list[int]) -> tuple[list[int], list, int, int]:
+    """Tokens, log-probs, and the prompt tokens the step took from the pool and from the tier."""
+    before = _stats(llm)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    after = _stats(llm)
+    return (out.token_ids, out.logprobs, after["prefix_cache_hits"] - before["prefix_cache_hits"],
+            after["tier_hit_tokens"] - before["tier_hit_tokens"])
+
+
+def _stats(llm: LLM) -> dict:
+    engine = llm.engine
+    if hasattr(engine, "scheduler"):
+        stats = engine.scheduler.stats()
+        return {"prefix_cache_hits": stats.prefix_cache_hits,
+                "tier_hit_tokens": stats.tier_hit_tokens}
+    return engine.stats()
+
+
+def _flush(llm: LLM) -> None:
+    llm.engine.tier.flush()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_recomputed_pooled_tiered_and_restarted_prefixes_give_the_same_bits(base, tmp_path,
+                                                                           mode) -> None:
+    kv_dir = tmp_path / "kv"
+    kw = dict(kv_cache_dir=str(kv_dir), enforce_eager=mode == "eager", **ENGINE)
+    llm = LLM(base, **kw)
+    assert llm.engine.model.dtype == torch.bfloat16
+    computed = _run(llm, PROMPT)
+    assert computed[2:] == (0, 0)
+    pooled = _run(llm, PROMPT)
+    assert pooled[2:] == (12 * PAGE, 0), "the second run's prefix comes from the pool"
+    _flush(llm)
+    for other in OTHERS:  # the pool (32 pages) evicts PROMPT's pages
+        _run(llm, other)
+    assert llm.engine.scheduler.cache.peek(tuple(PROMPT)) < 12
+    tiered = _run(llm, PROMPT)
+    assert tiered[3] > 0 and tiered[2] + tiered[3] == 12 * PAGE, "the rest from the tier"
+    _flush(llm)
+    llm.engine.shutdown()
+    llm = LLM(base, **kw)  # a restart on the same directory
+    restarted = _run(llm, PROMPT)
+    assert restarted[2:] == (0, 12 * PAGE), "after a restart the whole prefix from the tier"
+    for name, got in (("pool", pooled), ("tier", tiered), ("restart", restarted)):
+        assert got[0] == computed[0], f"{name}: other tokens than computed"
+        assert got[1] == computed[1], f"{name}: other log-probs than computed"
+    llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_corrupt_page_is_recomputed_and_one_directory_serves_one_engine(base, tmp_path) -> None:
+    kv_dir = tmp_path / "kv"
+    kw = dict(kv_cache_dir=str(kv_dir), enforce_eager=True, **ENGINE)
+    llm = LLM(base, **kw)
+    computed = _run(llm, PROMPT)
+    _flush(llm)
+    with pytest.raises(StoreBusy, match="another process uses the KV tier directory"):
+        LLM(base, **kw)
+    llm.engine.shutdown()
+    files = sorted(kv_dir.glob("*/*/*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 12
+    # the pages were written in prompt order: damage the fifth
+    good = files[4].read_bytes()
+    raw = bytearray(good)
+    raw[-1] ^= 0xFF
+    files[4].write_bytes(bytes(raw))
+    llm = LLM(base, **kw)
+    again = _run(llm, PROMPT)
+    assert again[3] == 4 * PAGE, "pages before the damaged one from the tier, the rest computed"
+    assert again[:2] == computed[:2]
+    llm.engine.shutdown()
+    assert files[4].read_bytes() == good, "the damaged page was replaced by the recomputed one"
+    # another model (another checkpoint's files) never reads these pages
+    other = add_demo_tokenizer(make_checkpoint(str(tmp_path / "other"), "LlamaForCausalLM",
+                                               torch.bfloat16, seed=7, **SHAPE))
+    llm = LLM(other, **kw)
+    assert _run(llm, PROMPT)[3] == 0
+    llm.engine.shutdown()
+    assert len([p for p in kv_dir.iterdir() if p.is_dir()]) == 2, "a store per model"
+
+
+@pytest.mark.slow
+def test_tp2_compiled_reads_its_own_shards_after_a_restart(base, tmp_path) -> None:
+    kw = dict(kv_cache_dir=str(tmp_path / "kv"), tp_size=2, **ENGINE)
+    llm = LLM(base, **kw)
+    try:
+        computed = _run(llm, PROMPT)
+    finally:
+        llm.engine.shutdown()  # every rank's writer finishes first
+    llm = LLM(base, **kw)
+    try:
+        restarted = _run(llm, PROMPT)
+    finally:
+        llm.engine.shutdown()
+    assert restarted[3] == 12 * PAGE
+    assert restarted[:2] == computed[:2]
+    assert len(list((tmp_path / "kv").iterdir())) == 2, "a store per TP rank"
