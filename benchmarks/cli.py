@@ -368,6 +368,19 @@ def _cmd_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tier(args: argparse.Namespace) -> int:
+    from benchmarks.kv_tier import run
+
+    settings = {"enforce_eager": args.enforce_eager, "page_size": args.page_size} | _placement(args)
+    result = run(resolve_bench_model(args.model), args.system_len, args.tenants, args.tenant_len,
+                 args.rounds, log=_log, **settings)
+    print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
+    if args.json:
+        workload = {k: getattr(args, k) for k in ("system_len", "tenants", "tenant_len", "rounds")}
+        write_json(args.json, "tier", {"settings": settings | workload, "result": result})
+    return 0
+
+
 def _lora_workload(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("adapters", "rank", "requests", "prompt_len",
                                           "output_len", "rounds", "peft_requests")}
@@ -510,6 +523,25 @@ def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_speculative)
     _add_router_parser(kinds)
     _add_lora_parser(kinds)
+    _add_tier_parser(kinds)
+
+
+def _add_tier_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "tier",
+        help="the KV tier: time to the first token after a restart vs a cold prefill, and tenants "
+        "whose prompts are 4x the pool with and without the tier",
+    )
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--system-len", type=int, default=2000)
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--tenant-len", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a tier file)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
+    p.add_argument("--enforce-eager", action="store_true")
+    _add_placement_args(p)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=_cmd_tier)
 
 
 def _add_lora_parser(kinds: argparse._SubParsersAction) -> None:

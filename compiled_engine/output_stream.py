@@ -21,6 +21,7 @@ class OutputStream:
     error: str | None = None  # why the request failed (finish_reason "error")
     prompt_logprobs: list[PromptLogprob] | None = None  # prompt positions 1 .., when asked
     embedding: list[float] | None = None  # an embedding request's vector
+    cached_tokens: int = 0  # prompt tokens not computed (prefix cache, KV tier)
 
     @property
     def text(self) -> str:
@@ -37,6 +38,8 @@ class OutputStream:
             self.prompt_logprobs = ev.prompt_logprobs
         if ev.embedding is not None:
             self.embedding = ev.embedding
+        if ev.cached_tokens is not None:
+            self.cached_tokens = ev.cached_tokens
         text = ""
         if ev.token is not None:
             self.token_ids.append(ev.token)

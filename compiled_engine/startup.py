@@ -151,6 +151,9 @@ def start_tier(config: EngineConfig, model_dir: str, runner: ModelRunner, schedu
     if others:
         log.info("KV tier: %s also holds %d other stores (another model, dtype, layout or TP "
                  "rank): never read here", root.parent, len(others))
+    if config.page_size < 16:
+        log.warning("KV tier with --page-size %d: a file per %d token(s); --page-size 16 keeps "
+                    "fewer, larger files", config.page_size, config.page_size)
     store = PageStore(root, int(config.kv_cache_disk_gb * 1e9))
     if scheduler.cache.events is None:
         scheduler.cache.events = []

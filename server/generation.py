@@ -82,6 +82,13 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens not computed (the prefix cache's and the KV tier's): each prompt's first
+        sample's."""
+        n = len(self.choices) // max(len(self.prompt_lens), 1)
+        return sum(c.cached_tokens for c in self.choices[::n]) if n else 0
+
 
 MAX_LOGPROB_ENTRIES = 1 << 20  # per request: tens of MB of JSON at most
 

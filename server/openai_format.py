@@ -28,7 +28,8 @@ def _lp(x: float | None) -> float | None:
 
 def usage(gen: Generation) -> dict:
     p, c = gen.prompt_tokens, gen.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 @dataclass

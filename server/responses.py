@@ -216,7 +216,7 @@ def _response(st, body: dict, req: ChatRequest, rid: str, created: float, status
         out["usage"] = {
             "input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "input_tokens_details": {"cached_tokens": 0},  # not counted per request
+            "input_tokens_details": {"cached_tokens": gen.cached_tokens},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
     return out

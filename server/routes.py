@@ -269,7 +269,8 @@ async def generate(request: Request) -> Response:
 
     if not req.stream:
         await collect(request, st, gen)
-        outs = [out(whole(c)) | {"prompt_tokens": gen.prompt_lens[0]} for c in gen.choices]
+        outs = [out(whole(c)) | {"prompt_tokens": gen.prompt_lens[0],
+                                 "cached_tokens": c.cached_tokens} for c in gen.choices]
         return json_response(outs[0] if len(outs) == 1 else outs)
     return await stream(st, gen, [], out)
 

@@ -121,3 +121,17 @@ def test_lora_flags_with_vllm_and_sglang_names(capsys) -> None:
         with pytest.raises(SystemExit):
             parser.parse_args(["--lora-modules", bad])
         assert says in capsys.readouterr().err
+
+
+def test_kv_tier_flags_with_sglang_name(tmp_path, monkeypatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config(parser.parse_args(["--kv-cache-dir", str(tmp_path),
+                                              "--kv-cache-disk-gb", "2.5"]))
+    assert (config.kv_cache_dir, config.kv_cache_disk_gb) == (str(tmp_path), 2.5)
+    assert engine_config(parser.parse_args([])).kv_cache_dir is None
+    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path / "root"))
+    sglang = engine_config(parser.parse_args(["--enable-hierarchical-cache"]))
+    assert sglang.kv_cache_dir == str(tmp_path / "root" / "kv-tier")
+    with pytest.raises(ValueError, match="--kv-cache-disk-gb must be > 0"):
+        engine_config(parser.parse_args(["--kv-cache-dir", "x", "--kv-cache-disk-gb", "0"]))

@@ -121,3 +121,5 @@ class TokenEvent:
     # the request's first event: its prompt tokens' log-probs (positions 1 ..), when asked
     prompt_logprobs: list[PromptLogprob] | None = None
     embedding: list[float] | None = None  # an embedding request's last event: its vector
+    # the first event: prompt tokens taken from the prefix cache or the KV tier, not computed
+    cached_tokens: int | None = None

@@ -94,6 +94,8 @@ class PrefillPlanner:
                 req.adapter_slot = -1
                 return admitted
             book.cache.record(len(tokens), len(hit) * ps)
+            if req.cached_tokens < 0:
+                req.cached_tokens = (len(hit) + len(load.pages)) * ps
             if load.pages:
                 draft.tier_loads.append(load)
                 book.tier_hit_tokens += len(load.pages) * ps

@@ -120,6 +120,8 @@ class Request:
     rewrite: tuple[int, int] | None = None  # page-table positions [lo, hi) to rewrite next step
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's acceptance
     adapter_slot: int = -1  # LoRA: the device slot of its adapter while it runs (-1: none)
+    # prompt tokens its first admission did not compute: the pool's and the KV tier's (-1: not yet)
+    cached_tokens: int = -1
     # Everything the engine keeps about the request (its sampling parameters, generator, grammar),
     # gone with this entry however the request ends (one record, one finish path).
     hooks: RequestHooks | None = None

@@ -341,8 +341,10 @@ class Scheduler:
 
 
 def _first_fields(req: Request) -> dict:
-    """The fields of a request's first event (`RequestHooks.first_event`)."""
-    return req.hooks.first_event() if req.hooks is not None else {}
+    """The fields of a request's first event: its cached prompt tokens and its hooks'
+    (`RequestHooks.first_event`)."""
+    hooks = req.hooks.first_event() if req.hooks is not None else {}
+    return {"cached_tokens": max(req.cached_tokens, 0)} | hooks
 
 
 def _first_error(errors: dict[int, str], lo: int, hi: int) -> str | None:

@@ -52,7 +52,8 @@ def test_the_radix_cache_records_what_it_stores_and_evicts() -> None:
     more = cache.allocator.alloc(1)
     cache.insert((1, 2, 3, 4, 9, 9), (*pages[:2], *more))  # a branch after two pages
     cache.insert((1, 2, 3, 4), pages[:2])  # nothing new
-    assert cache.events == [CacheStored((1, 2, 3, 4, 5, 6), 0), CacheStored((1, 2, 3, 4, 9, 9), 4)]
+    assert cache.events == [CacheStored((1, 2, 3, 4, 5, 6), 0, tuple(pages)),
+                            CacheStored((1, 2, 3, 4, 9, 9), 4, tuple(more))]
     cache.events = []
     assert cache.evict(16) == 4
     assert sorted(cache.events, key=lambda e: e.path) == [
