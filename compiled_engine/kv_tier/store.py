@@ -4,8 +4,9 @@ A file is a header (magic, the key, the payload's length and CRC-32) and the pay
 a temporary file renamed into place, so a reader sees a whole page or none; a file that does not
 check out (torn, corrupt, another key) is deleted and read as a miss. The index of what is stored
 is rebuilt from the directory when the store opens (by modification time: the least recently used
-go first when the store is over its byte budget). One process owns a directory: an advisory lock
-(`flock`) refuses a second one."""
+go first when the store is over its byte budget), on a thread: opening waits for it at most
+`REBUILD_WAIT_S`, and a page not indexed yet is a miss. One process owns a directory: an advisory
+lock (`flock`) refuses a second one."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 MAGIC = b"CEKVPG1\n"
 HEADER = struct.Struct("<8s32sQI")  # magic, key, payload bytes, crc32 of the payload
 SUFFIX = ".kv"
+REBUILD_WAIT_S = 2.0  # a bigger store is indexed on after the store opens
 
 
 class StoreBusy(RuntimeError):
@@ -28,7 +30,8 @@ class StoreBusy(RuntimeError):
 
 
 class PageStore:
-    def __init__(self, root: str | Path, budget_bytes: int) -> None:
+    def __init__(self, root: str | Path, budget_bytes: int,
+                 rebuild_wait_s: float = REBUILD_WAIT_S) -> None:
         self.root = Path(root)
         self.budget_bytes = budget_bytes
         self.root.mkdir(parents=True, exist_ok=True)
@@ -43,7 +46,10 @@ class PageStore:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, oldest first
         self.bytes = 0
         self.num_corrupt = 0  # files that did not check out (deleted)
-        self._rebuild()
+        self._removed: set[bytes] | None = set()  # while the index is rebuilt: files removed since
+        self._rebuilt = threading.Thread(target=self._rebuild, name="kv-tier-index", daemon=True)
+        self._rebuilt.start()
+        self._rebuilt.join(rebuild_wait_s)
 
     # ---- reading and writing ------------------------------------------------------------------
 
@@ -66,7 +72,7 @@ class PageStore:
                 return True
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
             f.write(HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload)))
             f.write(payload)
@@ -102,12 +108,14 @@ class PageStore:
         return payload
 
     def close(self) -> None:
+        self._rebuilt.join()
         self._lock_file.close()
 
     # ---- inspection ---------------------------------------------------------------------------
 
     def check(self) -> None:
         """Assert the index matches the directory and the budget holds."""
+        self._rebuilt.join()
         with self._mutex:
             on_disk = {p.stem: p.stat().st_size for p in self.root.glob(f"*/*{SUFFIX}")}
             indexed = {k.hex(): size for k, size in self._index.items()}
@@ -127,6 +135,8 @@ class PageStore:
             size = self._index.pop(key, None)
             if size is not None:
                 self.bytes -= size
+            if self._removed is not None:
+                self._removed.add(key)
         self._path(key).unlink(missing_ok=True)
 
     def _evict_over_budget(self) -> None:
@@ -134,16 +144,20 @@ class PageStore:
         while self.bytes > self.budget_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.bytes -= size
+            if self._removed is not None:
+                self._removed.add(key)
             self._path(key).unlink(missing_ok=True)
 
     def _rebuild(self) -> None:
-        """Index the directory's pages (oldest use first); remove temporary files that a process
-        which stopped mid-write left, and names that are not keys."""
+        """Index the directory's pages (older than any stored since it opened); remove temporary
+        files that a process which stopped mid-write left; skip names that are not keys."""
+        mine = f".{os.getpid()}-"
         found: list[tuple[int, bytes, int]] = []
         for sub in sorted(p for p in self.root.iterdir() if p.is_dir()):
             for path in sub.iterdir():
                 if path.suffix == ".tmp":
-                    path.unlink(missing_ok=True)
+                    if mine not in path.name:
+                        path.unlink(missing_ok=True)
                     continue
                 try:
                     key = bytes.fromhex(path.stem)
@@ -152,11 +166,15 @@ class PageStore:
                     continue
                 if path.suffix == SUFFIX and len(key) == 32:
                     found.append((stat.st_mtime_ns, key, stat.st_size))
-        found.sort()
+        found.sort(reverse=True)
         with self._mutex:
-            for _, key, size in found:
-                self._index[key] = size
-                self.bytes += size
+            removed, self._removed = self._removed, None
+            for _, key, size in found:  # newest first, each before the ones indexed so far
+                # (one stored since it opened stays the newest; one removed since stays out)
+                if key not in self._index and key not in removed:
+                    self._index[key] = size
+                    self.bytes += size
+                    self._index.move_to_end(key, last=False)
             self._evict_over_budget()
 
 
