@@ -1,7 +1,8 @@
 """Stateful test of the KV tier's page store against a model (what was stored last under each key):
 store, read back, restart (with and without waiting for the index), corrupt or tear a file, a write
-cut short, and a byte budget small enough that every run evicts. After each rule the store's own check holds (its index is the directory, its
-byte count and budget hold) and it never returns bytes that were not stored under the key asked."""
+cut short, and a byte budget small enough that every run evicts. After each rule the store's own
+check holds (its index is the directory, its byte count and budget hold) and it never returns bytes
+that were not stored under the key asked."""
 
 from __future__ import annotations
 
