@@ -35,12 +35,13 @@ from compiled_engine.scheduler import (
     Status,
     StepPlan,
 )
+from compiled_engine.scheduler.priority import rank
 from tests.scheduler.fake_executor import FakeExecutor, reference_output
 
 VOCAB = 12
 EOS = (0, 1)
 PATHS = ("retraction", "eviction", "dedup", "prefix wait", "draft accepted", "draft rejected",
-         "adapter reload", "tier load")
+         "adapter reload", "tier load", "preemption")
 DRAFT_MODES = ("right", "partial", "wrong", "none")
 REACHED: collections.Counter[str] = collections.Counter()  # examples that reached each path
 
@@ -72,6 +73,8 @@ request_args = st.fixed_dictionaries(
         # LoRA: 0 the base model, else an adapter (more of them than the machine has slots)
         "adapter": st.sampled_from([0, 0, 1, 2, 3]),
         # the KV tier: prompt pages [first, end) the engine read from the tier (whole pages only)
+        # priority scheduling (lower is sooner; ignored under fcfs)
+        "priority": st.sampled_from([0, 0, 1, 2, -1]),
         "host_pages": st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 2), st.integers(0, 6))
                                 .map(lambda fe: (fe[0], max(fe))) ),
     }
@@ -93,6 +96,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec_window=st.integers(1, 4),
         spec_batch=st.sampled_from([1, 2, 4]),
         max_loras=st.sampled_from([0, 1, 2]),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        aging_steps=st.sampled_from([1, 3, 64]),
         bases=st.lists(
             st.lists(st.integers(2, VOCAB - 1), min_size=8, max_size=8), min_size=2, max_size=2
         ),
@@ -112,6 +117,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec_window,
         spec_batch,
         max_loras,
+        policy,
+        aging_steps,
         bases,
     ):
         self.cfg = SchedulerConfig(
@@ -129,6 +136,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if spec_k
             else None,
             max_loras=max_loras,
+            policy=policy,
+            aging_steps=aging_steps,
         )
         self.sched = Scheduler(self.cfg)
         self.draft_mode, self.draft_right = "right", 0
@@ -160,7 +169,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.add(**args)
 
     def add(self, base, keep, suffix, max_tokens, min_tokens, ignore_eos, stop, adapter,
-            host_pages):
+            host_pages, priority):
         rid = f"r{self.count}"
         self.count += 1
         prompt = self.bases[base][:keep] + suffix
@@ -171,6 +180,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             stop_token_ids=tuple(stop),
             adapter=adapter,
             host_pages=host_pages,
+            priority=priority,
         )
         cap = self.cfg.capacity_tokens
         if (not prompt or len(prompt) >= self.cfg.max_context or len(prompt) + 1 > cap
@@ -252,9 +262,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             ])
         still = {r.rid for r in self.sched.waiting}
         admitted = [rid for rid in before if rid not in still]
-        assert admitted == before[: len(admitted)], (
-            f"admission overtook the queue: {before} -> admitted {admitted}"
-        )
+        if self.cfg.policy == "fcfs":
+            assert admitted == before[: len(admitted)], (
+                f"admission overtook the queue: {before} -> admitted {admitted}"
+            )
+        elif batch is not None and admitted:  # by rank: none left waiting ranks before them
+            aging = self.cfg.aging_steps
+            worst_in = max(rank(self.sched.get_request(rid), batch.step, aging) for rid in admitted)
+            best_out = min((rank(r, batch.step, aging) for r in self.sched.waiting),
+                           default=None)
+            assert best_out is None or worst_in < best_out, (
+                f"admission overtook a better rank: admitted {admitted}, waiting "
+                f"{[r.rid for r in self.sched.waiting]}"
+            )
         if batch is not None:
             assert len(batch.reqs) <= self.cfg.max_running, (
                 "more requests in a step than max_running"
@@ -336,6 +356,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "adapter reload": self.sched.book.adapters.num_loads
                 - len(self.sched.book.adapters.by_adapter),
                 "tier load": self.sched.book.tier_hit_tokens,
+                "preemption": self.sched.num_preemptions,
                 "prefix wait": self.sched.num_prefix_waits,
                 "draft accepted": self.sched.spec.num_accepted_tokens,
                 "draft rejected": self.sched.spec.num_draft_tokens

@@ -25,6 +25,10 @@ class SchedulerConfig:
     speculative: SpecConfig | None = None
     # LoRA: adapter slots on the device, the most distinct adapters running at once (0: no LoRA)
     max_loras: int = 0
+    # "fcfs": arrival order; "priority": by `LedgerParams.priority`, aged by one per `aging_steps`
+    # steps waited, preempting running requests of a worse rank (scheduler/priority.py)
+    policy: str = "fcfs"
+    aging_steps: int = 64
 
     @property
     def max_rows(self) -> int:
@@ -52,5 +56,9 @@ class SchedulerConfig:
             self.speculative.validate()
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.aging_steps < 1:
+            raise ValueError(f"aging_steps must be >= 1, got {self.aging_steps}")
         if self.prefix_cache not in ("radix", "naive"):
             raise ValueError(f"prefix_cache must be 'radix' or 'naive', got {self.prefix_cache!r}")

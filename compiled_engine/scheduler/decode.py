@@ -22,6 +22,7 @@ from compiled_engine.scheduler.config import SchedulerConfig
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import DraftAsk, ReqStep, SlotWrite, StepPlan, TokenWrite
+from compiled_engine.scheduler.priority import worst
 from compiled_engine.scheduler.request import Request, Status
 
 
@@ -159,13 +160,20 @@ class DecodePlanner:
                 for r in self.running
             ):
                 return None
-            victim = self.running[-1]
+            victim = self._victim(draft.step)
             deferred = victim.last_step > book.committed
-            self._retract(victim)
+            self.retract(victim)
             if victim is req or deferred:
                 return None
 
-    def _retract(self, req: Request) -> None:
+    def _victim(self, step: int) -> Request:
+        """Whom a decode without a page retracts: the latest admitted (fcfs), or the worst rank
+        (priority scheduling)."""
+        if self.config.policy == "priority":
+            return worst(self.running, step, self.config.aging_steps)
+        return self.running[-1]
+
+    def retract(self, req: Request) -> None:
         """Free a running request's KV; it waits to recompute prompt + generated tokens."""
         self.running.remove(req)
         self.book.release(req)

@@ -4,7 +4,7 @@ queue is admitted in order (no overtaking) while the budget, the table rows and 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
 
 from compiled_engine.scheduler.config import SchedulerConfig
@@ -12,6 +12,7 @@ from compiled_engine.scheduler.decode import decode_page_reserve
 from compiled_engine.scheduler.draft import StepDraft
 from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import ReqStep, SlotWrite, TierLoad, TokenWrite
+from compiled_engine.scheduler.priority import rank
 from compiled_engine.scheduler.radix_cache import RadixCache
 from compiled_engine.scheduler.request import Request, Status
 
@@ -25,6 +26,24 @@ class PrefillPlanner:
         self.waiting: deque[Request] = deque()
         # steps a waiting request deferred admission to share a running prefill
         self.num_prefix_waits = 0
+
+    def order_by_rank(self, step: int) -> None:
+        """Priority scheduling: the waiting queue in rank order (`priority.rank`)."""
+        aging = self.config.aging_steps
+        self.waiting = deque(sorted(self.waiting, key=lambda r: rank(r, step, aging)))
+
+    def blocked(self, req: Request, running: Sequence[Request]) -> bool:
+        """Whether waiting request `req` cannot be admitted now for want of a row, a running place
+        or the pages of its first chunk (beyond what running decodes need next)."""
+        book = self.book
+        if len(running) >= self.config.max_running or not book.rows.num_free:
+            return True
+        ps = book.page_size
+        tokens = req.cache_tokens()
+        hit = book.cache.peek(tokens[:-1])
+        end = min(len(tokens), hit * ps + self.config.chunk_budget)
+        need = -(-end // ps) - hit
+        return need + decode_page_reserve(running, ps) > book.available_pages()
 
     def requeue(self, retracted: Request) -> None:
         """A retracted request goes first (the latest retracted at the front)."""

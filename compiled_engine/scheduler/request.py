@@ -32,6 +32,8 @@ class LedgerParams:
     # the tier while the request waited). Admitted with a cache hit of at least `first` pages, the
     # request gets them loaded instead of computed.
     host_pages: tuple[int, int] = (0, 0)
+    # priority scheduling (SchedulerConfig.policy "priority"): lower is sooner (vLLM's meaning)
+    priority: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -122,6 +124,8 @@ class Request:
     adapter_slot: int = -1  # LoRA: the device slot of its adapter while it runs (-1: none)
     # prompt tokens its first admission did not compute: the pool's and the KV tier's (-1: not yet)
     cached_tokens: int = -1
+    arrival: int = 0  # its place in the order requests were added
+    arrival_step: int = 0  # the step planned next when it was added (priority scheduling's aging)
     # Everything the engine keeps about the request (its sampling parameters, generator, grammar),
     # gone with this entry however the request ends (one record, one finish path).
     hooks: RequestHooks | None = None

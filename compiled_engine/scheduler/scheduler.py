@@ -27,6 +27,7 @@ from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import ReqStep, StepOutput, StepPlan, TokenEvent
 from compiled_engine.scheduler.prefill import PrefillPlanner
 from compiled_engine.scheduler.prefix_cache import PrefixCache
+from compiled_engine.scheduler.priority import rank, worst
 from compiled_engine.scheduler.request import (
     LedgerParams,
     Request,
@@ -71,6 +72,8 @@ class Scheduler:
         self.inflight: deque[StepPlan] = deque()
         self._eos = frozenset(config.eos_token_ids)
         self._next_step = 0
+        self._arrivals = 0
+        self.num_preemptions = 0  # running requests retracted for a waiting one of a better rank
 
     @property
     def running(self) -> Sequence[Request]:
@@ -116,7 +119,9 @@ class Scheduler:
         if not params.ignore_eos:
             stop_ids |= self._eos
         max_len = min(len(prompt) + params.max_tokens, cfg.max_context, cfg.capacity_tokens + 1)
-        req = Request(rid, prompt, params, max_len, stop_ids, device_len=len(prompt), hooks=hooks)
+        req = Request(rid, prompt, params, max_len, stop_ids, device_len=len(prompt), hooks=hooks,
+                      arrival=self._arrivals, arrival_step=self._next_step)
+        self._arrivals += 1
         self.live[rid] = req
         self.prefills.waiting.append(req)
         return req
@@ -153,6 +158,9 @@ class Scheduler:
             raise RuntimeError(f"at most {MAX_IN_FLIGHT} steps may be in flight: commit one first")
         draft = StepDraft(self._next_step)
         budget = self.config.chunk_budget
+        if self.config.policy == "priority":
+            self._preempt(draft.step)
+            self.prefills.order_by_rank(draft.step)
         if self.config.mixed:
             self.decodes.plan(draft)
             asked = sum(a.k for a in draft.draft_asks)
@@ -186,6 +194,21 @@ class Scheduler:
         with_drafts = self.decodes.add_drafts(plan, drafts)
         self.inflight[-1] = with_drafts
         return with_drafts
+
+    def _preempt(self, step: int) -> None:
+        """Retract the running request of the worst rank if the best waiting request cannot be
+        admitted now and ranks before it (one per step: its pages may come back only once the
+        steps in flight commit)."""
+        aging = self.config.aging_steps
+        head = min(self.prefills.waiting, key=lambda r: rank(r, step, aging), default=None)
+        if head is None or head.last_step > self.book.committed:
+            return  # (retracted with a token in flight: it waits for that commit anyway)
+        if not self.prefills.blocked(head, self.running):
+            return
+        victim = worst(self.running, step, aging)
+        if victim is not None and rank(victim, step, aging) > rank(head, step, aging):
+            self.decodes.retract(victim)
+            self.num_preemptions += 1
 
     def _plan_prefills(self, draft: StepDraft, budget: int) -> None:
         self.decodes.admit(self.prefills.plan(draft, budget, self.decodes.running))
