@@ -44,7 +44,7 @@ from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
-from compiled_engine.scheduler.request import cache_key_tokens
+from compiled_engine.scheduler.request import ADAPTER_SHIFT, cache_key_tokens
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
 
@@ -123,6 +123,10 @@ class Engine:
         state = self.features.state(rid, params, len(prompt_ids), compiled_grammar)
         state.host_kv = host
         self.scheduler.add_request(rid, prompt_ids, ledger, state)
+        if self.tier is not None:  # its prompt's stored pages stay the store's most recent
+            found = self._tier_keys(prompt_ids, lora_name)
+            if found is not None:
+                self.tier.touch(found[0])
 
     # ---- the KV tier --------------------------------------------------------------------------
     def tier_span(self, prompt_ids: list[int], lora_name: str | None = None
@@ -163,19 +167,18 @@ class Engine:
             if found is None:
                 return None
             adapter = found.id
+        if not all(0 <= t < 1 << ADAPTER_SHIFT for t in prompt_ids):
+            return None  # add_request refuses it
         tokens = cache_key_tokens(prompt_ids, adapter)
         return self.tier.keys(tokens, self.tier_adapter_seeds()), tokens
 
     def tier_adapter_seeds(self) -> dict[int, bytes]:
-        """The adapters served, id -> the hash of their files (the tier's keys of their pages)."""
+        """The adapters served, id -> the hash of their files when served (the tier's keys of
+        their pages; an adapter without one has none stored)."""
         if self.lora is None:
             return {}
-        seeds = {}
-        for adapter in self.lora.by_name.values():
-            if adapter.id not in self._adapter_seeds:
-                self._adapter_seeds[adapter.id] = salt(adapter=files_identity(adapter.path))
-            seeds[adapter.id] = self._adapter_seeds[adapter.id]
-        return seeds
+        served = {a.id for a in self.lora.by_name.values()}
+        return {i: seed for i, seed in self._adapter_seeds.items() if i in served}
 
     def _adapter_id(self, rid: str, name: str) -> int:
         adapter = None if self.lora is None else self.lora.by_name.get(name)
@@ -203,7 +206,18 @@ class Engine:
     def serve_lora(self, name: str, path: str, weights: AdapterWeights) -> None:
         """Serve weights from `read_lora` as `name` (AdapterError if the name was taken since)."""
         assert self.lora is not None, "weights read without LoRA"
-        self.lora.serve(name, path, weights)
+        adapter = self.lora.serve(name, path, weights)
+        self.seed_adapter(adapter.id, path)
+
+    def seed_adapter(self, adapter_id: int, path: str) -> None:
+        """The KV tier's seed of a served adapter's pages: its files as served (unreadable: its
+        pages stay out of the tier)."""
+        if self.tier is None:
+            return
+        try:
+            self._adapter_seeds[adapter_id] = salt(adapter=files_identity(path))
+        except OSError:
+            self._adapter_seeds.pop(adapter_id, None)
 
     def lora_paths(self) -> dict[str, str]:
         """The adapters served: name -> path."""
@@ -253,7 +267,10 @@ class Engine:
 
     def _publish_cache_events(self) -> None:
         """Hand what the prefix cache stored and evicted since last time to the KV event
-        publisher and the KV tier (which writes the pages it lacks)."""
+        publisher and the KV tier, which copies out the pages it lacks. Called before a step's
+        forward and between steps, never after a plan whose step may have written into a page
+        stored since (a page cached and evicted again while planning keeps its bytes until the
+        forward of the step that took it)."""
         cache = self.scheduler.cache
         if not cache.events:
             return
@@ -264,6 +281,7 @@ class Engine:
         cache.events = []
 
     def shutdown(self) -> None:
+        self._publish_cache_events()  # what the last commits cached (no plan since)
         if self.kv_events is not None:
             self.kv_events.shutdown()
         if self.tier is not None:
@@ -276,6 +294,7 @@ class Engine:
     def _launch(self, plan: StepPlan) -> _Launched:
         """The sampler's rows (token masks included) and the prompt rows to keep, then the forward.
         Under overlap the previous step's forward runs meanwhile."""
+        self._publish_cache_events()  # what planning cached, before the forward can overwrite it
         if plan.adapter_loads:
             # no step in flight reads these slots (the ledger's AdapterSlots)
             assert self.lora is not None, "adapter loads without LoRA"
@@ -308,9 +327,11 @@ class Engine:
         assert self.tier is not None, "tier loads without a tier"
         members = {req.rid: req for req in plan.members}
         for load in plan.tier_loads:
-            host: HostPages = members[load.rid].hooks.host_kv
+            state: RequestState = members[load.rid].hooks
+            host = state.host_kv
             at = load.first - host.first
             self.tier.load(load.pages, host.kv[at : at + len(load.pages)])
+            state.host_kv = None  # loaded once (`Request.host_loaded`)
 
     def _commit(self, launched: _Launched, output: StepOutput) -> list[TokenEvent]:
         """Hand each kept prompt chunk's log-probs and hidden states to its request's record; the

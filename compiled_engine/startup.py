@@ -142,9 +142,12 @@ def start_tier(config: EngineConfig, model_dir: str, runner: ModelRunner, schedu
         raise ValueError("the KV tier needs the radix prefix cache (--prefix-cache radix)")
     k = runner.k_caches[0]
     seed = tier_keys.salt(model=tier_keys.files_identity(model_dir), dtype=str(k.dtype),
+                          quantization=config.quantization, load_format=config.load_format,
+                          random_seed=config.seed if config.load_format == "dummy" else None,
                           kv_shape=list(k.shape[1:]), layers=len(runner.k_caches),
                           page_size=config.page_size, tp_rank=ps.get_tp_rank(),
-                          tp_size=ps.get_tp_size())
+                          tp_size=ps.get_tp_size(), torch=torch.__version__,
+                          device=k.device.type)
     root = Path(config.kv_cache_dir).expanduser() / seed.hex()[:16]
     others = [p.name for p in root.parent.iterdir() if p.is_dir() and p != root] if (
         root.parent.is_dir()) else []
@@ -300,6 +303,8 @@ def build_engine(
     engine = Engine(config, model, scheduler, runner, features, report,
                     start_kv_events(config, scheduler), lora)
     engine.tier = start_tier(config, model_dir, runner, scheduler, engine)
+    for adapter in ([] if lora is None else lora.by_name.values()):
+        engine.seed_adapter(adapter.id, adapter.path)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full
     # collections otherwise re-scan every object of torch, transformers and the graphs: long pauses
     # in the middle of serving (docs/benchmarks.md). `Engine.shutdown` gives them back.

@@ -35,8 +35,10 @@ from compiled_engine.scheduler import (
     Status,
     StepPlan,
 )
+from compiled_engine.scheduler.prefix_cache import CacheStored
 from compiled_engine.scheduler.priority import rank
-from tests.scheduler.fake_executor import FakeExecutor, reference_output
+from compiled_engine.scheduler.request import ADAPTER_SHIFT
+from tests.scheduler.fake_executor import FakeExecutor, mix, reference_output
 
 VOCAB = 12
 EOS = (0, 1)
@@ -140,6 +142,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             aging_steps=aging_steps,
         )
         self.sched = Scheduler(self.cfg)
+        self.sched.cache.events = []  # what the KV tier would copy out (`stored_pages_hold_kv`)
         self.draft_mode, self.draft_right = "right", 0
 
         self.exe = FakeExecutor(self.cfg, vocab_size=VOCAB)
@@ -241,6 +244,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         batch = self.plan() if len(self.pending) <= self.lag else None
         if batch is not None:
+            self.stored_pages_hold_kv()  # the engine copies them out here, before the forward
             self.pending.append((batch, self.exe.execute(batch)))
         if self.pending and (batch is None or len(self.pending) > self.lag):
             self.commit()
@@ -249,6 +253,27 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "stalled: work left, nothing planned, nothing in flight"
             )
         self.sched.check_integrity()
+
+    def stored_pages_hold_kv(self) -> None:
+        """Every page the prefix cache stored since the last forward still holds the KV of its
+        tokens (cached and evicted again while planning, it may already belong to another
+        request, which writes it only in its step's forward): what the KV tier copies out at each
+        launch and between steps is what its key names."""
+        ps = self.cfg.page_size
+        for ev in self.sched.cache.events:
+            if not isinstance(ev, CacheStored):
+                continue
+            adapter = ev.path[0] >> ADAPTER_SHIFT if ev.path else 0
+            tokens = [t & ((1 << ADAPTER_SHIFT) - 1) for t in ev.path]
+            h = 0
+            for q, tok in enumerate(tokens):
+                h = mix(h, tok, q, adapter)
+                if q >= ev.start:
+                    slot = ev.pages[(q - ev.start) // ps] * ps + q % ps
+                    assert self.exe.kv[slot] == (q, tok, h), (
+                        f"page {ev.pages[(q - ev.start) // ps]}, stored for position {q}, holds "
+                        "other KV before the forward")
+        self.sched.cache.events.clear()
 
     def plan(self) -> StepPlan | None:
         """schedule(), checking that it admitted a prefix of the waiting queue and kept its

@@ -73,16 +73,28 @@ class PageStore:
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload)))
-            f.write(payload)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload)))
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no partial file
+            raise
         with self._mutex:
             if key not in self._index:
                 self._index[key] = size
                 self.bytes += size
             self._evict_over_budget()
         return True
+
+    def touch(self, keys) -> None:
+        """Make the stored ones of `keys` the most recently used (in memory: a restart orders
+        pages by their files' times)."""
+        with self._mutex:
+            for key in keys:
+                if key in self._index:
+                    self._index.move_to_end(key)
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored as `key`, None when absent or when its file does not check out (the

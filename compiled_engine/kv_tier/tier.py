@@ -18,7 +18,7 @@ from compiled_engine.scheduler.prefix_cache import CacheRemoved, CacheStored
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_WRITES = 256  # batches of pages waiting for the disk; past it new ones are not stored
+MAX_QUEUED_BYTES = 1 << 30  # pages waiting for the disk; past it new ones are not stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +48,9 @@ class KVTier:
         self.num_written = 0  # pages written to the store
         self.num_dropped = 0  # pages not stored: the disk was behind
         self.num_read = 0  # pages read back
-        self._writes: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue(
-            MAX_QUEUED_WRITES)
+        self._writes: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue()
+        self._queued_bytes = 0  # in `_writes` (the writer takes them off)
+        self._queued_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
         self._writer.start()
@@ -69,6 +70,11 @@ class KVTier:
         while end < len(keys) and keys[end] in self.store:
             end += 1
         return end
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Note a use of the stored pages among `keys` (a prompt the pool serves: its pages stay
+        the store's most recent)."""
+        self.store.touch(keys)
 
     def fetch(self, first: int, keys: Sequence[bytes]) -> HostPages | None:
         """Read pages `keys` (from page `first` on) up to the first that is missing or does not
@@ -108,11 +114,13 @@ class KVTier:
                    if key not in self.store]
             if not new:
                 continue
-            kv = self._gather([page for _, page in new])
-            try:
-                self._writes.put_nowait(([key for key, _ in new], kv))
-            except queue.Full:
-                self.num_dropped += len(new)
+            size = len(new) * self.page_bytes
+            with self._queued_lock:
+                if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                    self.num_dropped += len(new)
+                    continue
+                self._queued_bytes += size
+            self._writes.put(([key for key, _ in new], self._gather([p for _, p in new])))
 
     def flush(self) -> None:
         """Wait until every page handed to the writer is stored."""
@@ -145,10 +153,13 @@ class KVTier:
                 if item is None:
                     return
                 keys, kv = item
-                for key, page in zip(keys, kv, strict=True):
-                    if self.store.put(key, page.view(torch.uint8).numpy().tobytes()):
-                        self.num_written += 1
-            except OSError as e:  # a full or failing disk: those pages are not stored
-                log.warning("KV tier: a page write failed (%s)", e)
+                try:
+                    for key, page in zip(keys, kv, strict=True):
+                        if self.store.put(key, page.view(torch.uint8).numpy().tobytes()):
+                            self.num_written += 1
+                except OSError as e:  # a full or failing disk: those pages are not stored
+                    log.warning("KV tier: a page write failed (%s)", e)
+                with self._queued_lock:
+                    self._queued_bytes -= len(keys) * self.page_bytes
             finally:
                 self._writes.task_done()

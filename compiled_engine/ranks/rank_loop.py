@@ -197,7 +197,7 @@ def _receive(engine, conn: Connection | None, waits: Waits, control
         while conn.poll(timeout):
             for msg in _as_list(conn.recv()):
                 if isinstance(msg, Add) and engine.tier is not None:
-                    msg.tier_span = engine.tier_span(msg.prompt_ids, msg.lora_name)
+                    msg.tier_span = _tier_span(engine, waits.tiers, msg)
                 (local if isinstance(msg, StatsRequest) else inputs).append(msg)
             timeout = 0.0
         for ready, message in ((waits.tiers.ready(), TierRead), (waits.grammars.ready(), Admit),
@@ -211,6 +211,15 @@ def _receive(engine, conn: Connection | None, waits: Waits, control
         dist.broadcast_object_list(box, src=0, group=control)
         inputs = box[0]
     return inputs, local
+
+
+def _tier_span(engine, tiers: TierWait, msg: Add) -> tuple[int, int] | None:
+    """Rank 0: the prompt pages of `msg` that every rank reads from its KV tier while it waits
+    (None: it is prefilled; a request that computes every position has no use for them)."""
+    if msg.params.ledger_params().every_position:
+        return None
+    span = engine.tier_span(msg.prompt_ids, msg.lora_name)
+    return span if span is not None and tiers.room(span) else None
 
 
 def _as_list(received: object) -> list:

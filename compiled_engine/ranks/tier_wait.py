@@ -16,6 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from compiled_engine.kv_tier.tier import HostPages
 from compiled_engine.ranks.messages import Add
 
+# the most pages' bytes read for waiting requests at once: past it a request is prefilled instead
+MAX_HELD_BYTES = 2 << 30
+
 
 class TierWait:
     def __init__(self, engine) -> None:
@@ -25,6 +28,11 @@ class TierWait:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def room(self, span: tuple[int, int]) -> bool:
+        """Rank 0: whether a request's pages `span` may be read now (`MAX_HELD_BYTES`)."""
+        held = sum(m.tier_span[1] - m.tier_span[0] for m, _ in self._waiting.values())
+        return (held + span[1] - span[0]) * self._engine.tier.page_bytes <= MAX_HELD_BYTES
 
     def hold(self, msg: Add) -> bool:
         """Keep `msg` here while its pages are read, if rank 0 found some; False: add it now."""

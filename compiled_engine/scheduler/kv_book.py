@@ -45,6 +45,7 @@ class KvBook:
         self.committed = -1  # id of the last committed step
         self.num_dedup_pages = 0  # private pages replaced by the cache's copies of the same tokens
         self.tier_hit_tokens = 0  # prompt tokens loaded from the host (the KV tier), not computed
+        self.prefill_tokens = 0  # positions computed by prefill chunks (recomputation included)
         self._rewrites: list[Request] = []
 
     # -- pages -----------------------------------------------------------------------------------

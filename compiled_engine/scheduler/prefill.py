@@ -116,6 +116,7 @@ class PrefillPlanner:
             if req.cached_tokens < 0:
                 req.cached_tokens = (len(hit) + len(load.pages)) * ps
             if load.pages:
+                req.host_loaded = True  # a retracted request recomputes them (or hits the cache)
                 draft.tier_loads.append(load)
                 book.tier_hit_tokens += len(load.pages) * ps
             waiting.popleft()
@@ -158,12 +159,13 @@ class PrefillPlanner:
 
 def _load_host_pages(book: KvBook, req: Request, reserve: int) -> TierLoad | None:
     """Pages for the prompt pages the engine holds on the host past the cache's hit (the load is
-    empty when there are none, or the hit does not reach them); None when the pages are not
-    available beyond `reserve` (nothing changed)."""
+    empty when there are none, the hit does not reach them, or they were loaded once already: the
+    engine keeps them until then only); None when the pages are not available beyond `reserve`
+    (nothing changed)."""
     first, end = req.params.host_pages
     have = len(req.pages)
     end = min(end, (req.fill_to - 1) // book.page_size)  # at least one position is computed
-    if not first <= have < end:
+    if req.host_loaded or not first <= have < end:
         return TierLoad(req.rid, have, ())
     if end - have + reserve > book.available_pages():
         return None
@@ -199,6 +201,7 @@ def plan_chunk(
     step = ReqStep(req.rid, req.row, start, n, out, sample, lora_slot=req.adapter_slot)
     draft.add(req, step, SlotWrite(req.row, write_from, req.slots(ps, write_from, start) + out))
     req.planned_len = end
+    book.prefill_tokens += n
     if sample:
         req.device_len += 1
     return True

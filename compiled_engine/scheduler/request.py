@@ -124,6 +124,7 @@ class Request:
     adapter_slot: int = -1  # LoRA: the device slot of its adapter while it runs (-1: none)
     # prompt tokens its first admission did not compute: the pool's and the KV tier's (-1: not yet)
     cached_tokens: int = -1
+    host_loaded: bool = False  # its host pages were loaded (once: the engine then drops them)
     arrival: int = 0  # its place in the order requests were added
     arrival_step: int = 0  # the step planned next when it was added (priority scheduling's aging)
     # Everything the engine keeps about the request (its sampling parameters, generator, grammar),

@@ -58,6 +58,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     tier_hit_tokens: int = 0  # prompt tokens loaded from the KV tier
+    prefill_tokens: int = 0  # positions computed by prefill chunks (recomputation included)
+    num_preemptions: int = 0  # priority scheduling: running requests retracted for a better rank
 
 
 class Scheduler:
@@ -355,6 +357,8 @@ class Scheduler:
             prefix_cache_queries=self.book.cache.queried_tokens,
             prefix_cache_hits=self.book.cache.hit_tokens,
             tier_hit_tokens=self.book.tier_hit_tokens,
+            prefill_tokens=self.book.prefill_tokens,
+            num_preemptions=self.num_preemptions,
         )
 
     def check_integrity(self) -> None:

@@ -6,6 +6,9 @@ engine."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,28 +25,31 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs
 ENGINE = dict(deterministic=True, page_size=PAGE, num_pages=32, max_running=4)
 
 
+def _checkpoint(path: Path, seed: int = 0) -> str:
+    return add_demo_tokenizer(make_checkpoint(str(path), "LlamaForCausalLM", torch.bfloat16,
+                                              seed=seed, **SHAPE))
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("tier-model")
-    return add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM",
-                                              torch.bfloat16, **SHAPE))
+    return _checkpoint(tmp_path_factory.mktemp("tier-model") / "base")
 
 
-def _run(llm: LLM, prompt: list[int]) -> tuple[list[int], list, int, int]:
-    """Tokens, log-probs, and the prompt tokens the step took from the pool and from the tier."""
+def _run(llm: LLM, prompt: list[int]) -> tuple[list[int], list, int, int, int]:
+    """Tokens, log-probs, the prompt tokens taken from the pool and from the tier, and the prompt
+    positions prefilled."""
     before = _stats(llm)
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
     after = _stats(llm)
-    return (out.token_ids, out.logprobs, after["prefix_cache_hits"] - before["prefix_cache_hits"],
-            after["tier_hit_tokens"] - before["tier_hit_tokens"])
+    return (out.token_ids, out.logprobs,
+            *(after[k] - before[k] for k in ("prefix_cache_hits", "tier_hit_tokens",
+                                             "prefill_tokens")))
 
 
 def _stats(llm: LLM) -> dict:
     engine = llm.engine
     if hasattr(engine, "scheduler"):
-        stats = engine.scheduler.stats()
-        return {"prefix_cache_hits": stats.prefix_cache_hits,
-                "tier_hit_tokens": stats.tier_hit_tokens}
+        return dataclasses.asdict(engine.scheduler.stats())
     return engine.stats()
 
 
@@ -60,20 +66,22 @@ def test_recomputed_pooled_tiered_and_restarted_prefixes_give_the_same_bits(base
     llm = LLM(base, **kw)
     assert llm.engine.model.dtype == torch.bfloat16
     computed = _run(llm, PROMPT)
-    assert computed[2:] == (0, 0)
+    assert computed[2:] == (0, 0, len(PROMPT))
     pooled = _run(llm, PROMPT)
-    assert pooled[2:] == (12 * PAGE, 0), "the second run's prefix comes from the pool"
+    assert pooled[2:] == (12 * PAGE, 0, len(PROMPT) - 12 * PAGE), "the prefix from the pool"
     _flush(llm)
     for other in OTHERS:  # the pool (32 pages) evicts PROMPT's pages
         _run(llm, other)
     assert llm.engine.scheduler.cache.peek(tuple(PROMPT)) < 12
     tiered = _run(llm, PROMPT)
     assert tiered[3] > 0 and tiered[2] + tiered[3] == 12 * PAGE, "the rest from the tier"
+    assert tiered[4] == len(PROMPT) - 12 * PAGE, "pages from the tier were prefilled"
     _flush(llm)
     llm.engine.shutdown()
     llm = LLM(base, **kw)  # a restart on the same directory
     restarted = _run(llm, PROMPT)
-    assert restarted[2:] == (0, 12 * PAGE), "after a restart the whole prefix from the tier"
+    assert restarted[2:] == (0, 12 * PAGE, len(PROMPT) - 12 * PAGE), (
+        "after a restart the whole prefix from the tier, only the rest prefilled")
     for name, got in (("pool", pooled), ("tier", tiered), ("restart", restarted)):
         assert got[0] == computed[0], f"{name}: other tokens than computed"
         assert got[1] == computed[1], f"{name}: other log-probs than computed"
@@ -81,7 +89,8 @@ def test_recomputed_pooled_tiered_and_restarted_prefixes_give_the_same_bits(base
 
 
 @pytest.mark.slow
-def test_a_corrupt_page_is_recomputed_and_one_directory_serves_one_engine(base, tmp_path) -> None:
+def test_a_corrupt_page_is_recomputed_and_one_directory_serves_one_engine(tmp_path) -> None:
+    base = _checkpoint(tmp_path / "model")
     kv_dir = tmp_path / "kv"
     kw = dict(kv_cache_dir=str(kv_dir), enforce_eager=True, **ENGINE)
     llm = LLM(base, **kw)
@@ -90,26 +99,50 @@ def test_a_corrupt_page_is_recomputed_and_one_directory_serves_one_engine(base, 
     with pytest.raises(StoreBusy, match="another process uses the KV tier directory"):
         LLM(base, **kw)
     llm.engine.shutdown()
-    files = sorted(kv_dir.glob("*/*/*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    files = sorted(kv_dir.glob("*/*/*.kv"))
     assert len(files) == 12
-    # the pages were written in prompt order: damage the fifth
-    good = files[4].read_bytes()
+    fifth = llm.engine.tier.keys(tuple(PROMPT), {})[4].hex()
+    damaged = next(f for f in files if f.stem == fifth)
+    good = damaged.read_bytes()
     raw = bytearray(good)
     raw[-1] ^= 0xFF
-    files[4].write_bytes(bytes(raw))
+    damaged.write_bytes(bytes(raw))
     llm = LLM(base, **kw)
     again = _run(llm, PROMPT)
     assert again[3] == 4 * PAGE, "pages before the damaged one from the tier, the rest computed"
     assert again[:2] == computed[:2]
     llm.engine.shutdown()
-    assert files[4].read_bytes() == good, "the damaged page was replaced by the recomputed one"
-    # another model (another checkpoint's files) never reads these pages
-    other = add_demo_tokenizer(make_checkpoint(str(tmp_path / "other"), "LlamaForCausalLM",
-                                               torch.bfloat16, seed=7, **SHAPE))
-    llm = LLM(other, **kw)
+    assert damaged.read_bytes() == good, "the damaged page was replaced by the recomputed one"
+    # the checkpoint rewritten in place (other weights, the same path): its pages are never read
+    _checkpoint(tmp_path / "model", seed=7)
+    llm = LLM(base, **kw)
     assert _run(llm, PROMPT)[3] == 0
     llm.engine.shutdown()
     assert len([p for p in kv_dir.iterdir() if p.is_dir()]) == 2, "a store per model"
+
+
+@pytest.mark.slow
+def test_pages_cached_at_a_retraction_are_stored_as_computed(base, tmp_path) -> None:
+    """A pool too small for four long requests at once: decodes retract requests (their prompt and
+    output pages are cached, then evicted and taken by others in the same plan). Each request's
+    prompt + output asked again after a restart reads the tier and answers as an engine without
+    one: every stored page holds the KV it is keyed by."""
+    prompts = [[(13 * i + 7 * j) % 1900 + 5 for i in range(100)] for j in range(4)]
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    kw = dict(ENGINE, enforce_eager=True, num_pages=24)
+    llm = LLM(base, kv_cache_dir=str(tmp_path / "kv"), **kw)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, long, use_tqdm=False)]
+    assert llm.engine.scheduler.stats().num_retractions > 0
+    llm.engine.shutdown()
+    turns = [p + o for p, o in zip(prompts, outs, strict=True)]
+    llm = LLM(base, kv_cache_dir=str(tmp_path / "kv"), **kw)
+    got = [_run(llm, t) for t in turns]
+    assert sum(g[3] for g in got) > 0, "nothing came from the tier"
+    llm.engine.shutdown()
+    plain = LLM(base, **kw)
+    want = [_run(plain, t) for t in turns]
+    plain.engine.shutdown()
+    assert [g[:2] for g in got] == [w[:2] for w in want]
 
 
 @pytest.mark.slow
