@@ -373,10 +373,11 @@ def _cmd_tier(args: argparse.Namespace) -> int:
 
     settings = {"enforce_eager": args.enforce_eager, "page_size": args.page_size} | _placement(args)
     result = run(resolve_bench_model(args.model), args.system_len, args.tenants, args.tenant_len,
-                 args.rounds, log=_log, **settings)
+                 args.rounds, args.index_pages, log=_log, **settings)
     print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
     if args.json:
-        workload = {k: getattr(args, k) for k in ("system_len", "tenants", "tenant_len", "rounds")}
+        workload = {k: getattr(args, k) for k in ("system_len", "tenants", "tenant_len", "rounds",
+                                                  "index_pages")}
         write_json(args.json, "tier", {"settings": settings | workload, "result": result})
     return 0
 
@@ -537,6 +538,8 @@ def _add_tier_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--tenant-len", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a tier file)")
+    p.add_argument("--index-pages", type=int, default=50_000,
+                   help="pages of the store whose index is rebuilt")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
     p.add_argument("--enforce-eager", action="store_true")
     _add_placement_args(p)

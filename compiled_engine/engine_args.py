@@ -140,7 +140,11 @@ def lora_module(text: str) -> tuple[str, str]:
             spec = json.loads(text)
         except json.JSONDecodeError as e:
             raise argparse.ArgumentTypeError(f"--lora-modules: {e}") from None
-        unknown = set(spec) - {"name", "path", "base_model_name"}
+        if "base_model_name" in spec:
+            raise argparse.ArgumentTypeError(
+                "--lora-modules: base_model_name is not supported (an adapter's parent is the "
+                "served model)")
+        unknown = set(spec) - {"name", "path"}
         name, path = spec.get("name"), spec.get("path")
         if unknown or not isinstance(name, str) or not isinstance(path, str):
             raise argparse.ArgumentTypeError(

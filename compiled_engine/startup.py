@@ -209,8 +209,14 @@ def start_lora(config: EngineConfig, model: torch.nn.Module,
         # freezing makes the slot buffers graph constants: a later adapter load would not be seen
         raise ValueError(f"LoRA adapters need compile_mode 'default', not {config.compile_mode!r}")
     slots = LoRASlots(model, config.max_loras, config.max_lora_rank, model.dtype, device)
-    cpu = config.max_cpu_loras if config.max_cpu_loras is not None else 4 * config.max_loras
-    registry = LoRARegistry(slots, max(cpu, len(config.lora_modules)))
+    if config.max_cpu_loras is None:
+        cpu = max(4 * config.max_loras, len(config.lora_modules))
+    elif config.max_cpu_loras < len(config.lora_modules):
+        raise ValueError(f"{len(config.lora_modules)} adapters in --lora-modules, more than "
+                         f"--max-cpu-loras {config.max_cpu_loras}")
+    else:
+        cpu = config.max_cpu_loras
+    registry = LoRARegistry(slots, cpu)
     for name, path in config.lora_modules:
         registry.add(name, path)
     return registry

@@ -6,6 +6,8 @@ that running requests use is not unloaded (400: unload it once they finish)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -13,7 +15,9 @@ from server.handlers import endpoint, json_response, read_json, state_of
 from server.protocol import ProtocolError, check_fields, get_bool, get_int, get_str, require_object
 from server.state import ServerState
 
-LORA_TIMEOUT_S = 120.0  # every rank reads the adapter's file
+# every rank reads the adapter's file; a load not read within 90 s is refused by the ranks
+# (ranks/adapter_wait.py: READ_DEADLINE_S), so a client told it timed out is told the truth
+LORA_TIMEOUT_S = 120.0
 MAX_NAME_CHARS = 256
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
@@ -43,7 +47,11 @@ async def _load(st: ServerState, body: dict) -> str:
     path = _required(body, "lora_path", MAX_PATH_CHARS)
     if name in st.adapters or name in st.model_names:
         raise ProtocolError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-    reply = await st.client.load_lora(name, path, LORA_TIMEOUT_S)
+    try:
+        reply = await st.client.load_lora(name, path, LORA_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"reading the adapter took longer than {LORA_TIMEOUT_S:.0f} s: it is "
+                            "not loaded", "lora_path", status=503, kind="server_error") from None
     if reply.error is not None:
         raise ProtocolError(reply.error, "lora_path", status=reply.status)
     st.adapters[name] = path

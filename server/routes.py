@@ -99,6 +99,8 @@ async def models(request: Request) -> Response:
         "created": st.created,
         "owned_by": "compiled-engine",
         "max_model_len": st.limits.max_context,
+        "root": st.model_name,
+        "parent": None,
     }
     # LoRA adapters as vLLM lists them: their path as root, the base model as parent
     adapters = [card | {"id": name, "root": path, "parent": st.model_name}

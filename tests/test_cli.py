@@ -117,7 +117,9 @@ def test_lora_flags_with_vllm_and_sglang_names(capsys) -> None:
     assert sglang.lora_modules == [("x", "/a/x")] and sglang.max_loras == 8
     assert not engine_config(parser.parse_args([])).enable_lora
     for bad, says in (("sql", "takes name=path"), ('{"name": "x"}', "a string name and path"),
-                      ('{"name": "x", "path": "/p", "rank": 4}', "a string name and path")):
+                      ('{"name": "x", "path": "/p", "rank": 4}', "a string name and path"),
+                      ('{"name": "x", "path": "/p", "base_model_name": "m"}',
+                       "base_model_name is not supported")):
         with pytest.raises(SystemExit):
             parser.parse_args(["--lora-modules", bad])
         assert says in capsys.readouterr().err

@@ -23,9 +23,10 @@ from compiled_engine.models.gguf_checkpoint import (
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def load_gguf_lora(path: str | Path, heads: dict[str, int]) -> AdapterWeights:
+def load_gguf_lora(path: str | Path, heads: dict[str, int], num_layers: int) -> AdapterWeights:
     """The adapter in GGUF file `path`; `heads`: the base model's attention heads of q_proj and
-    k_proj (`LoRASlots.heads`)."""
+    k_proj (`LoRASlots.heads`); `num_layers`: its decoder layers (a block past them is refused
+    before any name is looked up)."""
     import gguf
 
     try:
@@ -44,7 +45,13 @@ def load_gguf_lora(path: str | Path, heads: dict[str, int]) -> AdapterWeights:
     alpha = float(field("adapter.lora.alpha") or 0.0)
     blocks = 1 + max((int(m.group(1)) for t in reader.tensors
                       if (m := _BLOCK.match(t.name))), default=-1)
-    names = hf_tensor_names(str(arch), blocks)
+    if blocks > num_layers:
+        raise AdapterError(f"{path}: a tensor of block {blocks - 1}, the model has {num_layers} "
+                           "layers")
+    try:
+        names = hf_tensor_names(str(arch), blocks)
+    except (KeyError, ValueError) as e:
+        raise AdapterError(f"{path}: architecture {arch!r} is not served ({e})") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for t in reader.tensors:
         base, _, which = t.name.rpartition(".")
@@ -56,7 +63,11 @@ def load_gguf_lora(path: str | Path, heads: dict[str, int]) -> AdapterWeights:
         if module.rsplit(".", 1)[-1] not in TARGET_MODULES:
             raise AdapterError(f"{path}: {module!r} is not among the modules an adapter may "
                                f"target ({', '.join(TARGET_MODULES)})")
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        try:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise AdapterError(f"{path}: tensor {t.name!r} of type {t.tensor_type!r} cannot be "
+                               f"read ({e})") from None
         shape = tuple(int(n) for n in reversed(t.shape))
         pairs.setdefault(module, {})[which] = torch.from_numpy(
             np.array(values, dtype=np.float32)).reshape(shape)

@@ -29,6 +29,8 @@ def load_peft(path: str | Path) -> AdapterWeights:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise AdapterError(f"{config_file}: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_file}: not a JSON object")
     rank, scaling = _check_config(config, config_file)
     try:
         tensors = load_file(tensors_file)

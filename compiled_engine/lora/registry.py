@@ -30,16 +30,19 @@ FILE_SLACK_BYTES = 16 << 20
 
 def read_adapter(path: str, slots: LoRASlots) -> AdapterWeights:
     """An adapter's weights from its folder (PEFT) or GGUF file."""
-    p = Path(path)
-    limit = slots.max_adapter_bytes() + FILE_SLACK_BYTES
-    if p.is_file() and p.suffix == ".gguf":
-        _check_size(p, limit)
-        return load_gguf_lora(p, slots.heads())
-    if not p.exists():
-        raise AdapterError(f"no adapter at {cut(path)!r}")
-    _check_size(p / "adapter_config.json", CONFIG_MAX_BYTES)
-    _check_size(p / "adapter_model.safetensors", limit)
-    return load_peft(p)
+    try:
+        p = Path(path)
+        limit = slots.max_adapter_bytes() + FILE_SLACK_BYTES
+        if p.is_file() and p.suffix == ".gguf":
+            _check_size(p, limit)
+            return load_gguf_lora(p, slots.heads(), slots.num_layers)
+        if not p.exists():
+            raise AdapterError(f"no adapter at {cut(path)!r}")
+        _check_size(p / "adapter_config.json", CONFIG_MAX_BYTES)
+        _check_size(p / "adapter_model.safetensors", limit)
+        return load_peft(p)
+    except OSError as e:  # a name too long, a folder it may not enter, ...
+        raise AdapterError(f"cannot read the adapter at {cut(path)!r}: {e.strerror or e}") from None
 
 
 def _check_size(file: Path, limit: int) -> None:

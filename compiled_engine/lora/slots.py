@@ -51,6 +51,7 @@ class LoRASlots:
             layer.lora_b = torch.zeros(max_loras + 1, width, layer.out_features, dtype=dtype,
                                        device=device)
         self.layers = list(model.lora_linears().values())
+        self.num_layers = getattr(model, "num_layers", 0)  # decoder layers (a GGUF's blocks)
 
     def heads(self) -> dict[str, int]:
         """Attention heads of q_proj and k_proj (all ranks'): a GGUF adapter's rows of them come

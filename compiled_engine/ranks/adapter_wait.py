@@ -6,19 +6,24 @@ long. Every rank starts the read (a thread) when `LoadLora` arrives; when rank 0
 finished, rank 0 sends `AdaptersRead` with the next inputs, and every rank then serves the adapter
 at the same step (a rank whose own read is behind waits for it there). With several ranks they
 agree first: one rank's failure (its disk) is every rank's, so that all serve the same adapters.
+A load rank 0 has not read within `READ_DEADLINE_S` of its arrival is refused by every rank (the
+server stops waiting for the answer after that: what it says then stays true).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from compiled_engine.ranks.messages import LoadLora, LoraReply
+
+READ_DEADLINE_S = 90.0  # less than the server's wait for the answer (server/lora_routes.py)
 
 
 class AdapterWait:
     def __init__(self, engine) -> None:
         self._engine = engine
-        self._reads: dict[int, tuple[LoadLora, Future]] = {}
+        self._reads: dict[int, tuple[LoadLora, Future, float]] = {}  # token -> its read, start
         self._pool: ThreadPoolExecutor | None = None  # one thread: reads queue behind each other
 
     def __len__(self) -> int:
@@ -29,21 +34,33 @@ class AdapterWait:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         read = self._pool.submit(self._engine.read_lora, msg.name, msg.path)
-        self._reads[msg.token] = (msg, read)
+        self._reads[msg.token] = (msg, read, time.monotonic())
 
-    def ready(self) -> tuple[int, ...]:
-        """The loads whose read has finished here, in arrival order (rank 0 sends them on)."""
-        return tuple(token for token, (_, future) in self._reads.items() if future.done())
+    def ready(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rank 0: the loads read here, and those past the deadline, in arrival order."""
+        now = time.monotonic()
+        late = tuple(t for t, (_, _, start) in self._reads.items() if now - start > READ_DEADLINE_S)
+        read = tuple(t for t, (_, future, _) in self._reads.items()
+                     if future.done() and t not in late)
+        return read, late
 
-    def serve(self, tokens: tuple[int, ...], control) -> list[LoraReply]:
-        """Serve the adapters of `tokens` (each rank waits for its own read), or answer why not."""
+    def serve(self, tokens: tuple[int, ...], late: tuple[int, ...], control) -> list[LoraReply]:
+        """Serve the adapters of `tokens` (each rank waits for its own read), or answer why not;
+        refuse those of `late`."""
         replies = []
+        for token in late:
+            msg, _, _ = self._reads.pop(token)
+            replies.append(LoraReply(token, f"reading the adapter at {msg.path[:200]!r} took "
+                                     f"longer than {READ_DEADLINE_S:.0f} s: it is not loaded", 503))
         for token in tokens:
-            msg, future = self._reads.pop(token)
+            msg, future, _ = self._reads.pop(token)
             try:
                 weights, error = future.result(), None
             except ValueError as e:  # AdapterError: nothing changed
                 weights, error = None, str(e)
+            except Exception as e:  # noqa: BLE001 - whatever a file does to a reader: a 400
+                weights, error = None, (f"cannot read the adapter at {msg.path[:200]!r}: "
+                                        f"{type(e).__name__}: {str(e)[:300]}")
             error = _agreed(error, control)
             if error is None:
                 try:

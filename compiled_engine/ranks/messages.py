@@ -85,9 +85,10 @@ class TierRead:
 @dataclass(slots=True)
 class AdaptersRead:
     """These `LoadLora`s' adapters have been read (or failed to) on rank 0: every rank now serves
-    them, at the same step (`adapter_wait`)."""
+    them, at the same step, and refuses the `late` ones (`adapter_wait`)."""
 
     tokens: tuple[int, ...]
+    late: tuple[int, ...] = ()
 
 
 # ---- rank 0 -> server ----------------------------------------------------------------------------

@@ -200,10 +200,12 @@ def _receive(engine, conn: Connection | None, waits: Waits, control
                     msg.tier_span = _tier_span(engine, waits.tiers, msg)
                 (local if isinstance(msg, StatsRequest) else inputs).append(msg)
             timeout = 0.0
-        for ready, message in ((waits.tiers.ready(), TierRead), (waits.grammars.ready(), Admit),
-                               (waits.adapters.ready(), AdaptersRead)):
+        for ready, message in ((waits.tiers.ready(), TierRead), (waits.grammars.ready(), Admit)):
             if ready:
                 inputs.append(message(ready))
+        read, late = waits.adapters.ready()
+        if read or late:
+            inputs.append(AdaptersRead(read, late))
     if control is not None:
         import torch.distributed as dist
 
@@ -252,7 +254,7 @@ def _apply(engine, waits: Waits, control, msg: object, events: list) -> None:
     elif isinstance(msg, LoadLora):
         waits.adapters.start(msg)
     elif isinstance(msg, AdaptersRead):
-        events.extend(waits.adapters.serve(msg.tokens, control))
+        events.extend(waits.adapters.serve(msg.tokens, msg.late, control))
     elif isinstance(msg, UnloadLora):
         events.append(_unload(engine, msg))
     else:

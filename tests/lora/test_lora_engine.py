@@ -78,6 +78,15 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(setup, tmp_path) -> None:
     os.truncate(huge / "adapter_model.safetensors", 1 << 40)  # sparse: refused unread
     huge_config = Path(make_adapter(base, str(tmp_path / "huge-config"), ["q_proj"], 4))
     os.truncate(huge_config / "adapter_config.json", 1 << 30)
+    far = str(tmp_path / "far.gguf")  # a block far past the model's layers: refused, not walked to
+    writer = gguf.GGUFWriter(far, "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_tensor("blk.2000000000.attn_q.weight.lora_a", np.zeros((4, 128), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     huge_gguf = tmp_path / "huge.gguf"
     huge_gguf.touch()
     os.truncate(huge_gguf, 1 << 40)
@@ -93,6 +102,7 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(setup, tmp_path) -> None:
         str(huge_config): "has 1073741824 bytes, more than an adapter of this model can",
         str(huge_gguf): "has 1099511627776 bytes, more than an adapter of this model can",
         "/dev/zero": "no adapter_config.json",
+        far: "a tensor of block 2000000000, the model has 2 layers",
     }
     before = llm.engine.lora_paths()
     for path, message in cases.items():

@@ -46,6 +46,7 @@ def test_requests_pick_their_adapter(served) -> None:
     with server.http() as http:
         models = http.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == [base, "a"]
+        assert (models[0]["root"], models[0]["parent"]) == (base, None)
         assert models[1]["root"] == paths["a"] and models[1]["parent"] == base
         assert _tokens(http, "a") == refs["a"]
         assert _tokens(http, f"{base}:a") == refs["a"]  # SGLang's base:adapter
@@ -112,6 +113,14 @@ def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_p
                                                      "lora_path": paths["b"]})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "'lora_name' has 10000 characters, more than 256"
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text("[]")
+        (broken / "adapter_model.safetensors").write_bytes(b"")
+        for path, says in ((str(broken), "not a JSON object"),
+                           ("/tmp/" + "x" * 300, "cannot read the adapter at")):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
         r = http.post("/unload_lora_adapter", json={"lora_name": "never-loaded"})
         assert r.status_code == 400 and r.json()["success"] is False  # SGLang: every failure
         assert http.get("/v1/models").json() == before
@@ -123,7 +132,9 @@ def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_p
             next(line for line in lines if line.startswith("data: "))
             r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
             assert r.status_code == 400 and "in use" in r.json()["error"]["message"]
-            assert sum(1 for _ in lines) > 0  # the stream goes on to its end
+            rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2].replace(
+                " ", ""), "the stream goes on to its end"
         assert http.get("/v1/models").json() == before
         assert _tokens(http, "a") == refs["a"]
         assert wait_idle(http)["integrity_error"] is None
