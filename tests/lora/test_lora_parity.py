@@ -66,7 +66,23 @@ def test_fp32_greedy_equals_peft_alone_and_mixed(fp32_llm, adapters) -> None:
     names = [*requests, None]
     prompts = [p for _ in names for p in PROMPTS]
     loras = [requests.get(n) for n in names for _ in PROMPTS]
-    mixed = [o.outputs[0] for o in fp32_llm.generate(prompts, GREEDY, lora_request=loras)]
+    sched = fp32_llm.engine.scheduler
+    mixes: list[tuple[int, bool]] = []  # per step: distinct adapters, whether a base row ran too
+
+    def schedule(plan=sched.schedule):
+        step = plan()
+        if step is not None:
+            slots = [r.lora_slot for r in step.reqs]
+            mixes.append((len({s for s in slots if s >= 0}), -1 in slots))
+        return step
+
+    sched.schedule = schedule
+    try:
+        mixed = [o.outputs[0] for o in fp32_llm.generate(prompts, GREEDY, lora_request=loras)]
+    finally:
+        del sched.schedule
+    assert any(n == 2 for n, _ in mixes), "no step ran two adapters together"
+    assert any(n and base for n, base in mixes), "no step ran an adapter with the base model"
     exact = fp32_llm.engine.config.deterministic
     for i, out in enumerate(mixed):
         name, p = names[i // len(PROMPTS)], i % len(PROMPTS)
