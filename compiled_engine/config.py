@@ -64,6 +64,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    # "fcfs" or "priority" (vLLM's --scheduling-policy: requests' `priority`, lower is sooner,
+    # aged by one per 64 steps waited; a waiting request preempts running ones of a worse rank)
+    scheduling_policy: str = "fcfs"
     # The KV tier (compiled_engine.kv_tier): prefix-cache pages kept on local disk under this
     # directory, at most `kv_cache_disk_gb` GB of them (None: no tier)
     kv_cache_dir: str | None = None

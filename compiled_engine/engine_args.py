@@ -87,6 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}\' (README, '
         '"Scaling out")',
     )
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                   default=EngineConfig.scheduling_policy,
+                   help="fcfs: arrival order; priority: requests' `priority` (lower is sooner, "
+                   "aged while waiting), preempting running requests of a worse rank")
     lora = p.add_argument_group("LoRA adapters (README, \"LoRA adapters\")")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters: each request names its own (its `model`)")
@@ -188,6 +192,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=list(args.lora_modules),
         kv_cache_dir=_kv_cache_dir(args),
+        scheduling_policy=args.scheduling_policy,
         kv_cache_disk_gb=args.kv_cache_disk_gb,
     )
 

@@ -81,6 +81,7 @@ SAMPLING_RANGES: dict[str, Range] = {
     "n": Range(1, 64),
     "logprobs": Range(0, 20),  # top alternatives per token (vLLM's default max_logprobs)
     "prompt_logprobs": Range(0, 20),
+    "priority": Range(-(2**31), 2**31 - 1),
 }
 OPTIONAL = frozenset({"logprobs", "prompt_logprobs"})
 # A logit_bias value over the API (OpenAI's range); offline any bias is allowed, -inf included.
@@ -107,6 +108,8 @@ class SamplingParams:
     pooling: str | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # priority scheduling (`--scheduling-policy priority`): lower is sooner, as vLLM's
+    priority: int = 0
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
@@ -126,6 +129,7 @@ class SamplingParams:
             self.ignore_eos,
             self.structured is not None,
             self.prompt_logprobs is not None or self.pooling == "mean",
+            priority=self.priority,
         )
 
     def validate(self) -> None:

@@ -268,6 +268,7 @@ def build_engine(
             vocab_size=hf_config.vocab_size,
             speculative=speculative.ledger() if speculative is not None else None,
             max_loras=config.max_loras if lora is not None else 0,
+            policy=config.scheduling_policy,
         ),
     )
     runner = ModelRunner(

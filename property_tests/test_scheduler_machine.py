@@ -175,6 +175,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             host_pages, priority):
         rid = f"r{self.count}"
         self.count += 1
+        if self.cfg.policy == "fcfs":
+            priority = 0  # refused there (tests/scheduler/test_priority.py)
         prompt = self.bases[base][:keep] + suffix
         sp = LedgerParams(
             max_tokens=max_tokens,

@@ -30,7 +30,9 @@ SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n",
     # keep a matched stop string in the output: vLLM's name, and SGLang's (which routers send)
-    "include_stop_str_in_output", "no_stop_trim"})
+    "include_stop_str_in_output", "no_stop_trim",
+    # vLLM's request priority (lower is sooner; SGLang's /generate takes it at the top level)
+    "priority"})
 # Fields the field's routers (sglang-router, vllm-router) add to every request they forward,
 # accepted where they ask for what this server does anyway (any other value: a 400 naming it).
 # Reasoning separation asks for nothing here: no reasoning parser runs (as in SGLang and vLLM
@@ -62,7 +64,8 @@ CHAT_FIELDS = _COMMON_FIELDS | set(CHAT_ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "parallel_tool_calls",
 }
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model",
-                           "return_text_in_logprobs", "lora_path", *NATIVE_ROUTER_DEFAULTS})
+                           "return_text_in_logprobs", "lora_path", "priority",
+                           *NATIVE_ROUTER_DEFAULTS})
 NATIVE_SAMPLING_FIELDS = SAMPLING_FIELDS | {
     "max_new_tokens",
     "max_tokens",
@@ -266,6 +269,7 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         or get_bool(body, "no_stop_trim", False),
         n=sampling_int(body, "n", 1),
         structured=structured,
+        priority=get_int(body, "priority", 0, -(2**31), 2**31 - 1),
     )
 
 
@@ -551,6 +555,8 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     structured, structured_param = native_constraint(sp)
     params = sampling_params(sp, limits, logprobs, structured)
     params.prompt_logprobs = sampling_int(sp, "prompt_logprobs", None)
+    if body.get("priority") is not None:  # SGLang's place for it
+        params.priority = get_int(body, "priority", 0, -(2**31), 2**31 - 1)
     req = GenerationRequest(
         params=params,
         max_tokens=get_int(sp, name, None, 0, 2**63),

@@ -42,6 +42,7 @@ class RemoteEngine:
         self._tokens = itertools.count()
         self._closed = False
         self._adapters = dict(config.lora_modules)  # the LoRA adapters served: name -> path
+        self._policy = config.scheduling_policy
 
     def read_tier(self, prompt_ids: list[int], lora_name: str | None = None) -> None:
         """None: the ranks read their KV tiers themselves (`ranks.tier_wait`)."""
@@ -66,6 +67,7 @@ class RemoteEngine:
             ready.max_context,
             ready.capacity_tokens,
             ready.vocab_size,
+            policy=self._policy,
         )
         if lora_name is not None and lora_name not in self._adapters:
             raise ValueError(f"request {rid!r}: no LoRA adapter named {lora_name!r} is loaded")

@@ -27,7 +27,7 @@ from compiled_engine.scheduler.kv_book import KvBook
 from compiled_engine.scheduler.plan import ReqStep, StepOutput, StepPlan, TokenEvent
 from compiled_engine.scheduler.prefill import PrefillPlanner
 from compiled_engine.scheduler.prefix_cache import PrefixCache
-from compiled_engine.scheduler.priority import rank, worst
+from compiled_engine.scheduler.priority import preempts, rank, worst
 from compiled_engine.scheduler.request import (
     LedgerParams,
     Request,
@@ -114,7 +114,7 @@ class Scheduler:
         prompt = tuple(prompt_token_ids)
         cfg = self.config
         check_request(rid, prompt, params, cfg.max_context, cfg.capacity_tokens, cfg.vocab_size,
-                      cfg.max_loras)
+                      cfg.max_loras, cfg.policy)
         if rid in self.live:
             raise RequestRejected(f"request {rid!r}: a live request already has this id")
         stop_ids = frozenset(params.stop_token_ids)
@@ -199,8 +199,8 @@ class Scheduler:
 
     def _preempt(self, step: int) -> None:
         """Retract the running request of the worst rank if the best waiting request cannot be
-        admitted now and ranks before it (one per step: its pages may come back only once the
-        steps in flight commit)."""
+        admitted now and may preempt it (`priority.preempts`; one per step: its pages may come
+        back only once the steps in flight commit)."""
         aging = self.config.aging_steps
         head = min(self.prefills.waiting, key=lambda r: rank(r, step, aging), default=None)
         if head is None or head.last_step > self.book.committed:
@@ -208,7 +208,7 @@ class Scheduler:
         if not self.prefills.blocked(head, self.running):
             return
         victim = worst(self.running, step, aging)
-        if victim is not None and rank(victim, step, aging) > rank(head, step, aging):
+        if victim is not None and preempts(head, victim, step, aging):
             self.decodes.retract(victim)
             self.num_preemptions += 1
 

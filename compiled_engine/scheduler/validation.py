@@ -21,6 +21,7 @@ def check_request(
     capacity_tokens: int,
     vocab_size: int | None,
     max_loras: int = 0,
+    policy: str = "fcfs",
 ) -> None:
     """Raise RequestRejected naming the first problem: bad ledger parameters (the engine checks the
     sampler's); an empty prompt; token ids the model cannot embed (`vocab_size` None: only negative
@@ -31,6 +32,9 @@ def check_request(
         raise RequestRejected(f"request {rid!r}: {e}") from None
     if params.adapter and not max_loras:
         raise RequestRejected(f"request {rid!r}: this engine serves no LoRA adapters")
+    if params.priority and policy != "priority":
+        raise RequestRejected(f"request {rid!r}: got priority {params.priority} but priority "
+                              "scheduling is not enabled (--scheduling-policy priority)")
     n = len(prompt)
     if n == 0:
         raise RequestRejected(
