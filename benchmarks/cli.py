@@ -382,6 +382,20 @@ def _cmd_tier(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_priority(args: argparse.Namespace) -> int:
+    from benchmarks.priority import run
+
+    settings = {"enforce_eager": args.enforce_eager, "max_running": args.max_running} | _placement(
+        args)
+    result = run(resolve_bench_model(args.model), args.low, args.prompt_len, args.low_tokens,
+                 args.rounds, log=_log, **settings)
+    print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
+    if args.json:
+        workload = {k: getattr(args, k) for k in ("low", "prompt_len", "low_tokens", "rounds")}
+        write_json(args.json, "priority", {"settings": settings | workload, "result": result})
+    return 0
+
+
 def _lora_workload(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("adapters", "rank", "requests", "prompt_len",
                                           "output_len", "rounds", "peft_requests")}
@@ -525,6 +539,25 @@ def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
     _add_router_parser(kinds)
     _add_lora_parser(kinds)
     _add_tier_parser(kinds)
+    _add_priority_parser(kinds)
+
+
+def _add_priority_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "priority",
+        help="time to the first token of a high-priority request, idle and under a saturating "
+        "low-priority load, priority scheduling vs fcfs",
+    )
+    p.add_argument("--model", default="bench")
+    p.add_argument("--low", type=int, default=48, help="low-priority requests (more than run)")
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--low-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
+    p.add_argument("--enforce-eager", action="store_true")
+    _add_placement_args(p)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=_cmd_priority)
 
 
 def _add_tier_parser(kinds: argparse._SubParsersAction) -> None:

@@ -142,9 +142,12 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     k times; a step's padding rows, which run through the experts too, included: eager, one per
     prefill step), and /metrics shows each layer's experts' totals and their relative loads."""
     from compiled_engine.layers.moe import expert_load
+    from compiled_engine.ranks.adapter_wait import AdapterWait
     from compiled_engine.ranks.grammar_wait import GrammarWait
     from compiled_engine.ranks.messages import StatsRequest
+    from compiled_engine.ranks.rank_loop import Waits
     from compiled_engine.ranks.rank_loop import _stats as rank_stats
+    from compiled_engine.ranks.tier_wait import TierWait
     from server.metrics import Metrics
 
     path, _ = fp32_checkpoint
@@ -158,7 +161,9 @@ def test_expert_load_counts_every_routed_token_and_reaches_metrics(fp32_checkpoi
     assert computed * k <= sum(load[1]) <= (computed + llm.engine.steps) * k
     assert sum(load[1]) % k == 0
     metrics = Metrics()  # fed as the server feeds it: rank 0's stats reply
-    stats = rank_stats(llm.engine, GrammarWait(llm.engine.features.grammars), StatsRequest(0)).stats
+    waits = Waits(GrammarWait(llm.engine.features.grammars), AdapterWait(llm.engine),
+                  TierWait(llm.engine))
+    stats = rank_stats(llm.engine, waits, StatsRequest(0)).stats
     assert stats["expert_tokens"] == load
     metrics.set_engine_stats(stats, 0)
     text = metrics.render().decode()
