@@ -93,6 +93,11 @@ def create_app(config: ServerConfig) -> Starlette:
         *(Route(path, info_routes.server_info, methods=["GET"])
           for path in ("/server_info", "/get_server_info")),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", responses.response_input_items,
+              methods=["GET"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/get_load", info_routes.get_load, methods=["GET"]),
         Route("/kv_event_sources", info_routes.kv_event_sources, methods=["GET"]),

@@ -42,6 +42,7 @@ from server.protocol import (
     parse_chat,
     require_object,
 )
+from server.response_store import Stored
 
 IDS = ("user", "safety_identifier", "prompt_cache_key")  # ids that ask for no behaviour
 # accepted with the value that asks for nothing more than the server does anyway
@@ -241,8 +242,9 @@ async def responses(request: Request) -> Response:
     _check_plain_fields(body)
     want_stream, keep = get_bool(body, "stream", False), get_bool(body, "store", True)
     previous = body.get("previous_response_id")
-    conversation = [*(st.responses.get(previous) if previous is not None else []),
+    conversation = [*(st.responses.get(previous).messages if previous is not None else []),
                     *_input_messages(body.get("input"))]
+    input_items = _input_items(body["input"])
     chat = _chat_body(body, conversation)
     try:
         req = parse_chat(chat, st.limits)
@@ -255,18 +257,91 @@ async def responses(request: Request) -> Response:
         raise ProtocolError(str(e), "input") from None
     rid, created = f"resp_{uuid.uuid4().hex}", time.time()
 
-    def finish() -> _Answer:
-        answer = _answer(st, req, gen)
+    def finish(answer: _Answer, response: dict) -> None:
         if keep:
-            st.responses.put(rid, [*conversation, answer.message])
-        return answer
+            st.responses.put(rid, Stored([*conversation, answer.message], response, input_items))
 
     if not want_stream:
         await collect(request, st, gen)
-        a = finish()
-        return json_response(_response(st, body, req, rid, created, a.status, a.items, gen,
-                                       a.error))
+        a = _answer(st, req, gen)
+        out = _response(st, body, req, rid, created, a.status, a.items, gen, a.error)
+        finish(a, out)
+        return json_response(out)
     return await _stream(st, body, req, gen, rid, created, finish)
+
+
+def _input_items(value: object) -> list[dict]:
+    """`input` (checked by `_input_messages`) as the input items a retrieve lists, with ids."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for item in value:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            item["content"] = [{"type": "input_text", "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+        items.append({"id": f"{prefix[item['type']]}_{uuid.uuid4().hex}", **item})
+    return items
+
+
+@endpoint("responses")
+async def retrieve_response(request: Request) -> Response:
+    """OpenAI's `GET /v1/responses/{id}`: the stored response as it was answered."""
+    st = state_of(request)
+    return json_response(st.responses.get(request.path_params["response_id"], None).response)
+
+
+@endpoint("responses")
+async def delete_response(request: Request) -> Response:
+    st = state_of(request)
+    rid = request.path_params["response_id"]
+    st.responses.get(rid, None)  # 404 when absent
+    st.responses.delete(rid)
+    return json_response({"id": rid, "object": "response", "deleted": True})
+
+
+@endpoint("responses")
+async def cancel_response(request: Request) -> Response:
+    """Only a background response can be cancelled; this server runs none in the background (a
+    request's `background: true` is refused), so a stored response is answered as OpenAI answers
+    a finished one."""
+    st = state_of(request)
+    st.responses.get(request.path_params["response_id"], None)
+    raise ProtocolError("Cannot cancel a synchronous response.", None, 400)
+
+
+@endpoint("responses")
+async def response_input_items(request: Request) -> Response:
+    """OpenAI's `GET /v1/responses/{id}/input_items`: the request's input items, newest first
+    (`order=asc` oldest first), `limit` (1..100, default 20) after the id `after`."""
+    st = state_of(request)
+    items = list(st.responses.get(request.path_params["response_id"], None).input_items)
+    query = request.query_params
+    unknown = set(query) - {"order", "limit", "after", "include"}
+    if unknown:
+        raise ProtocolError(f"unknown query parameter {sorted(unknown)[0]!r}", sorted(unknown)[0])
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ProtocolError("'order' must be 'asc' or 'desc'", "order")
+    if order == "desc":
+        items.reverse()
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = -1
+    if not 1 <= limit <= 100:
+        raise ProtocolError("'limit' must be an integer in [1, 100]", "limit")
+    after = query.get("after")
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise ProtocolError(f"no input item {after[:64]!r} in this response", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return json_response({"object": "list", "data": page,
+                          "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None,
+                          "has_more": len(items) > limit})
 
 
 async def _stream(st, body, req, gen, rid, created, finish) -> Response:
@@ -304,7 +379,7 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
                      content_index=0, delta=d.text, logprobs=[])
 
     def tail() -> list[str]:
-        answer = finish()
+        answer = _answer(st, req, gen)
         events: list[dict] = []
         for i, item in enumerate(answer.items):
             if item["type"] == "message":
@@ -337,7 +412,9 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
             events.append(event("response.output_item.done", output_index=i, item=item))
         done = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
             answer.status, "response.completed")
-        events.append(event(done, response=snapshot(answer.status, answer.items, answer)))
+        final = snapshot(answer.status, answer.items, answer)
+        finish(answer, final)
+        events.append(event(done, response=final))
         return [sse(e) for e in events]
 
     def failed(message: str) -> list[str]:

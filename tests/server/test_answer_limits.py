@@ -9,7 +9,7 @@ import pytest
 from compiled_engine.sampling_params import SamplingParams
 from server.generation import MAX_LOGPROB_ENTRIES, check_answer_size
 from server.request_errors import ProtocolError
-from server.response_store import ResponseStore
+from server.response_store import ResponseStore, Stored
 
 
 def test_an_answer_beyond_the_logprob_limit_is_a_400() -> None:
@@ -28,7 +28,7 @@ def test_an_answer_beyond_the_logprob_limit_is_a_400() -> None:
 
 def test_the_response_store_is_bounded_in_bytes() -> None:
     store = ResponseStore(capacity=100, capacity_bytes=10_000)
-    message = [{"role": "assistant", "content": "x" * 1000}]
+    message = Stored([{"role": "assistant", "content": "x" * 1000}], {"id": "r"}, [])
     for i in range(30):
         store.put(f"r{i}", message)
     assert store.nbytes <= 10_000
@@ -36,7 +36,9 @@ def test_the_response_store_is_bounded_in_bytes() -> None:
         store.get("r0")
     assert gone.value.status == 404
     assert store.get("r29") == message
-    store.put("huge", [{"role": "assistant", "content": "x" * 20_000}])  # alone over the bound
+    huge = Stored([{"role": "assistant", "content": "x" * 20_000}], {}, [])  # alone over the bound
+    store.put("huge", huge)
     with pytest.raises(ProtocolError):
         store.get("huge")
     assert store.get("r29") == message and store.nbytes <= 10_000
+    assert store.delete("r29") and not store.delete("r29")

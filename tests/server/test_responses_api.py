@@ -2,7 +2,9 @@
 not: text input and message lists with `instructions` (the same answer as the chat endpoint on the
 same conversation), `text.format` (a JSON schema the answer follows), a function tool (a forced call
 becomes a `function_call` item), `previous_response_id` (the stored conversation continues), and
-the 400s / 404 of what it does not take."""
+the 400s / 404 of what it does not take; a stored response retrieved (as answered, streamed or
+not), its input items listed and paged, deleted, and a cancel refused as OpenAI refuses it for a
+response that is not in the background."""
 
 from __future__ import annotations
 
@@ -181,3 +183,36 @@ def test_an_engine_error_mid_stream_is_response_failed(server: RunningServer,
     assert failed.status == "failed" and failed.error.message == "the engine went away"
     again = client.responses.create(model="demo", input="hi", max_output_tokens=4)
     assert again.status in ("completed", "incomplete")
+
+
+def test_a_stored_response_is_retrieved_listed_deleted_and_not_cancelled(client: OpenAI) -> None:
+    out = client.responses.create(
+        model="demo", instructions="Be brief.", max_output_tokens=6, temperature=0,
+        input=[{"role": "user", "content": "Name a color."},
+               {"role": "assistant", "content": "Blue."},
+               {"role": "user", "content": [{"type": "input_text", "text": "Another?"}]}])
+    got = client.responses.retrieve(out.id)
+    assert got.model_dump() == out.model_dump()
+    items = client.responses.input_items.list(out.id, order="asc")
+    assert [i.role for i in items.data] == ["user", "assistant", "user"]
+    assert [i.content[0].text for i in items.data] == ["Name a color.", "Blue.", "Another?"]
+    newest = client.responses.input_items.list(out.id, limit=1)
+    assert newest.data[0].content[0].text == "Another?" and newest.has_more
+    after = client.responses.input_items.list(out.id, limit=5, after=newest.data[0].id)
+    assert [i.content[0].text for i in after.data] == ["Blue.", "Name a color."]
+    assert not after.has_more
+    with pytest.raises(BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(out.id)
+    streamed = list(client.responses.create(model="demo", input="Hi", max_output_tokens=4,
+                                            temperature=0, stream=True))
+    final = streamed[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    client.responses.delete(out.id)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(out.id)
+    with pytest.raises(NotFoundError):
+        client.responses.delete(out.id)
+    unstored = client.responses.create(model="demo", input="Hi", max_output_tokens=2,
+                                       store=False)
+    with pytest.raises(NotFoundError):
+        client.responses.input_items.list(unstored.id)
