@@ -62,6 +62,7 @@ CHAT_FIELDS = _COMMON_FIELDS | set(CHAT_ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "prompt_logprobs",
 }
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model",
                            "return_text_in_logprobs", "lora_path", "priority",
@@ -113,6 +114,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] | None = None
     logprobs: bool = False
     tools: ToolRequest | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the templated prompt's tokens' log-probs
 
 
 # ---- field readers -------------------------------------------------------------------------------
@@ -435,7 +437,12 @@ def parse_chat(body: object, limits: Limits) -> ChatRequest:
         messages=_messages(body),
         logprobs=want,
         tools=parse_tool_request(body),
+        prompt_logprobs=sampling_int(body, "prompt_logprobs", None),
     )
+    if req.prompt_logprobs is not None and req.stream:
+        raise ProtocolError("'prompt_logprobs' is not supported with 'stream' on chat "
+                            "completions", "prompt_logprobs")
+    req.params.prompt_logprobs = req.prompt_logprobs
     forced = req.tools.constraint() if req.tools is not None else None
     if forced is not None:
         if req.params.structured is not None:

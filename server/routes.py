@@ -196,7 +196,12 @@ async def chat_completions(request: Request) -> Response:
                     "logprobs": chat_logprobs(whole(c), token_text) if req.logprobs else None,
                 }
             )
-        return json_response(base | {"choices": choices, "usage": usage(gen)})
+        extra = {}
+        if req.prompt_logprobs is not None:  # vLLM's place: the response, for the one prompt
+            first = gen.choices[0]
+            extra["prompt_logprobs"] = prompt_logprobs(first.prompt_ids, first.prompt_logprobs,
+                                                       req.prompt_logprobs, token_text)
+        return json_response(base | {"choices": choices, "usage": usage(gen)} | extra)
 
     base["object"] = "chat.completion.chunk"
     head = [

@@ -1,4 +1,5 @@
-"""`prompt_logprobs` (vLLM's field: completions and /generate) and `echo` with `logprobs` through
+"""`prompt_logprobs` (vLLM's field: completions, chat completions and /generate) and `echo` with
+`logprobs` through
 the served demo model (compiled, fp32, as `serve` runs it) against transformers fp32 on the same
 checkpoint: the prompt tokens' log-probs as transformers computes them, the same alone, in a batch,
 streamed or not, and with the prompt already in the prefix cache (such a request recomputes its
@@ -144,8 +145,23 @@ def test_bad_prompt_logprobs_are_400s(server, value) -> None:
         r = http.post("/v1/completions", json={"model": "demo", "prompt": "Hi", "max_tokens": 1,
                                                 "prompt_logprobs": value})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
-        # chat does not take it (a 400 naming it, as every field it does not implement)
         r = http.post("/v1/chat/completions", json={
             "model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "prompt_logprobs": 1})
-        assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+            "prompt_logprobs": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(server, hf_logprobs) -> None:
+    """vLLM's chat field: the response's `prompt_logprobs` are the templated prompt's, as
+    transformers scores those tokens; with `stream` it is a 400 (not silently dropped)."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    with server.http() as http:
+        ids = http.post("/tokenize", json={"model": "demo", "messages": messages}).json()["tokens"]
+        r = http.post("/v1/chat/completions", json={"model": "demo", "messages": messages,
+                                                     "max_tokens": 1, "prompt_logprobs": 2})
+        assert r.status_code == 200, r.text
+        check_against(r.json()["prompt_logprobs"], ids, hf_logprobs(ids), 2)
+        r = http.post("/v1/chat/completions", json={"model": "demo", "messages": messages,
+                                                     "max_tokens": 1, "prompt_logprobs": 2,
+                                                     "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
