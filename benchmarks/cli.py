@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.datasets import (
@@ -357,48 +358,45 @@ def _cmd_speculative(args: argparse.Namespace) -> int:
 def _cmd_lora(args: argparse.Namespace) -> int:
     from benchmarks.lora import run
 
-    settings = {"enforce_eager": args.enforce_eager} | _placement(args)
+    settings = _run_settings(args)
     result = run(resolve_bench_model(args.model), args.adapters, args.rank, args.requests,
                  args.prompt_len, args.output_len, args.rounds, args.peft_requests, log=_log,
                  **settings)
-    print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
-    if args.json:
-        write_json(args.json, "lora", {"settings": settings | _lora_workload(args),
-                                       "result": result})
-    return 0
+    return _report(args, "lora", settings, ("adapters", "rank", "requests", "prompt_len",
+                                            "output_len", "peft_requests"), result)
 
 
 def _cmd_tier(args: argparse.Namespace) -> int:
     from benchmarks.kv_tier import run
 
-    settings = {"enforce_eager": args.enforce_eager, "page_size": args.page_size} | _placement(args)
+    settings = _run_settings(args) | {"page_size": args.page_size}
     result = run(resolve_bench_model(args.model), args.system_len, args.tenants, args.tenant_len,
                  args.rounds, args.index_pages, log=_log, **settings)
-    print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
-    if args.json:
-        workload = {k: getattr(args, k) for k in ("system_len", "tenants", "tenant_len", "rounds",
-                                                  "index_pages")}
-        write_json(args.json, "tier", {"settings": settings | workload, "result": result})
-    return 0
+    return _report(args, "tier", settings, ("system_len", "tenants", "tenant_len", "index_pages"),
+                   result)
 
 
 def _cmd_priority(args: argparse.Namespace) -> int:
     from benchmarks.priority import run
 
-    settings = {"enforce_eager": args.enforce_eager, "max_running": args.max_running} | _placement(
-        args)
+    settings = _run_settings(args) | {"max_running": args.max_running}
     result = run(resolve_bench_model(args.model), args.low, args.prompt_len, args.low_tokens,
                  args.rounds, log=_log, **settings)
+    return _report(args, "priority", settings, ("low", "prompt_len", "low_tokens"), result)
+
+
+def _run_settings(args: argparse.Namespace) -> dict:
+    return {"enforce_eager": args.enforce_eager} | _placement(args)
+
+
+def _report(args: argparse.Namespace, kind: str, settings: dict, workload: tuple[str, ...],
+            result: dict) -> int:
+    """Print a side-by-side benchmark's measures; with --json, write them with its settings."""
     print(table(["measure", "value"], [[k, round(v, 3)] for k, v in result.items()]))
     if args.json:
-        workload = {k: getattr(args, k) for k in ("low", "prompt_len", "low_tokens", "rounds")}
-        write_json(args.json, "priority", {"settings": settings | workload, "result": result})
+        asked = {k: getattr(args, k) for k in (*workload, "rounds")}
+        write_json(args.json, kind, {"settings": settings | asked, "result": result})
     return 0
-
-
-def _lora_workload(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ("adapters", "rank", "requests", "prompt_len",
-                                          "output_len", "rounds", "peft_requests")}
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -542,6 +540,15 @@ def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
     _add_priority_parser(kinds)
 
 
+def _add_run_args(p: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]) -> None:
+    """What the side-by-side engine benchmarks share: rounds, eager, placement, the JSON file."""
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
+    p.add_argument("--enforce-eager", action="store_true")
+    _add_placement_args(p)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=func)
+
+
 def _add_priority_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "priority",
@@ -553,11 +560,7 @@ def _add_priority_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--low-tokens", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
-    p.add_argument("--enforce-eager", action="store_true")
-    _add_placement_args(p)
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.set_defaults(func=_cmd_priority)
+    _add_run_args(p, _cmd_priority)
 
 
 def _add_tier_parser(kinds: argparse._SubParsersAction) -> None:
@@ -573,11 +576,7 @@ def _add_tier_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a tier file)")
     p.add_argument("--index-pages", type=int, default=50_000,
                    help="pages of the store whose index is rebuilt")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
-    p.add_argument("--enforce-eager", action="store_true")
-    _add_placement_args(p)
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.set_defaults(func=_cmd_tier)
+    _add_run_args(p, _cmd_tier)
 
 
 def _add_lora_parser(kinds: argparse._SubParsersAction) -> None:
@@ -592,12 +591,8 @@ def _add_lora_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each keeps its best")
     p.add_argument("--peft-requests", type=int, default=8)
-    p.add_argument("--enforce-eager", action="store_true")
-    _add_placement_args(p)
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.set_defaults(func=_cmd_lora)
+    _add_run_args(p, _cmd_lora)
 
 
 def _add_router_parser(kinds: argparse._SubParsersAction) -> None:
