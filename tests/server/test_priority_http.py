@@ -47,13 +47,10 @@ def _texts(lines):
                 yield choice["text"]
 
 
-def test_fcfs_refuses_a_priority() -> None:
-    server = start_server(engine=dict(enforce_eager=True))
-    try:
-        with server.http() as http:
-            r = http.post("/v1/completions", json=HIGH)
-            assert r.status_code == 400
-            assert "priority scheduling is not enabled" in r.json()["error"]["message"]
-            assert http.post("/v1/completions", json=HIGH | {"priority": 0}).status_code == 200
-    finally:
-        server.stop()
+def test_fcfs_refuses_a_priority(server) -> None:
+    """The suite's shared server runs the default policy, fcfs."""
+    with server.http() as http:
+        r = http.post("/v1/completions", json=HIGH)
+        assert r.status_code == 400
+        assert "priority scheduling is not enabled" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json=HIGH | {"priority": 0}).status_code == 200
