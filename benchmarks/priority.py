@@ -4,7 +4,8 @@ under a saturating low-priority load (every running place taken, more waiting), 
 
 Each round, for each engine: idle (the request alone), then loaded (`low` requests of `prompt_len`
 tokens and `low_tokens` output tokens each, stepped until they run, then the high-priority request
-is added and timed to its first token; the load is aborted after). Best round kept.
+is added and timed to its first token; the load is aborted after). Best round kept. The engine is
+driven directly, in process (tp_size 1): a server adds its HTTP handling to both sides alike.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def run(model_dir: str, low: int, prompt_len: int, low_tokens: int, rounds: int,
             _drain(engine)
             for i in range(low):
                 engine.add_request(f"low{i}", prompts[i], params)
-            while len(engine.scheduler.running) < engine.scheduler.config.max_running:
+            for _ in range(10 * low):  # (a pool too small for them all stops the wait)
+                if len(engine.scheduler.running) >= engine.scheduler.config.max_running:
+                    break
                 engine.step()
             for _ in range(3):  # decoding
                 engine.step()

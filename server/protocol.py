@@ -31,7 +31,7 @@ SAMPLING_FIELDS = frozenset({
     "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "stop", "n",
     # keep a matched stop string in the output: vLLM's name, and SGLang's (which routers send)
     "include_stop_str_in_output", "no_stop_trim",
-    # vLLM's request priority (lower is sooner; SGLang's /generate takes it at the top level)
+    # vLLM's request priority (lower is sooner; /generate takes SGLang's at the top level)
     "priority"})
 # Fields the field's routers (sglang-router, vllm-router) add to every request they forward,
 # accepted where they ask for what this server does anyway (any other value: a 400 naming it).
@@ -562,8 +562,11 @@ def parse_native(body: object, limits: Limits) -> tuple[Prompt, GenerationReques
     structured, structured_param = native_constraint(sp)
     params = sampling_params(sp, limits, logprobs, structured)
     params.prompt_logprobs = sampling_int(sp, "prompt_logprobs", None)
-    if body.get("priority") is not None:  # SGLang's place for it
-        params.priority = get_int(body, "priority", 0, -(2**31), 2**31 - 1)
+    if sp.get("priority") is not None:
+        raise ProtocolError("/generate takes 'priority' at the top level, with SGLang's meaning "
+                            "(higher is sooner)", "sampling_params.priority")
+    # SGLang's field and meaning (its default: larger values first), as the ledger's (lower first)
+    params.priority = -get_int(body, "priority", 0, -(2**31) + 1, 2**31 - 1)
     req = GenerationRequest(
         params=params,
         max_tokens=get_int(sp, name, None, 0, 2**63),

@@ -49,7 +49,7 @@ IDS = ("user", "safety_identifier", "prompt_cache_key")  # ids that ask for no b
 DEFAULTS = {"include": [], "truncation": "disabled", "background": False, "service_tier": "auto"}
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "text", "tools", "tool_choice", "parallel_tool_calls",
-                    "previous_response_id", "store", "metadata", *IDS, *DEFAULTS})
+                    "previous_response_id", "store", "metadata", "priority", *IDS, *DEFAULTS})
 TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict"})
 ITEM_FIELDS = {
     "message": frozenset({"type", "role", "content", "id", "status"}),
@@ -130,7 +130,7 @@ def _chat_body(body: dict, conversation: list[dict]) -> dict:
         messages.insert(0, {"role": "system", "content": body["instructions"]})
     chat: dict = {"model": body.get("model"), "messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
-                         ("top_p", "top_p"), ("user", "user"),
+                         ("top_p", "top_p"), ("user", "user"), ("priority", "priority"),
                          ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
@@ -286,8 +286,12 @@ def _input_items(value: object) -> list[dict]:
 
 @endpoint("responses")
 async def retrieve_response(request: Request) -> Response:
-    """OpenAI's `GET /v1/responses/{id}`: the stored response as it was answered."""
+    """OpenAI's `GET /v1/responses/{id}`: the stored response as it was answered (no query
+    parameter: a stream of its events again is not served)."""
     st = state_of(request)
+    if request.query_params:
+        name = sorted(request.query_params)[0]
+        raise ProtocolError(f"query parameter {name!r} is not supported", name)
     return json_response(st.responses.get(request.path_params["response_id"], None).response)
 
 
@@ -317,9 +321,10 @@ async def response_input_items(request: Request) -> Response:
     st = state_of(request)
     items = list(st.responses.get(request.path_params["response_id"], None).input_items)
     query = request.query_params
-    unknown = set(query) - {"order", "limit", "after", "include"}
+    unknown = set(query) - {"order", "limit", "after"}
     if unknown:
-        raise ProtocolError(f"unknown query parameter {sorted(unknown)[0]!r}", sorted(unknown)[0])
+        raise ProtocolError(f"query parameter {sorted(unknown)[0]!r} is not supported",
+                            sorted(unknown)[0])
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ProtocolError("'order' must be 'asc' or 'desc'", "order")

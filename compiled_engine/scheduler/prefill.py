@@ -34,14 +34,17 @@ class PrefillPlanner:
 
     def blocked(self, req: Request, running: Sequence[Request]) -> bool:
         """Whether waiting request `req` cannot be admitted now for want of a row, a running place
-        or the pages of its first chunk (beyond what running decodes need next)."""
+        or the pages of its first chunk (beyond what running decodes need next). An adapter slot
+        it waits for is not counted: a preemption would not free one for it."""
         book = self.book
         if len(running) >= self.config.max_running or not book.rows.num_free:
             return True
-        ps = book.page_size
+        ps, cfg = book.page_size, self.config
         tokens = req.cache_tokens()
-        hit = book.cache.peek(tokens[:-1])
-        end = min(len(tokens), hit * ps + self.config.chunk_budget)
+        whole = req.params.every_position and not req.output  # admitted without a cache hit
+        hit = 0 if whole else book.cache.peek(tokens[:-1])
+        budget = max(1, cfg.chunk_budget - (len(running) if cfg.mixed else 0))  # decodes first
+        end = min(len(tokens), hit * ps + budget)
         need = -(-end // ps) - hit
         return need + decode_page_reserve(running, ps) > book.available_pages()
 

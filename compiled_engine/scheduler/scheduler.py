@@ -199,20 +199,27 @@ class Scheduler:
 
     def _preempt(self, step: int) -> None:
         """Retract the running request of the worst rank if the best waiting request cannot be
-        admitted now and may preempt it (`priority.preempts`; one per step: its pages may come
-        back only once the steps in flight commit)."""
+        admitted now and may preempt it (`priority.preempts`). One per step, and none while
+        released pages wait for a step in flight to commit (they come back by themselves); a
+        request whose verify step is in flight, or that finishes at a pending commit, is not
+        retracted."""
         aging = self.config.aging_steps
         head = min(self.prefills.waiting, key=lambda r: rank(r, step, aging), default=None)
-        if head is None or head.last_step > self.book.committed:
+        book = self.book
+        if head is None or head.last_step > book.committed or book.deferred:
             return  # (retracted with a token in flight: it waits for that commit anyway)
         if not self.prefills.blocked(head, self.running):
             return
-        victim = worst(self.running, step, aging)
+        victim = worst((r for r in self.running if r.spec.verify_step <= book.committed
+                        and not (r.planned_len >= r.fill_to and r.device_len == r.max_len)),
+                       step, aging)
         if victim is not None and preempts(head, victim, step, aging):
             self.decodes.retract(victim)
             self.num_preemptions += 1
 
     def _plan_prefills(self, draft: StepDraft, budget: int) -> None:
+        if self.config.policy == "priority":  # (a decode's retraction requeued at the front)
+            self.prefills.order_by_rank(draft.step)
         self.decodes.admit(self.prefills.plan(draft, budget, self.decodes.running))
 
     # -- commit ----------------------------------------------------------------------------------

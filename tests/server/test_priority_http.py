@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.servers import start_server, wait_idle
 
-LOW = {"model": "demo", "prompt": "a long low-priority story", "max_tokens": 120,
+LOW = {"model": "demo", "prompt": "a long low-priority story", "max_tokens": 300,
        "temperature": 0, "ignore_eos": True, "priority": 10}
 HIGH = {"model": "demo", "prompt": "an urgent question", "max_tokens": 6, "temperature": 0,
         "ignore_eos": True, "priority": -5}
@@ -47,10 +47,19 @@ def _texts(lines):
                 yield choice["text"]
 
 
-def test_fcfs_refuses_a_priority(server) -> None:
-    """The suite's shared server runs the default policy, fcfs."""
+def test_fcfs_refuses_a_priority_on_every_endpoint(server) -> None:
+    """The suite's shared server runs the default policy, fcfs: a priority is read (and refused)
+    on completions, chat, responses and /generate (top level, SGLang's; not in its
+    sampling_params)."""
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    generate = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
     with server.http() as http:
-        r = http.post("/v1/completions", json=HIGH)
-        assert r.status_code == 400
-        assert "priority scheduling is not enabled" in r.json()["error"]["message"]
-        assert http.post("/v1/completions", json=HIGH | {"priority": 0}).status_code == 200
+        for path, body in (("/v1/completions", HIGH), ("/v1/chat/completions", chat),
+                           ("/v1/responses", {"model": "demo", "input": "Hi"}),
+                           ("/generate", generate)):
+            r = http.post(path, json=body | {"priority": 3})
+            assert r.status_code == 400, (path, r.text)
+            assert "priority scheduling is not enabled" in r.json()["error"]["message"]
+            assert http.post(path, json=body | {"priority": 0}).status_code == 200, path
+        r = http.post("/generate", json=generate | {"sampling_params": {"priority": 1}})
+        assert r.status_code == 400 and "at the top level" in r.json()["error"]["message"]

@@ -207,6 +207,8 @@ def test_a_stored_response_is_retrieved_listed_deleted_and_not_cancelled(client:
                                             temperature=0, stream=True))
     final = streamed[-1].response
     assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    with pytest.raises(BadRequestError, match="'stream' is not supported"):
+        client.responses.retrieve(out.id, stream=True)
     client.responses.delete(out.id)
     with pytest.raises(NotFoundError):
         client.responses.retrieve(out.id)
