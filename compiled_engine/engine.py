@@ -44,6 +44,7 @@ from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
+from compiled_engine.scheduler.prefix_cache import CacheStored
 from compiled_engine.scheduler.request import ADAPTER_SHIFT, cache_key_tokens
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
@@ -88,6 +89,7 @@ class Engine:
         self.lora = lora  # the adapters served (None: no LoRA)
         self.tier = tier  # the prefix cache's pages on disk (None: no tier)
         self._adapter_seeds: dict[int, bytes] = {}  # the tier's: adapter id -> its files' hash
+        self._disk_blocks: dict[bytes, int] = {}  # KV events: a tier page's key -> its block hash
         self._inflight: collections.deque[_Launched] = collections.deque()
         self._overlap = bool(config.overlap)
         # overlap's forward thread, on a synchronous device
@@ -272,13 +274,31 @@ class Engine:
         stored since (a page cached and evicted again while planning keeps its bytes until the
         forward of the step that took it)."""
         cache = self.scheduler.cache
-        if not cache.events:
+        events, cache.events = cache.events, []
+        stored = self.tier.save(events) if self.tier is not None and events else []
+        if self.kv_events is None:
             return
+        if events:
+            self.kv_events.publish(events)
         if self.tier is not None:
-            self.tier.save(cache.events)
-        if self.kv_events is not None:
-            self.kv_events.publish(cache.events)
-        cache.events = []
+            self._publish_disk(stored)
+
+    def _publish_disk(self, stored: list[tuple[CacheStored, list[bytes]]]) -> None:
+        """KV events for the tier's pages (medium "DISK"): those just queued for the disk, and
+        those the store removed (known by their blocks' hashes while this process runs)."""
+        from compiled_engine.kv_events.publisher import DISK, chain_hashes, external
+
+        ps = self.config.page_size
+        for ev, keys in stored:
+            first = ev.start // ps
+            for key, digest in zip(keys, chain_hashes(ev.path, ps)[first:], strict=True):
+                self._disk_blocks[key] = external(digest)
+        if stored:
+            self.kv_events.publish([ev for ev, _ in stored], DISK)
+        gone = [self._disk_blocks.pop(k) for k in self.tier.store.take_removed()
+                if k in self._disk_blocks]
+        if gone:
+            self.kv_events.publish(gone, DISK)
 
     def shutdown(self) -> None:
         self._publish_cache_events()  # what the last commits cached (no plan since)

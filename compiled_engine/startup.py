@@ -310,6 +310,8 @@ def build_engine(
     engine = Engine(config, model, scheduler, runner, features, report,
                     start_kv_events(config, scheduler), lora)
     engine.tier = start_tier(config, model_dir, runner, scheduler, engine)
+    if engine.tier is not None and engine.kv_events is not None:
+        engine.tier.store.track_removed = True  # their "DISK" removals are published
     for adapter in ([] if lora is None else lora.by_name.values()):
         engine.seed_adapter(adapter.id, adapter.path)
     # What exists now lives as long as the engine: take it out of the cyclic GC, whose full

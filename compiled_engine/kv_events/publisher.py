@@ -35,8 +35,9 @@ from compiled_engine.scheduler.request import ADAPTER_SHIFT
 log = logging.getLogger(__name__)
 
 # vLLM's name for the engine's own KV pool (not an offload tier), whatever the device: vllm-router
-# indexes only blocks in "GPU"
+# indexes only blocks in "GPU"; the KV tier's pages are "DISK" (vLLM's name for its disk offload)
 MEDIUM = "GPU"
+DISK = "DISK"
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 START_TIMEOUT_S = 10.0
 
@@ -98,8 +99,12 @@ def external(digest: bytes) -> int:
 
 
 def to_events(
-    cache_events: list[CacheStored | CacheRemoved], page_size: int
+    cache_events: list[CacheStored | CacheRemoved] | list[int], page_size: int,
+    medium: str = MEDIUM,
 ) -> list[BlockStored | BlockRemoved]:
+    """Cache events as vLLM's; a list of block hashes instead: their removal from `medium`."""
+    if cache_events and isinstance(cache_events[0], int):
+        return [BlockRemoved(list(cache_events), medium)]
     out: list[BlockStored | BlockRemoved] = []
     for ev in cache_events:
         hashes = chain_hashes(ev.path, page_size)
@@ -109,9 +114,9 @@ def to_events(
             parent = external(hashes[first - 1]) if first else None
             adapter, tokens = adapter_of(ev.path)
             out.append(BlockStored(own, parent, list(tokens[ev.start :]), page_size,
-                                   adapter or None, MEDIUM, None))
+                                   adapter or None, medium, None))
         else:
-            out.append(BlockRemoved(own, MEDIUM))
+            out.append(BlockRemoved(own, medium))
     return out
 
 
@@ -133,13 +138,14 @@ class KVEventPublisher:
         if self._error is not None:
             raise RuntimeError(f"kv events: {self._error}")
 
-    def publish(self, cache_events: list[CacheStored | CacheRemoved]) -> None:
-        """Queue one step's events (the caller gives the list up); nothing once the publisher's
-        thread has failed (it logged why)."""
+    def publish(self, cache_events: list[CacheStored | CacheRemoved] | list[int],
+                medium: str = MEDIUM) -> None:
+        """Queue one step's events (the caller gives the list up), or the block hashes removed
+        from `medium`; nothing once the publisher's thread has failed (it logged why)."""
         if not self._thread.is_alive():
             return
         try:
-            self._queue.put_nowait((time.time(), cache_events))
+            self._queue.put_nowait((time.time(), cache_events, medium))
         except queue.Full:
             self._dropped += 1
             if self._dropped == 1:
@@ -192,8 +198,8 @@ class KVEventPublisher:
                     continue
                 if item is None:
                     return
-                ts, cache_events = item
-                send(ts, to_events(cache_events, self.page_size))
+                ts, cache_events, medium = item
+                send(ts, to_events(cache_events, self.page_size, medium))
         except Exception:  # noqa: BLE001 - the engine serves on without events; say why
             log.exception("kv events: the publisher failed; no more events are sent")
         finally:

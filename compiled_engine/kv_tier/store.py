@@ -46,7 +46,9 @@ class PageStore:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, oldest first
         self.bytes = 0
         self.num_corrupt = 0  # files that did not check out (deleted)
-        self._removed: set[bytes] | None = set()  # while the index is rebuilt: files removed since
+        self.track_removed = False  # keep the keys of removed pages for `take_removed`
+        self._removed: list[bytes] = []
+        self._gone: set[bytes] | None = set()  # while the index is rebuilt: files removed since
         self._rebuilt = threading.Thread(target=self._rebuild, name="kv-tier-index", daemon=True)
         self._rebuilt.start()
         self._rebuilt.join(rebuild_wait_s)
@@ -119,6 +121,13 @@ class PageStore:
             os.utime(path)  # its use, for the order of eviction after a restart
         return payload
 
+    def take_removed(self) -> list[bytes]:
+        """The keys of the pages removed (evicted, or corrupt) since the last call (with
+        `track_removed`)."""
+        with self._mutex:
+            removed, self._removed = self._removed, []
+        return removed
+
     def close(self) -> None:
         self._rebuilt.join()
         self._lock_file.close()
@@ -147,8 +156,10 @@ class PageStore:
             size = self._index.pop(key, None)
             if size is not None:
                 self.bytes -= size
-            if self._removed is not None:
-                self._removed.add(key)
+            if self._gone is not None:
+                self._gone.add(key)
+            if self.track_removed and size is not None:
+                self._removed.append(key)
         self._path(key).unlink(missing_ok=True)
 
     def _evict_over_budget(self) -> None:
@@ -156,8 +167,10 @@ class PageStore:
         while self.bytes > self.budget_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.bytes -= size
-            if self._removed is not None:
-                self._removed.add(key)
+            if self._gone is not None:
+                self._gone.add(key)
+            if self.track_removed:
+                self._removed.append(key)
             self._path(key).unlink(missing_ok=True)
 
     def _rebuild(self) -> None:
@@ -180,7 +193,7 @@ class PageStore:
                     found.append((stat.st_mtime_ns, key, stat.st_size))
         found.sort(reverse=True)
         with self._mutex:
-            removed, self._removed = self._removed, None
+            removed, self._gone = self._gone, None
             for _, key, size in found:  # newest first, each before the ones indexed so far
                 # (one stored since it opened stays the newest; one removed since stays out)
                 if key not in self._index and key not in removed:

@@ -102,9 +102,12 @@ class KVTier:
 
     # ---- writing through ----------------------------------------------------------------------
 
-    def save(self, events: Sequence[CacheStored | CacheRemoved]) -> None:
-        """Copy out the pages the radix cache stored that the store lacks, for the writer."""
+    def save(self, events: Sequence[CacheStored | CacheRemoved]
+             ) -> list[tuple[CacheStored, list[bytes]]]:
+        """Copy out the pages the radix cache stored that the store lacks, for the writer; returns
+        each event that had such pages with the keys of its pages (`CacheStored.path[start:]`)."""
         seeds = self.adapter_seeds()
+        queued = []
         for ev in events:
             if not isinstance(ev, CacheStored) or not ev.pages:
                 continue
@@ -121,6 +124,8 @@ class KVTier:
                     continue
                 self._queued_bytes += size
             self._writes.put(([key for key, _ in new], self._gather([p for _, p in new])))
+            queued.append((ev, keys[first:]))
+        return queued
 
     def flush(self) -> None:
         """Wait until every page handed to the writer is stored."""

@@ -175,3 +175,34 @@ def test_bad_configs_are_refused_naming_the_field() -> None:
         KVEventsConfig.parse({"hwm": 0})
     assert not KVEventsConfig.parse({"enable_kv_cache_events": False}).enabled
     assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).enabled
+
+
+def test_the_kv_tiers_pages_are_published_as_disk(demo_dir: str, tmp_path) -> None:
+    """With a KV tier, the pages it writes are published again with medium "DISK" (the hashes of
+    their "GPU" events), and those its byte budget evicts as removed from "DISK"."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    llm = LLM(demo_dir, enforce_eager=True, num_pages=48, max_running=2,
+              kv_cache_dir=str(tmp_path / "kv"), kv_cache_disk_gb=200e-6,
+              kv_events={"enable_kv_cache_events": True, "endpoint": endpoint})
+    sub = subscriber(endpoint, timeout_ms=2_000)
+    try:
+        for start in (10, 100, 200, 300, 400, 500):
+            llm.generate([list(range(start, start + 20))], SamplingParams(max_tokens=2))
+            llm.engine.tier.flush()
+        llm.generate([[7, 8]], SamplingParams(max_tokens=1))  # publishes the last evictions
+        events = []
+        for _ in range(200):
+            try:
+                events.extend(receive(sub)[1])
+            except zmq.Again:
+                break
+    finally:
+        sub.close(linger=0)
+        llm.engine.shutdown()
+    by = {(e["type"], e["medium"]): {h for x in events if (x["type"], x["medium"]) ==
+                                     (e["type"], e["medium"]) for h in x["block_hashes"]}
+          for e in events}
+    disk = by[("BlockStored", "DISK")]
+    assert disk and disk <= by[("BlockStored", "GPU")]
+    assert by.get(("BlockRemoved", "DISK")), "the byte budget evicted nothing published"
+    assert by[("BlockRemoved", "DISK")] <= disk
