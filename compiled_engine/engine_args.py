@@ -116,6 +116,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     tier.add_argument("--enable-hierarchical-cache", action="store_true",
                       help="SGLang's name: the KV tier, under --kv-cache-dir (default: "
                       "<cache root>/kv-tier)")
+    tier.add_argument("--hicache-write-policy", choices=("write_through",),
+                      default="write_through",
+                      help="SGLang's: every page the prefix cache takes is written (only that)")
 
 
 def _kv_events(text: str) -> dict:
