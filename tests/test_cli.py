@@ -137,3 +137,6 @@ def test_kv_tier_flags_with_sglang_name(tmp_path, monkeypatch) -> None:
     assert sglang.kv_cache_dir == str(tmp_path / "root" / "kv-tier")
     with pytest.raises(ValueError, match="--kv-cache-disk-gb must be > 0"):
         engine_config(parser.parse_args(["--kv-cache-dir", "x", "--kv-cache-disk-gb", "0"]))
+    parser.parse_args(["--hicache-write-policy", "write_through"])  # what the tier does
+    with pytest.raises(SystemExit):  # SGLang's other policies are not served
+        parser.parse_args(["--hicache-write-policy", "write_back"])
