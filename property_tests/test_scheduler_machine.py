@@ -15,7 +15,7 @@ import functools
 from collections import deque
 
 import pytest
-from hypothesis import event, target
+from hypothesis import event, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -77,8 +77,10 @@ request_args = st.fixed_dictionaries(
         # the KV tier: prompt pages [first, end) the engine read from the tier (whole pages only)
         # priority scheduling (lower is sooner; ignored under fcfs)
         "priority": st.sampled_from([0, 0, 1, 2, -1]),
-        "host_pages": st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 2), st.integers(0, 6))
-                                .map(lambda fe: (fe[0], max(fe))) ),
+        # (mostly none: pages from the tier skip prefills that the "prefix wait" path needs)
+        "host_pages": st.one_of(st.just((0, 0)), st.just((0, 0)), st.just((0, 0)),
+                                st.tuples(st.integers(0, 2), st.integers(0, 6))
+                                .map(lambda fe: (fe[0], max(fe)))),
     }
 )
 
@@ -89,7 +91,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_pages=st.integers(3, 14),
         max_running=st.integers(1, 4),
         max_context=st.integers(3, 24),
-        chunk_budget=st.integers(1, 12),
+        # (large ones let a second request see a first one's whole prompt pending: prefix wait)
+        chunk_budget=st.sampled_from([1, 2, 3, 5, 8, 12, 16, 24]),
         mixed=st.booleans(),
         prefix_cache=st.sampled_from(["radix", "naive"]),
         lag=st.sampled_from([0, 1]),
@@ -397,7 +400,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 def test_scheduler_machine_reaches_every_path() -> None:
+    """Derandomized: the same examples every run, so that reaching the rare paths (prefix wait)
+    does not depend on the run's seed; `--hypothesis-profile=deep` explores more of them."""
     REACHED.clear()
-    run_state_machine_as_test(SchedulerMachine)
+    run_state_machine_as_test(SchedulerMachine, settings=settings(derandomize=True))
     print("scheduler machine: examples reaching each path:", dict(REACHED))
     assert all(REACHED[path] for path in PATHS), f"paths never reached: {dict(REACHED)}"

@@ -32,10 +32,11 @@ class PrefillPlanner:
         aging = self.config.aging_steps
         self.waiting = deque(sorted(self.waiting, key=lambda r: rank(r, step, aging)))
 
-    def blocked(self, req: Request, running: Sequence[Request]) -> bool:
+    def blocked(self, req: Request, running: Sequence[Request], coming: int = 0) -> bool:
         """Whether waiting request `req` cannot be admitted now for want of a row, a running place
-        or the pages of its first chunk (beyond what running decodes need next). An adapter slot
-        it waits for is not counted: a preemption would not free one for it."""
+        or the pages of its first chunk (beyond what running decodes need next; `coming`: pages
+        on their way back, counted as free). An adapter slot it waits for is not counted: a
+        preemption would not free one for it."""
         book = self.book
         if len(running) >= self.config.max_running or not book.rows.num_free:
             return True
@@ -46,7 +47,7 @@ class PrefillPlanner:
         budget = max(1, cfg.chunk_budget - (len(running) if cfg.mixed else 0))  # decodes first
         end = min(len(tokens), hit * ps + budget)
         need = -(-end // ps) - hit
-        return need + decode_page_reserve(running, ps) > book.available_pages()
+        return need + decode_page_reserve(running, ps) > book.available_pages() + coming
 
     def requeue(self, retracted: Request) -> None:
         """A retracted request goes first (the latest retracted at the front)."""

@@ -199,16 +199,16 @@ class Scheduler:
 
     def _preempt(self, step: int) -> None:
         """Retract the running request of the worst rank if the best waiting request cannot be
-        admitted now and may preempt it (`priority.preempts`). One per step, and none while
-        released pages wait for a step in flight to commit (they come back by themselves); a
-        request whose verify step is in flight, or that finishes at a pending commit, is not
-        retracted."""
+        admitted now, even with the pages that come back once the steps in flight commit, and may
+        preempt it (`priority.preempts`). One per step; a request whose verify step is in flight,
+        or that finishes at a pending commit, is not retracted."""
         aging = self.config.aging_steps
         head = min(self.prefills.waiting, key=lambda r: rank(r, step, aging), default=None)
         book = self.book
-        if head is None or head.last_step > book.committed or book.deferred:
+        if head is None or head.last_step > book.committed:
             return  # (retracted with a token in flight: it waits for that commit anyway)
-        if not self.prefills.blocked(head, self.running):
+        coming = sum(len(d.pages) for d in book.deferred)  # back once steps in flight commit
+        if not self.prefills.blocked(head, self.running, coming):
             return
         victim = worst((r for r in self.running if r.spec.verify_step <= book.committed
                         and not (r.planned_len >= r.fill_to and r.device_len == r.max_len)),
