@@ -44,6 +44,17 @@ def receive(sock: zmq.Socket) -> tuple[int, list]:
     return int.from_bytes(seq, "big"), batch[1]
 
 
+def received(sock: zmq.Socket, batches: int) -> list:
+    """The events of up to `batches` batches, until nothing more comes within the timeout."""
+    events: list = []
+    for _ in range(batches):
+        try:
+            events.extend(receive(sock)[1])
+        except zmq.Again:
+            break
+    return events
+
+
 def test_the_radix_cache_records_what_it_stores_and_evicts() -> None:
     cache = RadixCache(PageAllocator(16, page_size=2))
     cache.events = []
@@ -151,12 +162,7 @@ def test_a_served_prompt_is_published_then_its_eviction(demo_dir: str) -> None:
         llm.generate([first], SamplingParams(max_tokens=2, temperature=0))
         for start in (100, 200, 300):
             llm.generate([list(range(start, start + 20))], SamplingParams(max_tokens=2))
-        events = []
-        for _ in range(100):  # until nothing more comes within the timeout
-            try:
-                events.extend(receive(sub)[1])
-            except zmq.Again:
-                break
+        events = received(sub, 100)
     finally:
         sub.close(linger=0)
         llm.engine.shutdown()
@@ -190,12 +196,7 @@ def test_the_kv_tiers_pages_are_published_as_disk(demo_dir: str, tmp_path) -> No
             llm.generate([list(range(start, start + 20))], SamplingParams(max_tokens=2))
             llm.engine.tier.flush()
         llm.generate([[7, 8]], SamplingParams(max_tokens=1))  # publishes the last evictions
-        events = []
-        for _ in range(200):
-            try:
-                events.extend(receive(sub)[1])
-            except zmq.Again:
-                break
+        events = received(sub, 200)
     finally:
         sub.close(linger=0)
         llm.engine.shutdown()
