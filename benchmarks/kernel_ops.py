@@ -1,6 +1,7 @@
 """Benchmark the kernel ops: `python -m benchmarks.kernel_ops` (CPU ops vs their
 portable implementations and the reference), `--linear` (CPU bf16 linear: torch vs pre-packed oneDNN
-vs the op), `--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
+vs the op), `--lora` (LoRA's delta on the CPU: the native grouped kernel vs the portable code as the
+graphs would trace it), `--cuda` (Triton decode bandwidth and extend throughput on a GPU)."""
 
 import argparse
 import statistics
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import ops, reference
+from kernels.portable import lora as portable_lora
 
 
 def _paged(
@@ -121,6 +123,34 @@ def bench_linear(repeats: int) -> None:
         )
 
 
+def bench_lora(repeats: int) -> None:
+    """The delta of 8 rank-16 adapters (and the zero slot) on each of the bench model's layer
+    linears (qkv, o, gate_up, down: B block-diagonal by projection), the tokens spread over the
+    adapters; against the deterministic-mode linear of the same shapes."""
+    layer = [(768, (0, 768, 1024, 1280)), (768, (0, 768)), (768, (0, 2048, 4096)), (2048, (0, 768))]
+    slots, rank = 9, 16
+    torch._dynamo.config.cache_size_limit = 64  # a graph per shape
+    traced = torch.compile(portable_lora.lora_delta, dynamic=False)
+    print(f"LoRA delta, {torch.get_num_threads()} threads, the bench model's 4 linears of a layer, "
+          "8 adapters of rank 16, median ms")
+    for tokens in (1, 64, 2048):
+        ms = {"native": 0.0, "portable": 0.0, "base": 0.0}
+        for k, part_rows in layer:
+            width, n = rank * (len(part_rows) - 1), part_rows[-1]
+            x = torch.randn(tokens, k).bfloat16()
+            a = torch.randn(slots, width, k).bfloat16()
+            b = torch.randn(slots, width, n).bfloat16().transpose(1, 2)  # as the linears store it
+            ids = torch.arange(tokens) % (slots - 1)
+            w = torch.randn(n, k).bfloat16()
+            ms["native"] += _time_ms(
+                lambda: torch.ops.kernels.lora_delta.default(x, a, b, ids, part_rows), repeats)
+            ms["portable"] += _time_ms(lambda: traced(x, a, b, ids, part_rows), repeats)
+            ms["base"] += _time_ms(lambda: ops.linear(x, w, None, True), repeats)
+        print(f"tokens {tokens:5}: native {ms['native']:7.2f}  portable traced "
+              f"{ms['portable']:7.2f} ({ms['portable'] / ms['native']:.2f}x native)  base linears "
+              f"{ms['base']:7.2f} (native delta {ms['native'] / ms['base']:.2f}x of them)")
+
+
 def bench_cuda() -> None:
     from triton.testing import do_bench
 
@@ -170,6 +200,7 @@ def main() -> None:
         "--cuda", action="store_true", help="benchmark the Triton kernels on the GPU"
     )
     parser.add_argument("--linear", action="store_true", help="benchmark the CPU bf16 linear")
+    parser.add_argument("--lora", action="store_true", help="benchmark the CPU LoRA delta")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
@@ -180,6 +211,8 @@ def main() -> None:
         bench_cuda()
     elif args.linear:
         bench_linear(args.repeats)
+    elif args.lora:
+        bench_lora(args.repeats)
     else:
         bench_cpu(args.repeats)
 

@@ -164,12 +164,12 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.T
     of B's projections (q / k / v, gate / up), B being block-diagonal: projection p's rows are zero
     but in the p-th R / P columns. Each token's result depends on its own row and adapter only:
     batch-invariant whatever the step's other adapters; no host sync.
-    On CUDA the op `kernels::lora_delta`: Triton's kernels (`kernels.triton.lora`, each token's
-    adapter read in place, sums in fp32). Elsewhere the portable torch code
-    (`kernels.portable.lora`), called directly so that it is traced into the graphs: on the CPU
-    inductor fuses its gathers into the batched GEMVs, faster there than a hand-written kernel was
-    (docs/benchmarks.md, "LoRA adapters")."""
-    if x.device.type == "cuda":
+    The op `kernels::lora_delta`: on CUDA Triton's kernels (`kernels.triton.lora`, each token's
+    adapter read in place, sums in fp32), on the CPU the native grouped GEMM (native/lora.cpp: the
+    tokens of each adapter in tiles, sums in fp32; docs/benchmarks.md, "LoRA adapters"). Without
+    either, the portable torch code (`kernels.portable.lora`), called directly so that it is traced
+    into the graphs (inductor fuses its gathers into the batched GEMVs)."""
+    if x.device.type == "cuda" or (x.device.type == "cpu" and _native_loaded):
         return torch.ops.kernels.lora_delta.default(x, a, b, slots, part_rows)
     return portable_lora.lora_delta(x, a, b, slots, part_rows)
 
@@ -384,7 +384,13 @@ def load_cpu_kernels() -> bool:
     """Build and load the native CPU kernels (once per process): True when they now serve the CPU,
     False when the portable implementations do (no compiler, `COMPILED_ENGINE_NATIVE=0`, a failed
     build)."""
-    return build.load()
+    global _native_loaded
+    _native_loaded = build.load()
+    return _native_loaded
+
+
+# whether the native CPU kernels serve the CPU (a constant where code is traced)
+_native_loaded = False
 
 
 def _cpu_kernels_loaded() -> bool:

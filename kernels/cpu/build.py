@@ -33,6 +33,7 @@ SOURCES = [
         "invariant_linear.cpp",
         "invariant_linear_dpbf16.cpp",
         "linear.cpp",
+        "lora.cpp",
         "packed_linear.cpp",
         "packed_linear_x16.cpp",
         "sampling.cpp",

@@ -1,7 +1,8 @@
 """LoRA's batched delta in torch: each token's adapter gathered by its slot, batched GEMVs (the
-shrink, then the expand of each projection's block of B). Traced into the graphs, where inductor
-reads the gathered rows in place (a batched matrix-vector product is a reduction it fuses); each
-token's result is computed from its own row and adapter only, whatever else shares the step."""
+shrink, then the expand of each projection's block of B). Where the native CPU kernels do not load,
+it is traced into the graphs, where inductor reads the gathered rows in place (a batched
+matrix-vector product is a reduction it fuses); each token's result is computed from its own row
+and adapter only, whatever else shares the step."""
 
 from __future__ import annotations
 

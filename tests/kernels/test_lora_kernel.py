@@ -2,8 +2,8 @@
 TRITON_INTERPRET=1, and the portable path, against each token's product in fp32, at small shapes
 that cross the kernels' tile edges (K, N and R), with tokens without an adapter (slot -1), B whole
 or block-diagonal by projection (q / k / v), contiguous or strided as the linears store it; and
-batch-invariant (a token's result the same bits alone or in a batch). The CPU's path (portable,
-eager and compiled) the same way."""
+batch-invariant (a token's result the same bits alone or in a batch). The CPU's paths (the native
+grouped kernel, and the portable code eager and compiled) the same way."""
 
 import importlib.util
 import os
@@ -80,16 +80,29 @@ def test_the_portable_delta_is_each_tokens_product() -> None:
     torch.testing.assert_close(got, _reference(x, a, b, slots), atol=1e-5, rtol=1e-5)
 
 
+def _native_delta(x, a, b, slots, part_rows):
+    assert ops.load_cpu_kernels(), "the native CPU kernels did not build"
+    return torch.ops.kernels.lora_delta.default(x, a, b, slots, part_rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("r", "part_rows"), [(16, (0, 36)), (48, (0, 20, 28, 36))])
+@pytest.mark.parametrize(("r", "part_rows"), [(16, (0, 36)), (48, (0, 20, 28, 36)), (6, (0, 70)),
+                                              (9, (0, 20, 28, 136))])
+@pytest.mark.parametrize("path", ["native", "portable"])
 def test_the_cpu_delta_is_each_tokens_product_alone_or_batched(dtype: torch.dtype, r: int,
-                                                               part_rows: tuple[int, ...]) -> None:
-    """What a CPU step runs (`ops.lora_delta`: the portable code, eager and compiled as a graph
-    holds it): each token's product, zeros without an adapter, the same bits alone as in a batch."""
+                                                               part_rows: tuple[int, ...],
+                                                               path: str) -> None:
+    """What a CPU step runs (`ops.lora_delta`: the native grouped kernel where it builds, else the
+    portable code, eager and compiled as a graph holds it): each token's product, zeros without an
+    adapter, the same bits alone as in a batch. The shapes cross the native kernel's tiles: 4 rows
+    (19 tokens, 3 adapters), 4 rows of A (ranks 6 and 3), 16 lanes of K (40) and 64 columns of B
+    (70, 136)."""
     x, a, b, slots = _adapters(19, 40, r, part_rows, 3, dtype)
     b = _as_stored(b)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    for delta in (ops.lora_delta, torch.compile(ops.lora_delta, dynamic=True)):
+    paths = {"native": (_native_delta, torch.compile(ops.lora_delta, dynamic=True)),
+             "portable": (lora_delta, torch.compile(lora_delta, dynamic=True))}
+    for delta in paths[path]:
         got = delta(x, a, b, slots, part_rows)
         torch.testing.assert_close(got.float(), _reference(x, a, b, slots), atol=tol, rtol=tol)
         assert torch.equal(got[slots == -1], torch.zeros_like(got[slots == -1]))

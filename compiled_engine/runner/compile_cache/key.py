@@ -148,10 +148,10 @@ def device_kind(device: torch.device) -> str:
             f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(device)}:cuda{torch.version.cuda}"
         )
     # the COMPILED_ENGINE_CPU_ISA level too: ATen reports no AMX level, so `native` and `avx512`
-    # read alike
+    # read alike; and whether the native kernels serve (the portable LoRA delta is traced in)
     return (
         f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
-        f":isa-{ops.isa_level()}"
+        f":isa-{ops.isa_level()}:native-{int(ops.native_isa() is not None)}"
     )
 
 

@@ -40,6 +40,9 @@ int ce_compiled_isa();
 int ce_packed_linear(int format, int x_dt, const void* x, const uint8_t* w, const float* bias, void* out, int64_t M,
                      int64_t N, int64_t K);
 int ce_argmax(int dt, const void* x, int64_t rows, int64_t n, int64_t row_stride, int64_t* out);
+void ce_lora_delta(int dt, const void* x, int64_t x_stride, const void* a, const void* b, const int64_t* slots,
+                   void* out, int64_t tokens, int64_t S, int64_t W, int64_t K, int64_t N, const int64_t* part_rows,
+                   int64_t parts);
 int ce_decode_attention(int dt, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                         const int32_t* table, int64_t table_stride, const int32_t* rows_req, const int32_t* seq_lens,
                         void* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int64_t window,
@@ -520,6 +523,32 @@ at::Tensor argmax(const at::Tensor& x) {
     return out;
 }
 
+// ---- LoRA delta ------------------------------------------------------------------------------------------
+// lora.cpp's grouped GEMM over the slot buffers (float32 or bf16, one dtype throughout; B as the slots store
+// it, [S, W, N], which the op sees transposed); anything else goes to the portable op.
+at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
+                      at::IntArrayRef part_rows) {
+    const auto dt = x.scalar_type();
+    const int64_t parts = static_cast<int64_t>(part_rows.size()) - 1;
+    const at::Tensor bt = b.transpose(1, 2);
+    const bool covered = (dt == at::kFloat || dt == at::kBFloat16) && a.scalar_type() == dt &&
+                         b.scalar_type() == dt && x.dim() == 2 && x.stride(1) == 1 && a.dim() == 3 &&
+                         b.dim() == 3 && a.is_contiguous() && bt.is_contiguous() && a.size(2) == x.size(1) &&
+                         a.size(0) == b.size(0) && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                         slots.numel() == x.size(0) && parts >= 1 && a.size(1) % parts == 0 &&
+                         b.size(2) == a.size(1) && part_rows.front() == 0 && part_rows.back() == b.size(1);
+    static const auto portable =
+        torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            at::IntArrayRef)>("kernels::lora_delta_portable");
+    if (!covered) return portable.call(x, a, b, slots, part_rows);
+    at::Tensor out = at::empty({x.size(0), b.size(1)}, x.options());
+    const std::vector<int64_t> rows(part_rows.begin(), part_rows.end());
+    ce_lora_delta(dt == at::kFloat ? 0 : 1, x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(),
+                  slots.data_ptr<int64_t>(), out.data_ptr(), x.size(0), a.size(0), a.size(1), x.size(1),
+                  b.size(1), rows.data(), parts);
+    return out;
+}
+
 // Bits: 0 AVX512F, 1 AVX512-BF16, 2 AMX-BF16 (what this build targets: what COMPILED_ENGINE_CPU_ISA left
 // on), 3 AMX tiles granted to this process (the AMX kernels run).
 int64_t native_isa() { return ce_compiled_isa() | (amx_ready() ? 8 : 0); }
@@ -543,4 +572,5 @@ TORCH_LIBRARY_IMPL(kernels, CPU, m) {
     m.impl("linear", linear);
     m.impl("argmax", argmax);
     m.impl("linear_packed", linear_packed);
+    m.impl("lora_delta", lora_delta);
 }
