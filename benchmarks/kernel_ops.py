@@ -142,10 +142,11 @@ def bench_lora(repeats: int) -> None:
             b = torch.randn(slots, width, n).bfloat16().transpose(1, 2)  # as the linears store it
             ids = torch.arange(tokens) % (slots - 1)
             w = torch.randn(n, k).bfloat16()
+            args = (x, a, b, ids, part_rows)
             ms["native"] += _time_ms(
-                lambda: torch.ops.kernels.lora_delta.default(x, a, b, ids, part_rows), repeats)
-            ms["portable"] += _time_ms(lambda: traced(x, a, b, ids, part_rows), repeats)
-            ms["base"] += _time_ms(lambda: ops.linear(x, w, None, True), repeats)
+                lambda args=args: torch.ops.kernels.lora_delta.default(*args), repeats)
+            ms["portable"] += _time_ms(lambda args=args: traced(*args), repeats)
+            ms["base"] += _time_ms(lambda x=x, w=w: ops.linear(x, w, None, True), repeats)
         print(f"tokens {tokens:5}: native {ms['native']:7.2f}  portable traced "
               f"{ms['portable']:7.2f} ({ms['portable'] / ms['native']:.2f}x native)  base linears "
               f"{ms['base']:7.2f} (native delta {ms['native'] / ms['base']:.2f}x of them)")
