@@ -393,6 +393,11 @@ def load_cpu_kernels() -> bool:
 _native_loaded = False
 
 
+def native_loaded() -> bool:
+    """Whether the native CPU kernels serve the CPU (False until `kernels.init` loads them)."""
+    return _native_loaded
+
+
 def _cpu_kernels_loaded() -> bool:
     """Whether `kernels.init` has loaded the native CPU kernels (without loading them)."""
     return load_cpu_kernels.cache_info().currsize > 0 and load_cpu_kernels()

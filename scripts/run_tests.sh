@@ -28,7 +28,7 @@ for isa in $levels; do
   [ "$isa" = avx2 ] || select="not smollm2"
   echo "== invariance and parity tests with COMPILED_ENGINE_CPU_ISA=$isa${select:+ (-k '$select')}"
   run "$isa invariance" env COMPILED_ENGINE_CPU_ISA="$isa" "$py" -m pytest -q "${args[@]}" \
-    tests/kernels/test_kernels_invariant.py
+    tests/kernels/test_kernels_invariant.py tests/kernels/test_lora_kernel.py
   run "$isa parity" env COMPILED_ENGINE_CPU_ISA="$isa" "$py" -m pytest -q -m parity -k "$select" "${args[@]}" \
     tests/parity tests/lora/test_lora_parity.py
 done

@@ -23,8 +23,8 @@ interpreted = pytest.mark.skipif(
 def _adapters(tokens: int, k: int, r: int, part_rows: tuple[int, ...], slots: int,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, K], a [S+1, R, K], b [S+1, N, R] (N: part_rows[-1]; zero off each projection's block
-    of R / P columns; the last slot zero, as the engine keeps them) and each token's slot, -1 among
-    them."""
+    of R / P columns; the last slot zero, as the engine keeps them) and each token's slot, -1 and
+    the zero slot's own index among them."""
     gen = torch.Generator().manual_seed(r + k)
     x = torch.randn(tokens, k, generator=gen).to(dtype)
     a = torch.randn(slots + 1, r, k, generator=gen) / k**0.5
@@ -35,8 +35,13 @@ def _adapters(tokens: int, k: int, r: int, part_rows: tuple[int, ...], slots: in
                                                              generator=gen) / width**0.5
     a[-1], b[-1] = 0, 0
     ids = torch.randint(-1, slots, (tokens,), generator=gen)
-    ids[:2] = torch.tensor([-1, slots - 1])
+    ids[:3] = torch.tensor([-1, slots - 1, slots])  # none, the last adapter, the zero slot by index
     return x, a.to(dtype), b.to(dtype), ids
+
+
+def _no_adapter(slots: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The tokens on the zero slot (-1 or its index)."""
+    return (slots == -1) | (slots == a.shape[0] - 1)
 
 
 def _as_stored(b: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ def test_the_triton_delta_is_each_tokens_product(dtype: torch.dtype, r: int,
     assert got.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), _reference(x, a, b, slots), atol=tol, rtol=tol)
-    assert torch.equal(got[slots == -1], torch.zeros_like(got[slots == -1]))
+    assert torch.equal(got[_no_adapter(slots, a)], torch.zeros_like(got[_no_adapter(slots, a)]))
     for lo, hi in ((0, 1), (5, 6), (3, 19), (17, 19)):
         alone = lora_delta_triton(x[lo:hi], a, b, slots[lo:hi], part_rows)
         assert torch.equal(alone, got[lo:hi]), (lo, hi)
@@ -102,10 +107,15 @@ def test_the_cpu_delta_is_each_tokens_product_alone_or_batched(dtype: torch.dtyp
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     paths = {"native": (_native_delta, torch.compile(ops.lora_delta, dynamic=True)),
              "portable": (lora_delta, torch.compile(lora_delta, dynamic=True))}
+    if path == "native":  # rows without an adapter are not even read: their input does not matter
+        poisoned = x.clone()
+        poisoned[_no_adapter(slots, a)] = float("nan")
+        assert torch.equal(_native_delta(poisoned, a, b, slots, part_rows),
+                           _native_delta(x, a, b, slots, part_rows))
     for delta in paths[path]:
         got = delta(x, a, b, slots, part_rows)
         torch.testing.assert_close(got.float(), _reference(x, a, b, slots), atol=tol, rtol=tol)
-        assert torch.equal(got[slots == -1], torch.zeros_like(got[slots == -1]))
+        assert torch.equal(got[_no_adapter(slots, a)], torch.zeros_like(got[_no_adapter(slots, a)]))
         for lo, hi in ((0, 2), (5, 7), (3, 19), (17, 19)):
             alone = delta(x[lo:hi], a, b, slots[lo:hi], part_rows)
             assert torch.equal(alone, got[lo:hi]), (lo, hi)

@@ -151,7 +151,7 @@ def device_kind(device: torch.device) -> str:
     # read alike; and whether the native kernels serve (the portable LoRA delta is traced in)
     return (
         f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
-        f":isa-{ops.isa_level()}:native-{int(ops.native_isa() is not None)}"
+        f":isa-{ops.isa_level()}:native-{int(ops.native_loaded())}"
     )
 
 

@@ -144,11 +144,12 @@ void lora_grouped(const typename E::T* x, int64_t x_stride, const typename E::T*
     const int64_t R = W / parts;
     // the tokens of each slot, in order (the last slot: no adapter)
     std::vector<int64_t> start(S + 1, 0), order(tokens);
-    for (int64_t t = 0; t < tokens; ++t) ++start[(slots[t] % S + S) % S + 1];
+    auto slot = [&](int64_t t) { return slots[t] < 0 ? slots[t] + S : slots[t]; };  // in [-S, S)
+    for (int64_t t = 0; t < tokens; ++t) ++start[slot(t) + 1];
     for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
     {
         std::vector<int64_t> fill(start.begin(), start.end() - 1);
-        for (int64_t t = 0; t < tokens; ++t) order[fill[(slots[t] % S + S) % S]++] = t;
+        for (int64_t t = 0; t < tokens; ++t) order[fill[slot(t)]++] = t;
     }
     struct Tile {
         int64_t slot, first, rows;  // rows order[first .. first + rows) of `slot`

@@ -15,6 +15,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -536,11 +537,17 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor
                          b.dim() == 3 && a.is_contiguous() && bt.is_contiguous() && a.size(2) == x.size(1) &&
                          a.size(0) == b.size(0) && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                          slots.numel() == x.size(0) && parts >= 1 && a.size(1) % parts == 0 &&
-                         b.size(2) == a.size(1) && part_rows.front() == 0 && part_rows.back() == b.size(1);
+                         b.size(2) == a.size(1) && a.size(0) > 0 && part_rows.front() == 0 &&
+                         part_rows.back() == b.size(1) &&
+                         std::is_sorted(part_rows.begin(), part_rows.end());
     static const auto portable =
         torch_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             at::IntArrayRef)>("kernels::lora_delta_portable");
     if (!covered) return portable.call(x, a, b, slots, part_rows);
+    const int64_t S = a.size(0);
+    const int64_t* ids = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < slots.numel(); ++t)
+        TORCH_CHECK(-S <= ids[t] && ids[t] < S, "lora_delta: slot ", ids[t], " outside the ", S, " slots");
     at::Tensor out = at::empty({x.size(0), b.size(1)}, x.options());
     const std::vector<int64_t> rows(part_rows.begin(), part_rows.end());
     ce_lora_delta(dt == at::kFloat ? 0 : 1, x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(),
