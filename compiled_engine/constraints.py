@@ -17,6 +17,7 @@ the constraint's text, bounded in bytes) serves the next request with the same c
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -210,6 +211,19 @@ class RequestGrammar:
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly `choices`."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def packed_tokens(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """A packed bitmask (`RequestGrammar.next_mask`'s layout) allowing `ids` only."""
+    return _packed(_token_set(ids, vocab_size))
+
+
+@functools.cache
+def every_token(vocab_size: int) -> torch.Tensor:
+    """A packed bitmask allowing the whole vocabulary (shared: not to be written)."""
+    allowed = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    allowed[:vocab_size] = True
+    return _packed(allowed)
 
 
 def _token_set(ids: Sequence[int], vocab_size: int) -> torch.Tensor:

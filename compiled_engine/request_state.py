@@ -15,6 +15,7 @@ from compiled_engine.constraints import GrammarBook, RequestGrammar
 from compiled_engine.jax import bridge
 from compiled_engine.kv_tier.tier import HostPages
 from compiled_engine.prompt_record import PromptRecord
+from compiled_engine.reasoning_gate import ReasoningGate
 from compiled_engine.runner.prompt_outputs import KeptRows
 from compiled_engine.runner.sampler import SamplingRow, needs_history
 from compiled_engine.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     banned: tuple[int, ...]  # EOS / stop ids, masked while fewer than min_tokens were generated
-    grammar: RequestGrammar | None = None  # structured output
+    grammar: RequestGrammar | ReasoningGate | None = None  # structured output, a thinking span
     drafter: Drafter | None = None  # speculative decoding: proposes the request's drafts
     # prompt log-probs / an embedding's hidden states, until its first event carries them away
     prompt: PromptRecord | None = None
@@ -51,10 +52,11 @@ class RequestState:
     # ---- RequestHooks -------------------------------------------------------------------------
     def on_token(self, token: int) -> bool:
         if not self.grammar.accept(token):
+            what = (f"the {self.params.structured.kind} constraint"
+                    if self.params.structured is not None else "the thinking token budget")
             raise TokenRejected(
-                f"structured output: token {token} was sampled, which the "
-                f"{self.params.structured.kind} constraint does not allow (were all the tokens it "
-                "allows ruled out, by logit_bias or a logits processor?)"
+                f"structured output: token {token} was sampled, which {what} does not allow (were "
+                "all the tokens it allows ruled out, by logit_bias or a logits processor?)"
             )
         return self.grammar.terminated
 
@@ -117,13 +119,21 @@ class RequestFeatures:
         (`compiled_grammar`: compiled ahead)."""
         check_sampling(rid, params)
         grammar = None
+        gated = params.structured is not None or params.thinking is not None
+        if gated and self.grammars is None:
+            raise RequestRejected(
+                f"request {rid!r}: this engine serves no structured output and no thinking "
+                "budget (no tokenizer)"
+            )
         if params.structured is not None:
-            if self.grammars is None:
-                raise RequestRejected(
-                    f"request {rid!r}: this engine serves no structured output (no tokenizer)"
-                )
             grammar = self.grammars.for_request(params.structured, params.stop_token_ids,
                                                 compiled_grammar)
+        if params.thinking is not None:
+            span, vocab = params.thinking, self.grammars.vocab_size
+            if max(span.start_token, span.end_token) >= vocab:
+                raise RequestRejected(f"request {rid!r}: the thinking span's tokens are outside "
+                                      f"the vocabulary [0, {vocab})")
+            grammar = ReasoningGate(params.thinking, grammar, self.grammars.vocab_size)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

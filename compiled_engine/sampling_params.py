@@ -53,6 +53,27 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkingSpan:
+    """A reasoning model's thinking span (`<think>` ... `</think>`, each one token) in the output,
+    for what acts on the answer only (`compiled_engine.reasoning_gate`): the structured output
+    applies after the span, and `budget` (thinking tokens; None: no limit) ends the span by forcing
+    `end_token`. `opened`: the prompt opened the span (the output starts inside it); else the
+    output's first token may open it."""
+
+    start_token: int
+    end_token: int
+    opened: bool
+    budget: int | None = None
+
+    def validate(self) -> None:
+        _check(all(isinstance(t, int) and t >= 0 for t in (self.start_token, self.end_token))
+               and self.start_token != self.end_token,
+               "the thinking span's tokens must be two token ids", self)
+        _check(self.budget is None or (isinstance(self.budget, int) and 0 <= self.budget < 2**31),
+               "thinking_token_budget must be an integer in [0, 2**31)", self.budget)
+
+
+@dataclass(frozen=True, slots=True)
 class Range:
     """A numeric field's allowed values: [lo, hi], or (lo, hi] with `lo_open`."""
 
@@ -116,6 +137,8 @@ class SamplingParams:
     n: int = 1
     # constrained decoding (JSON schema, regex, choice, grammar)
     structured: StructuredOutput | None = None
+    # a reasoning model's thinking span: the structured output starts after it; its token budget
+    thinking: ThinkingSpan | None = None
     # JAX functions f(token_ids, logits) -> logits, or their names "module:function" (at tp_size >
     # 1), applied in order after logit_bias and the penalties, before the structured-output mask
     # (`compiled_engine.jax.bridge`); offline API only
@@ -127,7 +150,7 @@ class SamplingParams:
             self.min_tokens,
             tuple(self.stop_token_ids),
             self.ignore_eos,
-            self.structured is not None,
+            self.structured is not None or self.thinking is not None,
             self.prompt_logprobs is not None or self.pooling == "mean",
             priority=self.priority,
         )
@@ -152,6 +175,8 @@ class SamplingParams:
             )
         if self.structured is not None:
             self.structured.validate()
+        if self.thinking is not None:
+            self.thinking.validate()
         _check(
             isinstance(self.logits_processors, tuple | list)
             and all(

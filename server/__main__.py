@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         pooling=args.pooling,
         torchrun=torchrun,
     )

@@ -29,6 +29,7 @@ from server.handlers import error_response
 from server.metrics import Metrics
 from server.origin_guard import OriginGuardMiddleware
 from server.protocol import Limits, ProtocolError
+from server.reasoning import ReasoningParser, reasoning_parser
 from server.send_timeout import SendTimeoutMiddleware
 from server.state import ServerConfig, ServerState
 
@@ -38,7 +39,9 @@ log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
 
 
-def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
+def _start_engine(
+    config: ServerConfig,
+) -> tuple[object, Limits, EngineHandle, ReasoningParser | None]:
     """The ranks first: they write what this process then reads (the demo checkpoint, a GGUF file's
     converted tokenizer), so that it needs no torch."""
     if config.engine.model == DEMO_NAME:
@@ -46,6 +49,8 @@ def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
     handle = launch(config.engine, torchrun=config.torchrun)
     try:
         tokenizer = load_tokenizer(resolve_model(config.engine.model))
+        reasoning = (None if config.reasoning_parser is None
+                     else reasoning_parser(config.reasoning_parser, tokenizer))
     except BaseException:
         handle.shutdown()
         raise
@@ -53,13 +58,14 @@ def _start_engine(config: ServerConfig) -> tuple[object, Limits, EngineHandle]:
         tokenizer,
         Limits(handle.ready.max_context, handle.ready.vocab_size or len(tokenizer)),
         handle,
+        reasoning,
     )
 
 
 def create_app(config: ServerConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        tokenizer, limits, handle = await asyncio.to_thread(_start_engine, config)
+        tokenizer, limits, handle, reasoning = await asyncio.to_thread(_start_engine, config)
         client = EngineClient(handle, config.max_queue)
         client.start()
         metrics = Metrics()
@@ -69,7 +75,7 @@ def create_app(config: ServerConfig) -> Starlette:
                                   handle.ready.eos_token_ids, config.grammar_compile_timeout_s)
         app.state.server = ServerState(
             config, client, tokenizer, limits, metrics, config.engine.model, grammars,
-            adapters=dict(config.engine.lora_modules),
+            adapters=dict(config.engine.lora_modules), reasoning=reasoning,
         )
         try:
             yield

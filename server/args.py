@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from compiled_engine.engine_args import add_engine_args
 from compiled_engine.sampling_params import POOLINGS
+from server.protocol import ProtocolError, template_kwargs_of
+from server.reasoning import ALIASES as REASONING_ALIASES
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tools import PARSERS
 
 API_KEY_ENV = "COMPILED_ENGINE_API_KEY"
@@ -29,6 +33,14 @@ def seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"a timeout is a positive number of seconds, not {text}")
     return value
+
+
+def template_kwargs(text: str) -> dict:
+    """--default-chat-template-kwargs: a JSON object of the chat template's variables."""
+    try:
+        return template_kwargs_of(json.loads(text), "--default-chat-template-kwargs")
+    except (ValueError, ProtocolError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +77,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=POOLINGS,
         default="last",
         help="how /v1/embeddings pools the final hidden states: the last token's, or the mean",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=[*REASONING_PARSERS, *REASONING_ALIASES],
+        default=None,
+        help="a reasoning model's thinking span (<think>...</think>) returned apart from its "
+             "answer, as message.reasoning and reasoning_content",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=template_kwargs,
+        default={},
+        metavar="JSON",
+        help="the chat template's variables for every request, e.g. "
+             "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)",
     )
     p.add_argument(
         "--tool-call-parser",

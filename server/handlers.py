@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+from jinja2 import TemplateError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from compiled_engine.tokenization import encode_chat
 from server.engine_client import EngineDead, EngineRejected, Overloaded
 from server.generation import Choice, Delta, Generation, expand_choices, run
 from server.openai_format import dumps, sse, usage
@@ -236,13 +238,31 @@ def whole(c: Choice) -> Delta:
                  c.prompt_logprobs)
 
 
+async def chat_prompt(st: ServerState, messages: list[dict], tools: ToolRequest | None,
+                      template_kwargs: dict) -> list[int]:
+    """The chat template's prompt ids (off the event loop), the server's default template
+    variables under the request's; a conversation or a variable the template refuses is a 400."""
+    kwargs = st.config.default_chat_template_kwargs | template_kwargs
+    funcs = tools.template_tools() if tools is not None else None
+    try:
+        return await off_loop(lambda: encode_chat(st.tokenizer, messages, tools=funcs,
+                                                  template_kwargs=kwargs))
+    except (ValueError, TemplateError) as e:  # the template refused the conversation
+        raise ProtocolError(str(e)[:500], "messages") from None
+    except TypeError as e:  # a variable apply_chat_template takes for an argument of its own
+        raise ProtocolError(str(e)[:500], "chat_template_kwargs") from None
+
+
 def choice_calls(
-    st: ServerState, tools: ToolRequest | None, c: Choice
+    st: ServerState, tools: ToolRequest | None, c: Choice,
+    answer: Callable[[str], str | None] = lambda text: text,
 ) -> tuple[str | None, list[ToolCall]]:
-    """A finished choice's content and tool calls (none while tools are off); parsers other than
-    hermes read the special tokens too."""
+    """A finished choice's content and tool calls (none while tools are off), both from its answer
+    (`answer`: the text past a thinking span); parsers other than hermes read the special tokens
+    too."""
     if tools is None or tools.choice == "none":
-        return c.detok.text, []
+        return answer(c.detok.text), []
     raw = (st.tokenizer.decode(c.token_ids, skip_special_tokens=False)
            if st.tool_parser != "hermes" else c.detok.text)
-    return extract_calls(tools, raw, st.tool_parser)
+    content = answer(raw)
+    return (None, []) if content is None else extract_calls(tools, content, st.tool_parser)

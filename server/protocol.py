@@ -35,10 +35,10 @@ SAMPLING_FIELDS = frozenset({
     "priority"})
 # Fields the field's routers (sglang-router, vllm-router) add to every request they forward,
 # accepted where they ask for what this server does anyway (any other value: a 400 naming it).
-# Reasoning separation asks for nothing here: no reasoning parser runs (as in SGLang and vLLM
-# without one).
 ROUTER_DEFAULTS: dict[str, object] = {"return_hidden_states": False, "skip_special_tokens": True}
 CHAT_ROUTER_DEFAULTS = ROUTER_DEFAULTS | {"continue_final_message": False}
+# With --reasoning-parser: SGLang's (split the thinking out; stream it as it comes) and vLLM's
+# (return it at all). Without a parser they ask for nothing (as in SGLang and vLLM without one).
 REASONING_FIELDS = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoning"})
 NATIVE_ROUTER_DEFAULTS: dict[str, object] = {
     "return_hidden_states": False, "return_logprob": False, "log_metrics": True,
@@ -63,6 +63,8 @@ CHAT_FIELDS = _COMMON_FIELDS | set(CHAT_ROUTER_DEFAULTS) | REASONING_FIELDS | {
     "tool_choice",
     "parallel_tool_calls",
     "prompt_logprobs",
+    "chat_template_kwargs",
+    "thinking_token_budget",
 }
 NATIVE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "model",
                            "return_text_in_logprobs", "lora_path", "priority",
@@ -115,6 +117,37 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = False
     tools: ToolRequest | None = None
     prompt_logprobs: int | None = None  # vLLM's: the templated prompt's tokens' log-probs
+    template_kwargs: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs
+    thinking_budget: int | None = None  # thinking_token_budget (vLLM's)
+    reasoning: ReasoningOptions = dataclasses.field(default_factory=lambda: ReasoningOptions())
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningOptions:
+    """What a request asks of the reasoning parser (each true by default)."""
+
+    separate: bool = True  # SGLang's separate_reasoning: the thinking apart from the answer
+    stream: bool = True  # SGLang's stream_reasoning: streamed as it comes (else whole, at once)
+    include: bool = True  # vLLM's include_reasoning: returned at all
+
+
+# apply_chat_template's own arguments, and what encode_chat passes it: not the template's variables
+TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_kwargs_of(value: object, name: str = "chat_template_kwargs") -> dict:
+    """The chat template's variables: an object whose keys are identifiers (not the arguments of
+    apply_chat_template itself)."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"'{name}' must be an object, got {_type_name(value)}", name)
+    for key in value:
+        if not key.isidentifier() or key.startswith("_") or key in TEMPLATE_RESERVED:
+            raise ProtocolError(f"'{name}' cannot set {key[:64]!r}: a chat template variable is "
+                                "an identifier, not one of apply_chat_template's arguments", name)
+    return value
 
 
 # ---- field readers -------------------------------------------------------------------------------
@@ -426,8 +459,10 @@ def parse_chat(body: object, limits: Limits) -> ChatRequest:
     body = require_object(body)
     check_fields(body, CHAT_FIELDS)
     check_defaults(body, CHAT_ROUTER_DEFAULTS)
-    for name in REASONING_FIELDS:
-        get_bool(body, name, True)
+    reasoning = ReasoningOptions(get_bool(body, "separate_reasoning", True),
+                                 get_bool(body, "stream_reasoning", True),
+                                 get_bool(body, "include_reasoning", True))
+    kwargs = body.get("chat_template_kwargs")
     want = get_bool(body, "logprobs", False)
     top = sampling_int(body, "top_logprobs", None, like="logprobs")
     if top is not None and not want:
@@ -438,6 +473,9 @@ def parse_chat(body: object, limits: Limits) -> ChatRequest:
         logprobs=want,
         tools=parse_tool_request(body),
         prompt_logprobs=sampling_int(body, "prompt_logprobs", None),
+        template_kwargs={} if kwargs is None else template_kwargs_of(kwargs),
+        thinking_budget=get_int(body, "thinking_token_budget", None, 0, 2**31 - 1),
+        reasoning=reasoning,
     )
     if req.prompt_logprobs is not None and req.stream:
         raise ProtocolError("'prompt_logprobs' is not supported with 'stream' on chat "

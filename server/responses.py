@@ -17,16 +17,15 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from compiled_engine.tokenization import encode_chat
 from server.generation import Delta, Generation
 from server.handlers import (
+    chat_prompt,
     choice_calls,
     collect,
     endpoint,
     json_response,
     model_name,
     new_generation,
-    off_loop,
     read_json,
     state_of,
     stream,
@@ -43,6 +42,7 @@ from server.protocol import (
     require_object,
 )
 from server.response_store import Stored
+from server.thinking import Thinking
 
 IDS = ("user", "safety_identifier", "prompt_cache_key")  # ids that ask for no behaviour
 # accepted with the value that asks for nothing more than the server does anyway
@@ -175,13 +175,18 @@ class _Answer:
     items: list[dict]
     message: dict
     error: str | None = None
+    reasoning_tokens: int = 0
 
 
-def _answer(st, req: ChatRequest, gen: Generation) -> _Answer:
+def _answer(st, req: ChatRequest, gen: Generation, thinking: Thinking) -> _Answer:
     c = gen.choices[0]
     status = {"length": "incomplete", "error": "failed"}.get(c.finish_reason, "completed")
-    text, calls = choice_calls(st, req.tools, c)
+    text, calls = choice_calls(st, req.tools, c, thinking.answer)
+    reasoning = thinking.reasoning(c.detok.text)
     items: list[dict] = []
+    if reasoning is not None:  # the thinking span, as OpenAI's reasoning models return it
+        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": reasoning}]})
     if text or not calls:  # text the model wrote before its calls stays, as OpenAI's does
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
                       "role": "assistant",
@@ -193,11 +198,14 @@ def _answer(st, req: ChatRequest, gen: Generation) -> _Answer:
     message = {"role": "assistant", "content": text or ("" if not calls else None)}
     if openai_calls:
         message["tool_calls"] = openai_calls
-    return _Answer(status, items, message, c.error if status == "failed" else None)
+    return _Answer(status, items, message, c.error if status == "failed" else None,
+                   thinking.reasoning_tokens(c.detok.text, c.token_ids))
 
 
 def _response(st, body: dict, req: ChatRequest, rid: str, created: float, status: str,
-              output: list[dict], gen: Generation | None, error: str | None = None) -> dict:
+              output: list[dict], gen: Generation | None, answer: _Answer | None = None,
+              error: str | None = None) -> dict:
+    error = answer.error if answer is not None else error
     incomplete = status == "incomplete"
     out = {
         "id": rid, "object": "response", "created_at": created, "status": status,
@@ -218,7 +226,8 @@ def _response(st, body: dict, req: ChatRequest, rid: str, created: float, status
             "input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
             "input_tokens_details": {"cached_tokens": gen.cached_tokens},
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": answer.reasoning_tokens if answer is not None else 0},
         }
     return out
 
@@ -248,13 +257,11 @@ async def responses(request: Request) -> Response:
     chat = _chat_body(body, conversation)
     try:
         req = parse_chat(chat, st.limits)
-        tools = req.tools.template_tools() if req.tools is not None else None
-        prompt = await off_loop(lambda: encode_chat(st.tokenizer, req.messages, tools=tools))
+        prompt = await chat_prompt(st, req.messages, req.tools, req.template_kwargs)
+        thinking = Thinking.of(st, req, prompt)
         gen = new_generation(st, "resp", req, [prompt], None)
     except ProtocolError as e:
         raise _renamed(e) from None
-    except ValueError as e:  # the chat template refused the conversation
-        raise ProtocolError(str(e), "input") from None
     rid, created = f"resp_{uuid.uuid4().hex}", time.time()
 
     def finish(answer: _Answer, response: dict) -> None:
@@ -263,11 +270,11 @@ async def responses(request: Request) -> Response:
 
     if not want_stream:
         await collect(request, st, gen)
-        a = _answer(st, req, gen)
-        out = _response(st, body, req, rid, created, a.status, a.items, gen, a.error)
+        a = _answer(st, req, gen, thinking)
+        out = _response(st, body, req, rid, created, a.status, a.items, gen, a)
         finish(a, out)
         return json_response(out)
-    return await _stream(st, body, req, gen, rid, created, finish)
+    return await _stream(st, body, req, gen, rid, created, finish, thinking)
 
 
 def _input_items(value: object) -> list[dict]:
@@ -349,13 +356,14 @@ async def response_input_items(request: Request) -> Response:
                           "has_more": len(items) > limit})
 
 
-async def _stream(st, body, req, gen, rid, created, finish) -> Response:
+async def _stream(st, body, req, gen, rid, created, finish, thinking: Thinking) -> Response:
     """The Responses event stream: created, in_progress; for a plain answer the message's item and
-    part, a text delta per engine delta, their done events; with tools on, the items once the
-    answer is whole (a call is known only then); completed (or incomplete, or failed); an engine
-    error mid-stream: `error` and `response.failed`."""
+    part, a text delta per engine delta, their done events; with tools on or a reasoning parser,
+    the items once the answer is whole (a call, or where the thinking ends, is known only then);
+    completed (or incomplete, or failed); an engine error mid-stream: `error` and
+    `response.failed`."""
     seq = iter(range(1 << 62))
-    calling = req.tools is not None and req.tools.choice != "none"
+    calling = (req.tools is not None and req.tools.choice != "none") or thinking.parser is not None
     msg_id = f"msg_{uuid.uuid4().hex}"
 
     def event(kind: str, **fields: object) -> dict:
@@ -363,7 +371,7 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
 
     def snapshot(status: str, output: list[dict], answer: _Answer | None = None) -> dict:
         return _response(st, body, req, rid, created, status, output,
-                         gen if answer is not None else None, answer and answer.error)
+                         gen if answer is not None else None, answer)
 
     empty_part = {"type": "output_text", "text": "", "annotations": []}
     head = [sse(event("response.created", response=snapshot("in_progress", []))),
@@ -384,10 +392,20 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
                      content_index=0, delta=d.text, logprobs=[])
 
     def tail() -> list[str]:
-        answer = _answer(st, req, gen)
+        answer = _answer(st, req, gen, thinking)
         events: list[dict] = []
         for i, item in enumerate(answer.items):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                events += [
+                    event("response.output_item.added", output_index=i,
+                          item=item | {"content": []}),
+                    event("response.reasoning_text.delta", item_id=item["id"], output_index=i,
+                          content_index=0, delta=text),
+                    event("response.reasoning_text.done", item_id=item["id"], output_index=i,
+                          content_index=0, text=text),
+                ]
+            elif item["type"] == "message":
                 item["id"] = msg_id if not calling else item["id"]
                 part = item["content"][0]
                 if calling:
@@ -426,6 +444,6 @@ async def _stream(st, body, req, gen, rid, created, finish) -> Response:
         """An error mid-stream, as OpenAI's Responses stream reports one."""
         return [sse(event("error", code="server_error", message=message, param=None)),
                 sse(event("response.failed", response=_response(
-                    st, body, req, rid, created, "failed", [], None, message)))]
+                    st, body, req, rid, created, "failed", [], None, error=message)))]
 
     return await stream(st, gen, head, chunk, tail, failed)

@@ -9,10 +9,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from compiled_engine.models.demo import DEMO_LABEL
-from compiled_engine.tokenization import encode_chat
 from server.engine_client import EngineDead
 from server.generation import Delta
 from server.handlers import (
+    chat_prompt,
     check_model,
     choice_calls,
     collect,
@@ -51,6 +51,7 @@ from server.protocol import (
     require_object,
     token_ids,
 )
+from server.thinking import REASONING_KEYS, Thinking
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special_tokens",
                              "continue_final_message"})
@@ -161,11 +162,8 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req: ChatRequest = parse_chat(await read_json(request), st.limits)
-    tools = req.tools.template_tools() if req.tools is not None else None
-    try:
-        prompt = await off_loop(lambda: encode_chat(st.tokenizer, req.messages, tools=tools))
-    except ValueError as e:
-        raise ProtocolError(str(e), "messages") from None
+    prompt = await chat_prompt(st, req.messages, req.tools, req.template_kwargs)
+    thinking = Thinking.of(st, req, prompt)
     gen = new_generation(st, "chatcmpl", req, [prompt], None)
     token_text = TokenText(st.tokenizer)
     base = {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()),
@@ -173,15 +171,13 @@ async def chat_completions(request: Request) -> Response:
     calling = req.tools is not None and req.tools.choice != "none"
 
     def message(c) -> tuple[dict, str | None]:
-        """The choice's assistant message and finish reason, tool calls parsed out when tools are
-        on."""
-        content, calls = choice_calls(st, req.tools, c)
+        """The choice's assistant message and finish reason: its thinking apart (with a reasoning
+        parser), tool calls parsed out of its answer when tools are on."""
+        content, calls = choice_calls(st, req.tools, c, thinking.answer)
+        msg = {"role": "assistant", "content": content} | thinking.fields(c.detok.text)
         if not calls:
-            return {"role": "assistant", "content": content}, c.finish_reason
-        return (
-            {"role": "assistant", "content": content, "tool_calls": [t.as_openai() for t in calls]},
-            "tool_calls",
-        )
+            return msg, c.finish_reason
+        return msg | {"tool_calls": [t.as_openai() for t in calls]}, "tool_calls"
 
     if not req.stream:
         await collect(request, st, gen)
@@ -224,7 +220,10 @@ async def chat_completions(request: Request) -> Response:
     def chunk(d: Delta) -> dict | None:
         if calling:  # a call is known only once the output is whole: its choice is sent at its end
             return tool_chunk(d) if d.finish_reason is not None else None
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        if thinking.parser is not None:
+            delta = thinking.stream_delta(d)
+        else:
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
         return base | {
             "choices": [
                 {
@@ -242,6 +241,7 @@ async def chat_completions(request: Request) -> Response:
         the finish reason."""
         msg, reason = message(gen.choices[d.index])
         delta: dict = {"content": msg["content"]} if msg["content"] else {}
+        delta |= {k: msg[k] for k in REASONING_KEYS if msg.get(k)}
         if "tool_calls" in msg:
             delta["tool_calls"] = [{"index": i} | t for i, t in enumerate(msg["tool_calls"])]
         logprobs = chat_logprobs(whole(gen.choices[d.index]), token_text) if req.logprobs else None
@@ -298,9 +298,9 @@ async def tokenize(request: Request) -> Response:
             )
         try:
             messages = parse_chat({"messages": body["messages"]}, st.limits).messages
-            ids = await off_loop(lambda: encode_chat(st.tokenizer, messages))
         except ValueError as e:
             raise ProtocolError(str(e), "messages") from None
+        ids = await chat_prompt(st, messages, None, {})
     else:
         text = (
             get_str(body, "prompt", None)

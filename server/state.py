@@ -13,6 +13,7 @@ from server.engine_client import EngineClient
 from server.grammar_check import GrammarChecker
 from server.metrics import Metrics
 from server.protocol import Limits
+from server.reasoning import ReasoningParser
 from server.request_errors import ProtocolError
 from server.response_store import ResponseStore
 from server.tools import parser_for_template
@@ -27,6 +28,10 @@ class ServerConfig:
     debug: bool = False  # exposes GET /debug/integrity
     # hermes | llama3_json | mistral; None: from the chat template
     tool_call_parser: str | None = None
+    # qwen3 | deepseek_r1: the output's thinking span apart from its answer (server/reasoning.py)
+    reasoning_parser: str | None = None
+    # the chat template's variables for every request (a request's chat_template_kwargs win)
+    default_chat_template_kwargs: dict = field(default_factory=dict)
     health_timeout_s: float = 10.0
     # after the engine fails: /health answers 503 this long, then the server exits
     engine_dead_exit_s: float = 10.0
@@ -55,6 +60,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored
     # the LoRA adapters served (name -> path), as the engine ranks have confirmed them
     adapters: dict[str, str] = field(default_factory=dict)
+    reasoning: ReasoningParser | None = None  # --reasoning-parser
 
     @property
     def model_names(self) -> tuple[str, ...]:
