@@ -14,6 +14,7 @@ from compiled_engine.engine_args import add_engine_args, engine_config
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
 from server.args import add_serve_args
+from server.batch.offline import add_run_batch_args
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -51,6 +52,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from server.batch.offline import run_file
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run_file(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compiled-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
     p.set_defaults(func=run_chat)
+
+    p = sub.add_parser("run-batch", help="a Batch API file answered offline (vLLM's run-batch)")
+    add_run_batch_args(p)
+    p.set_defaults(func=_cmd_run_batch)
 
     add_warmup_parser(sub)
     add_bench_parser(sub)

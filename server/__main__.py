@@ -13,9 +13,8 @@ from compiled_engine.models.tp_fit import check_tp_size
 from compiled_engine.ranks.entry import run_rank
 from compiled_engine.ranks.rank_spec import RankSpec
 from compiled_engine.ranks.torchrun import torchrun_placement
-from server.args import add_serve_args, resolve_api_key
+from server.args import add_serve_args, resolve_api_key, server_config
 from server.serve import serve
-from server.state import ServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,25 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"compiled-engine serve: error: --api-key-file: {e}", file=sys.stderr)
         return 2
-    config = ServerConfig(
-        engine=engine,
-        api_key=api_key,
-        host=args.host,
-        allowed_hosts=tuple(args.allowed_hosts or ()),
-        send_timeout_s=args.send_timeout,
-        shutdown_timeout_s=args.shutdown_timeout,
-        read_timeout_s=args.read_timeout,
-        request_timeout_s=args.request_timeout,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
-        max_queue=args.max_queue,
-        debug=args.debug,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        default_chat_template_kwargs=args.default_chat_template_kwargs,
-        pooling=args.pooling,
-        torchrun=torchrun,
-    )
-    return serve(config, args.host, args.port)
+    return serve(server_config(args, engine, api_key, torchrun), args.host, args.port)
 
 
 if __name__ == "__main__":

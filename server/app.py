@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -22,7 +23,9 @@ from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
 from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
-from server import embeddings, info_routes, lora_routes, responses, routes
+from server import batch_routes, embeddings, info_routes, lora_routes, responses, routes
+from server.batch.runner import Batches, BatchRunner, in_process, running
+from server.batch.store import BatchStore
 from server.engine_client import EngineClient
 from server.grammar_check import GrammarChecker
 from server.handlers import error_response
@@ -62,6 +65,31 @@ def _start_engine(
     )
 
 
+# the endpoints a batch's lines may name, and their handlers
+BATCH_HANDLERS = {"/v1/chat/completions": routes.chat_completions,
+                  "/v1/completions": routes.completions, "/v1/embeddings": embeddings.embeddings,
+                  "/v1/responses": responses.responses}
+
+
+@contextlib.contextmanager
+def batch_folder(config: ServerConfig) -> Iterator[Path]:
+    """--batch-dir, or a temporary folder for this process."""
+    if config.batch_dir is not None:
+        yield Path(config.batch_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="compiled-engine-batches-") as folder:
+        yield Path(folder)
+
+
+def batches(app: Starlette, config: ServerConfig, folder: Path) -> Batches:
+    """The Batch API over this app's handlers: its requests at the lowest priority where the
+    engine schedules by priority."""
+    lowest = 2**31 - 1 if config.engine.scheduling_policy == "priority" else None
+    runner = BatchRunner(BatchStore(folder), in_process(app, BATCH_HANDLERS),
+                         config.batch_concurrency, config.max_body_bytes, lowest)
+    return Batches(runner.store, runner)
+
+
 def create_app(config: ServerConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -73,12 +101,15 @@ def create_app(config: ServerConfig) -> Starlette:
         metrics.kv_pool_bytes.set(handle.ready.kv_pool_bytes)
         grammars = GrammarChecker(resolve_model(config.engine.model), handle.ready.vocab_size,
                                   handle.ready.eos_token_ids, config.grammar_compile_timeout_s)
-        app.state.server = ServerState(
+        state = app.state.server = ServerState(
             config, client, tokenizer, limits, metrics, config.engine.model, grammars,
             adapters=dict(config.engine.lora_modules), reasoning=reasoning,
         )
         try:
-            yield
+            with batch_folder(config) as folder:
+                state.batches = batches(app, config, folder)
+                async with running(state.batches.runner):
+                    yield
         finally:
             grammars.close()
             await client.close()
@@ -107,6 +138,15 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/get_load", info_routes.get_load, methods=["GET"]),
         Route("/kv_event_sources", info_routes.kv_event_sources, methods=["GET"]),
+        Route("/v1/files", batch_routes.upload_file, methods=["POST"]),
+        Route("/v1/files", batch_routes.list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", batch_routes.get_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", batch_routes.delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", batch_routes.file_content, methods=["GET"]),
+        Route("/v1/batches", batch_routes.create_batch, methods=["POST"]),
+        Route("/v1/batches", batch_routes.list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", batch_routes.get_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, methods=["POST"]),
         Route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"]),
         Route("/load_lora_adapter", lora_routes.sglang_load_lora_adapter, methods=["POST"]),

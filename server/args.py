@@ -11,6 +11,7 @@ from compiled_engine.sampling_params import POOLINGS
 from server.protocol import ProtocolError, template_kwargs_of
 from server.reasoning import ALIASES as REASONING_ALIASES
 from server.reasoning import PARSERS as REASONING_PARSERS
+from server.state import ServerConfig
 from server.tools import PARSERS
 
 API_KEY_ENV = "COMPILED_ENGINE_API_KEY"
@@ -93,9 +94,39 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the chat template's variables for every request, e.g. "
              "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)",
     )
+    p.add_argument("--batch-dir", default=None, metavar="PATH",
+                   help="where the Batch API keeps its files and batches (a restarted server "
+                        "resumes the batches it finds there; default: a temporary folder)")
+    p.add_argument("--max-batch-file-mb", type=int, default=200, metavar="MB",
+                   help="the largest file /v1/files takes")
     p.add_argument(
         "--tool-call-parser",
         choices=PARSERS,
         default=None,
         help="the format of the model's tool calls (default: read from its chat template)",
+    )
+
+
+def server_config(args: argparse.Namespace, engine, api_key: str | None = None,
+                  torchrun=None) -> ServerConfig:
+    """The server's settings from its flags (`add_serve_args`) and the engine's."""
+    return ServerConfig(
+        engine=engine,
+        api_key=api_key,
+        host=args.host,
+        allowed_hosts=tuple(args.allowed_hosts or ()),
+        send_timeout_s=args.send_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        read_timeout_s=args.read_timeout,
+        request_timeout_s=args.request_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        max_queue=args.max_queue,
+        debug=args.debug,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        batch_dir=args.batch_dir,
+        max_batch_file_bytes=args.max_batch_file_mb << 20,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        pooling=args.pooling,
+        torchrun=torchrun,
     )

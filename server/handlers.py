@@ -10,7 +10,7 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import anyio
@@ -251,6 +251,38 @@ async def chat_prompt(st: ServerState, messages: list[dict], tools: ToolRequest 
         raise ProtocolError(str(e)[:500], "messages") from None
     except TypeError as e:  # a variable apply_chat_template takes for an argument of its own
         raise ProtocolError(str(e)[:500], "chat_template_kwargs") from None
+
+
+def list_page(objs: list[dict], query: Mapping[str, str]) -> dict:
+    """OpenAI's list page of `objs` (newest first): `order=asc` oldest first, `limit` (1..100,
+    default 20) after the id `after`."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ProtocolError("'order' must be 'asc' or 'desc'", "order")
+    if order == "asc":
+        objs = objs[::-1]
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = -1
+    if not 1 <= limit <= 100:
+        raise ProtocolError("'limit' must be an integer in [1, 100]", "limit")
+    after = query.get("after")
+    if after is not None:
+        ids = [o["id"] for o in objs]
+        if after not in ids:
+            raise ProtocolError(f"no item {after[:64]!r} to list after", "after")
+        objs = objs[ids.index(after) + 1:]
+    page = objs[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(objs) > limit}
+
+
+def only_queries(query: Mapping[str, str], allowed: set[str]) -> None:
+    """400 naming the first query parameter not in `allowed`."""
+    unknown = sorted(set(query) - allowed)
+    if unknown:
+        raise ProtocolError(f"query parameter {unknown[0][:64]!r} is not supported", unknown[0])
 
 
 def choice_calls(

@@ -24,8 +24,10 @@ from server.handlers import (
     collect,
     endpoint,
     json_response,
+    list_page,
     model_name,
     new_generation,
+    only_queries,
     read_json,
     state_of,
     stream,
@@ -327,33 +329,8 @@ async def response_input_items(request: Request) -> Response:
     (`order=asc` oldest first), `limit` (1..100, default 20) after the id `after`."""
     st = state_of(request)
     items = list(st.responses.get(request.path_params["response_id"], None).input_items)
-    query = request.query_params
-    unknown = set(query) - {"order", "limit", "after"}
-    if unknown:
-        raise ProtocolError(f"query parameter {sorted(unknown)[0]!r} is not supported",
-                            sorted(unknown)[0])
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ProtocolError("'order' must be 'asc' or 'desc'", "order")
-    if order == "desc":
-        items.reverse()
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = -1
-    if not 1 <= limit <= 100:
-        raise ProtocolError("'limit' must be an integer in [1, 100]", "limit")
-    after = query.get("after")
-    if after is not None:
-        ids = [i["id"] for i in items]
-        if after not in ids:
-            raise ProtocolError(f"no input item {after[:64]!r} in this response", "after")
-        items = items[ids.index(after) + 1 :]
-    page = items[:limit]
-    return json_response({"object": "list", "data": page,
-                          "first_id": page[0]["id"] if page else None,
-                          "last_id": page[-1]["id"] if page else None,
-                          "has_more": len(items) > limit})
+    only_queries(request.query_params, {"order", "limit", "after"})
+    return json_response(list_page(items[::-1], request.query_params))
 
 
 async def _stream(st, body, req, gen, rid, created, finish, thinking: Thinking) -> Response:

@@ -9,6 +9,7 @@ from pathlib import Path
 from compiled_engine.config import EngineConfig
 from compiled_engine.models.demo import DEMO_NAME
 from compiled_engine.ranks.torchrun import TorchrunPlacement
+from server.batch.runner import Batches
 from server.engine_client import EngineClient
 from server.grammar_check import GrammarChecker
 from server.metrics import Metrics
@@ -45,6 +46,10 @@ class ServerConfig:
     read_timeout_s: float = 60.0  # a request body must arrive within this
     request_timeout_s: float | None = None  # a generation running longer is ended (None: no limit)
     grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is a 400
+    # the Batch API's files and batches (None: a temporary folder, gone at exit: nothing resumes)
+    batch_dir: str | None = None
+    max_batch_file_bytes: int = 200 << 20  # an upload's size (OpenAI's limit)
+    batch_concurrency: int = 64  # a batch's requests in flight at once
 
 
 @dataclass
@@ -61,6 +66,7 @@ class ServerState:
     # the LoRA adapters served (name -> path), as the engine ranks have confirmed them
     adapters: dict[str, str] = field(default_factory=dict)
     reasoning: ReasoningParser | None = None  # --reasoning-parser
+    batches: Batches | None = None  # the Batch API (server/batch)
 
     @property
     def model_names(self) -> tuple[str, ...]:

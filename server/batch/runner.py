@@ -1,0 +1,197 @@
+"""Runs the batches, oldest first, one at a time: a batch is checked (`validating`), then its lines
+go to the server's own endpoint handlers in this process (`in_process`), at most `concurrency` at
+once and at the lowest priority where the server schedules by priority; each answer is on disk
+before it counts (a restart goes on from the last one), 2xx in the output file, the rest in the
+error file. An answer the server could not give now (429 overloaded, 503 draining or engine
+gone) is not an answer: the line runs again later, or after a restart. Past its completion window
+a batch expires; a cancelled one stops taking lines and keeps those answered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.batch.lines import BatchLine, check_file, lines
+from server.batch.store import ACTIVE, BatchStore
+
+log = logging.getLogger(__name__)
+Execute = Callable[[str, dict], Awaitable[tuple[int, bytes]]]
+Handler = Callable[[Request], Awaitable[Response]]
+RETRY_S = 1.0  # after a 429 / 503
+
+
+def in_process(app: object, handlers: dict[str, Handler]) -> Execute:
+    """Calls an endpoint's handler as an HTTP request would (the body as JSON), without a socket
+    or the middleware (the batch was authorized when it was created); (status, body bytes)."""
+
+    async def execute(url: str, body: dict) -> tuple[int, bytes]:
+        raw = json.dumps(body).encode()
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await asyncio.Event().wait()  # no disconnect: the batch waits for its answer
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": url, "raw_path": url.encode(),
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 0),
+                 "server": ("127.0.0.1", 0), "app": app,
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(raw)).encode())]}
+        response = await handlers[url](Request(scope, receive))
+        return response.status_code, bytes(response.body)
+
+    return execute
+
+
+def answer_line(custom_id: str, status: int, body: bytes) -> bytes:
+    """An output or error file's line (OpenAI's shape), the handler's body as it is."""
+    head = json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id})[:-1]
+    return (f'{head}, "response": {{"status_code": {status}, "request_id": '
+            f'"req_{uuid.uuid4().hex}", "body": ').encode() + body + b'}, "error": null}'
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, execute: Execute, concurrency: int,
+                 max_line_bytes: int, priority: int | None) -> None:
+        """`priority`: set on every request (the lowest, under priority scheduling), or None."""
+        self.store = store
+        self.execute = execute
+        self.concurrency = concurrency
+        self.max_line_bytes = max_line_bytes
+        self.priority = priority
+        self._wakeup = asyncio.Event()
+        self._cancelled: set[str] = set()
+
+    def wake(self, cancel: str | None = None) -> None:
+        """A batch was created, or `cancel` is being cancelled."""
+        if cancel is not None:
+            self._cancelled.add(cancel)
+        self._wakeup.set()
+
+    async def run_forever(self) -> None:
+        while True:
+            batch = await asyncio.to_thread(self._oldest_active)
+            if batch is None:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                await self.run_batch(batch)
+            except Exception as e:  # the disk, most likely: the batch fails, the server serves on
+                log.exception("batch %s failed", batch["id"])
+                await self._put(batch, status="failed", failed_at=_now(), errors={
+                    "object": "list", "data": [{"code": "server_error", "message": str(e)[:500],
+                                                "param": None, "line": None}]})
+
+    def _oldest_active(self) -> dict | None:
+        active = [b for b in self.store.list_batches() if b["status"] in ACTIVE]
+        return min(active, key=lambda b: (b["created_at"], b["id"])) if active else None
+
+    async def run_batch(self, batch: dict) -> None:
+        bid, path = batch["id"], self.store.file_path(batch["input_file_id"])
+        if batch["status"] == "validating":
+            count, errors = await asyncio.to_thread(check_file, path, batch["endpoint"],
+                                                    self.max_line_bytes)
+            if errors:
+                await self._put(batch, status="failed", failed_at=_now(),
+                                errors={"object": "list", "data": errors})
+                return
+            batch["request_counts"]["total"] = count
+            await self._put(batch, status="in_progress", in_progress_at=_now())
+        done = await asyncio.to_thread(self.store.answered, bid)
+        counts = batch["request_counts"]
+        counts["completed"], counts["failed"] = len(done["output"]), len(done["errors"])
+        answered = done["output"] | done["errors"]
+        slots = asyncio.Semaphore(self.concurrency)
+        running: set[asyncio.Task] = set()
+        todo = lines(path, batch["endpoint"], self.max_line_bytes)
+        try:
+            while batch["status"] == "in_progress":
+                if bid in self._cancelled:
+                    await self._put(batch, status="cancelling", cancelling_at=_now())
+                    break
+                if time.time() >= batch["expires_at"]:
+                    batch["status"] = "expired"
+                    break
+                line = await asyncio.to_thread(next, todo, None)
+                if line is None:
+                    break
+                if line.custom_id in answered:
+                    continue
+                await slots.acquire()
+                task = asyncio.create_task(self._one(batch, line))
+                running.add(task)
+                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+            if running:
+                await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
+        await self._finish(batch)
+
+    async def _one(self, batch: dict, line: BatchLine) -> None:
+        body = line.body if self.priority is None else line.body | {"priority": self.priority}
+        while True:
+            status, payload = await self.execute(line.url, body)
+            if status not in (429, 503):
+                break
+            await asyncio.sleep(RETRY_S)
+        kind = "output" if status < 400 else "errors"
+        await asyncio.to_thread(self.store.append_answer, batch["id"], kind,
+                                answer_line(line.custom_id, status, payload))
+        batch["request_counts"]["completed" if kind == "output" else "failed"] += 1
+        await asyncio.to_thread(self.store.put_batch, batch)
+
+    async def _finish(self, batch: dict) -> None:
+        """Keep the answers as files and close the batch: completed, cancelled or expired."""
+        ending = {"in_progress": "completed", "finalizing": "completed",
+                  "cancelling": "cancelled"}.get(batch["status"], batch["status"])
+        if ending == "completed":
+            await self._put(batch, status="finalizing", finalizing_at=_now())
+        output = await asyncio.to_thread(self.store.keep_answers, batch["id"], "output")
+        errors = await asyncio.to_thread(self.store.keep_answers, batch["id"], "errors")
+        self._cancelled.discard(batch["id"])
+        await self._put(batch, status=ending, output_file_id=output, error_file_id=errors,
+                        **{f"{ending}_at": _now()})
+
+    async def _put(self, batch: dict, **changes: object) -> None:
+        batch.update(changes)
+        await asyncio.to_thread(self.store.put_batch, batch)
+
+
+@dataclass
+class Batches:
+    """The Batch API's store and runner, as the endpoints reach them."""
+
+    store: BatchStore
+    runner: BatchRunner
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+@contextlib.asynccontextmanager
+async def running(runner: BatchRunner):
+    """The runner on a task while the server serves."""
+    task = asyncio.create_task(runner.run_forever(), name="batches")
+    try:
+        yield runner
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

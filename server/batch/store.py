@@ -1,0 +1,128 @@
+"""The Batch API's state on disk (`--batch-dir`): files (`files/<id>.jsonl` and their object,
+`<id>.json`) and batches (`batches/<id>.json`, and the lines answered so far,
+`<id>.output.jsonl` / `<id>.errors.jsonl`, appended as they come). Objects are written whole
+(a temporary file, then a rename), so a restart finds each as it last was. Blocking file work:
+callers run it off the event loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from server.request_errors import ProtocolError
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class BatchStore:
+    def __init__(self, root: Path) -> None:
+        self.files = root / "files"
+        self.batches = root / "batches"
+        self.files.mkdir(parents=True, exist_ok=True)
+        self.batches.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # writers on several threads
+
+    # ---- files ----------------------------------------------------------------------------------
+    def file_path(self, file_id: str) -> Path:
+        return self.files / f"{_checked_id(file_id, 'file')}.jsonl"
+
+    def add_file(self, temp: Path, filename: str, purpose: str) -> dict:
+        """Keep the uploaded `temp` (moved) as a new file; its object."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        obj = {"id": file_id, "object": "file", "bytes": temp.stat().st_size,
+               "created_at": int(time.time()), "filename": filename, "purpose": purpose,
+               "status": "processed", "expires_at": None, "status_details": None}
+        shutil.move(temp, self.file_path(file_id))
+        _write_json(self.files / f"{file_id}.json", obj)
+        return obj
+
+    def file(self, file_id: str, param: str = "file_id") -> dict:
+        """A file's object; 404 (naming `param`) without it."""
+        path = self.files / f"{_checked_id(file_id, 'file', param)}.json"
+        if not path.is_file():
+            raise ProtocolError(f"No such File object: {file_id[:80]}", param, status=404,
+                                code="not_found")
+        return json.loads(path.read_text())
+
+    def list_files(self, purpose: str | None) -> list[dict]:
+        objs = [json.loads(p.read_text()) for p in self.files.glob("file-*.json")]
+        objs = [o for o in objs if purpose is None or o["purpose"] == purpose]
+        return sorted(objs, key=lambda o: (o["created_at"], o["id"]), reverse=True)
+
+    def delete_file(self, file_id: str) -> None:
+        self.file(file_id)
+        self.file_path(file_id).unlink(missing_ok=True)
+        (self.files / f"{file_id}.json").unlink(missing_ok=True)
+
+    # ---- batches --------------------------------------------------------------------------------
+    def new_batch(self, obj: dict) -> dict:
+        obj = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", **obj}
+        self.put_batch(obj)
+        return obj
+
+    def put_batch(self, obj: dict) -> None:
+        with self._lock:
+            _write_json(self.batches / f"{obj['id']}.json", obj)
+
+    def batch(self, batch_id: str) -> dict:
+        path = self.batches / f"{_checked_id(batch_id, 'batch')}.json"
+        if not path.is_file():
+            raise ProtocolError(f"No such Batch object: {batch_id[:80]}", "batch_id", status=404,
+                                code="not_found")
+        return json.loads(path.read_text())
+
+    def list_batches(self) -> list[dict]:
+        objs = [json.loads(p.read_text()) for p in self.batches.glob("batch_*.json")]
+        return sorted(objs, key=lambda o: (o["created_at"], o["id"]), reverse=True)
+
+    def answers_path(self, batch_id: str, kind: str) -> Path:
+        """Where a batch's answered lines go as they come: kind "output" or "errors"."""
+        return self.batches / f"{batch_id}.{kind}.jsonl"
+
+    def answered(self, batch_id: str) -> dict[str, set[str]]:
+        """The custom ids a batch has answered, by kind ("output", "errors"): a restart goes on
+        from there; a line cut short by the process's end is dropped from its file."""
+        done: dict[str, set[str]] = {}
+        for kind in ("output", "errors"):
+            path = self.answers_path(batch_id, kind)
+            data = path.read_bytes() if path.is_file() else b""
+            whole = data[:data.rfind(b"\n") + 1]
+            if len(whole) != len(data):
+                path.write_bytes(whole)
+            done[kind] = {json.loads(line)["custom_id"] for line in whole.splitlines()}
+        return done
+
+    def append_answer(self, batch_id: str, kind: str, line: bytes) -> None:
+        """One answered line (JSON, no newline), on disk before this returns."""
+        with self._lock, open(self.answers_path(batch_id, kind), "ab") as f:
+            f.write(line + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def keep_answers(self, batch_id: str, kind: str) -> str | None:
+        """A batch's answered lines of `kind` as a new file (None if there are none)."""
+        path = self.answers_path(batch_id, kind)
+        if not path.is_file() or path.stat().st_size == 0:
+            path.unlink(missing_ok=True)
+            return None
+        name = f"{batch_id}_{'output' if kind == 'output' else 'error'}.jsonl"
+        return self.add_file(path, name, "batch_output")["id"]
+
+
+def _checked_id(value: str, kind: str, param: str | None = None) -> str:
+    """An id as this store names them: no path separators or dots reach the file system."""
+    if not (value.replace("-", "").replace("_", "").isalnum() and len(value) <= 128):
+        raise ProtocolError(f"No such {kind}: {value[:80]!r}", param or f"{kind}_id", status=404,
+                            code="not_found")
+    return value
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    temp = path.with_suffix(".tmp")
+    temp.write_text(json.dumps(obj))
+    os.replace(temp, path)
