@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -118,9 +119,11 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """`lora_request`: the adapter of every prompt, or one per prompt (None: the base model),
-        read on first use (the engine needs `enable_lora`)."""
+        read on first use (the engine needs `enable_lora`); `priority`: each prompt's (vLLM's:
+        lower is sooner; the engine needs `scheduling_policy="priority"`), over its params'."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params_list = (
@@ -128,6 +131,11 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+            params_list = [dataclasses.replace(p, priority=level)
+                           for p, level in zip(params_list, priority)]
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")

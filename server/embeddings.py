@@ -33,7 +33,7 @@ from server.protocol import (
     require_object,
 )
 
-FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "priority"})
 ENCODINGS = ("float", "base64")
 
 
@@ -72,7 +72,8 @@ async def embeddings(request: Request) -> Response:
         if len(ids) >= st.limits.max_context:
             raise ProtocolError(f"input {i} has {len(ids)} tokens but the context limit is "
                                 f"{st.limits.max_context}; shorten it", "input")
-    params = SamplingParams(max_tokens=0, pooling=st.config.pooling)
+    params = SamplingParams(max_tokens=0, pooling=st.config.pooling,
+                            priority=get_int(body, "priority", 0, -(2**31), 2**31 - 1))
     req = GenerationRequest(params, 0, "max_tokens", model=get_str(body, "model", None))
     gen = new_generation(st, "embd", req, prompts, 0)
     await collect(request, st, gen)

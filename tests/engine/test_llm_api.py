@@ -161,3 +161,22 @@ def test_chat_takes_one_conversation_or_many_through_the_template(llm: LLM) -> N
         llm.chat([], params)
     with pytest.raises(ValueError, match="conversation"):
         llm.chat([[{"role": "user", "content": "a"}], "not a conversation"], params)
+
+
+def test_generate_takes_a_priority_per_prompt(llm: LLM, demo_dir: str) -> None:
+    """vLLM's `LLM.generate(priority=[...])`: refused under fcfs (this engine), one per prompt; under
+    priority scheduling each prompt gets its own, and greedy answers are as without them."""
+    prompts = ["one", "two", "three"]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate(prompts, params, priority=[0, 3, 0])
+    with pytest.raises(ValueError, match="3 prompts but 2 priorities"):
+        llm.generate(prompts, params, priority=[0, 1])
+    alone = [o.token_ids for o in llm.generate(prompts, params)]
+    ranked = LLM(demo_dir, deterministic=True, enforce_eager=True, num_pages=1000, max_running=1,
+                 scheduling_policy="priority")
+    try:
+        got = ranked.generate(prompts, params, priority=[5, -5, 0])
+        assert [o.token_ids for o in got] == alone
+    finally:
+        ranked.engine.shutdown()

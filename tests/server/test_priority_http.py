@@ -49,13 +49,14 @@ def _texts(lines):
 
 def test_fcfs_refuses_a_priority_on_every_endpoint(server) -> None:
     """The suite's shared server runs the default policy, fcfs: a priority is read (and refused)
-    on completions, chat, responses and /generate (top level, SGLang's; not in its
+    on completions, chat, responses, embeddings and /generate (top level, SGLang's; not in its
     sampling_params)."""
     chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     generate = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
     with server.http() as http:
         for path, body in (("/v1/completions", HIGH), ("/v1/chat/completions", chat),
                            ("/v1/responses", {"model": "demo", "input": "Hi"}),
+                           ("/v1/embeddings", {"model": "demo", "input": "Hi"}),
                            ("/generate", generate)):
             r = http.post(path, json=body | {"priority": 3})
             assert r.status_code == 400, (path, r.text)
