@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -376,6 +377,16 @@ def _cmd_tier(args: argparse.Namespace) -> int:
                    result)
 
 
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from benchmarks.batch_api import run
+
+    model = resolve_bench_model(args.model)
+    serve_args = ["--model", model, *shlex.split(args.serve_args)]
+    result = run(model, serve_args, args.requests, args.output_len, args.clients, log=_log)
+    settings = {"serve_args": serve_args}
+    return _report(args, "batch", settings, ("requests", "output_len", "clients"), result)
+
+
 def _cmd_priority(args: argparse.Namespace) -> int:
     from benchmarks.priority import run
 
@@ -538,6 +549,7 @@ def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
     _add_lora_parser(kinds)
     _add_tier_parser(kinds)
     _add_priority_parser(kinds)
+    _add_batch_parser(kinds)
 
 
 def _add_run_args(p: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]) -> None:
@@ -547,6 +559,21 @@ def _add_run_args(p: argparse.ArgumentParser, func: Callable[[argparse.Namespace
     _add_placement_args(p)
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.set_defaults(func=func)
+
+
+def _add_batch_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "batch",
+        help="the same requests through /v1/batches, through run-batch, and from concurrent "
+        "clients",
+    )
+    p.add_argument("--model", default="bench")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--serve-args", default="", help="more flags for serve and run-batch")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=_cmd_batch, rounds=1)
 
 
 def _add_priority_parser(kinds: argparse._SubParsersAction) -> None:

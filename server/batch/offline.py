@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 from server.app import BATCH_HANDLERS, create_app
@@ -37,6 +38,7 @@ async def run_file(args: argparse.Namespace) -> int:
         return 2
     app = create_app(config)
     async with app.router.lifespan_context(app):
+        start = time.perf_counter()
         execute = in_process(app, BATCH_HANDLERS)
         slots = asyncio.Semaphore(args.batch_concurrency)
         failed = 0
@@ -56,5 +58,7 @@ async def run_file(args: argparse.Namespace) -> int:
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), slots.release()))
             await asyncio.gather(*running)
-    print(f"run-batch: {count} requests, {failed} failed: {args.output_file}", file=sys.stderr)
+        seconds = time.perf_counter() - start
+    print(f"run-batch: {count} requests, {failed} failed, into {args.output_file}; answered in "
+          f"{seconds:.2f} s", file=sys.stderr)
     return 0

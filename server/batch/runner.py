@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 Execute = Callable[[str, dict], Awaitable[tuple[int, bytes]]]
 Handler = Callable[[Request], Awaitable[Response]]
 RETRY_S = 1.0  # after a 429 / 503
+COUNTS_EVERY_S = 0.5  # a running batch's counts are saved this often
 
 
 def in_process(app: object, handlers: dict[str, Handler]) -> Execute:
@@ -75,6 +76,7 @@ class BatchRunner:
         self.priority = priority
         self._wakeup = asyncio.Event()
         self._cancelled: set[str] = set()
+        self._saved = 0.0  # when the running batch's counts were last saved
 
     def wake(self, cancel: str | None = None) -> None:
         """A batch was created, or `cancel` is being cancelled."""
@@ -154,7 +156,9 @@ class BatchRunner:
         await asyncio.to_thread(self.store.append_answer, batch["id"], kind,
                                 answer_line(line.custom_id, status, payload))
         batch["request_counts"]["completed" if kind == "output" else "failed"] += 1
-        await asyncio.to_thread(self.store.put_batch, batch)
+        if time.monotonic() - self._saved >= COUNTS_EVERY_S:  # (a restart counts the files)
+            self._saved = time.monotonic()
+            await asyncio.to_thread(self.store.put_batch, batch)
 
     async def _finish(self, batch: dict) -> None:
         """Keep the answers as files and close the batch: completed, cancelled or expired."""

@@ -86,23 +86,31 @@ class BatchStore:
 
     def answered(self, batch_id: str) -> dict[str, set[str]]:
         """The custom ids a batch has answered, by kind ("output", "errors"): a restart goes on
-        from there; a line cut short by the process's end is dropped from its file."""
+        from there. The file is cut at its first line that is not whole (the process, or the
+        machine, stopped while writing it): that line and any after it run again."""
         done: dict[str, set[str]] = {}
         for kind in ("output", "errors"):
             path = self.answers_path(batch_id, kind)
             data = path.read_bytes() if path.is_file() else b""
-            whole = data[:data.rfind(b"\n") + 1]
-            if len(whole) != len(data):
-                path.write_bytes(whole)
-            done[kind] = {json.loads(line)["custom_id"] for line in whole.splitlines()}
+            ids, end = set(), 0
+            for line in data.splitlines(keepends=True):
+                try:
+                    ids.add(json.loads(line)["custom_id"])
+                except (ValueError, KeyError, TypeError):
+                    break
+                if not line.endswith(b"\n"):
+                    break
+                end += len(line)
+            if end != len(data):
+                path.write_bytes(data[:end])
+            done[kind] = ids
         return done
 
     def append_answer(self, batch_id: str, kind: str, line: bytes) -> None:
-        """One answered line (JSON, no newline), on disk before this returns."""
+        """One answered line (JSON, no newline), written to the file before this returns (in the
+        OS's cache: a machine that stops may lose the last ones, which then run again)."""
         with self._lock, open(self.answers_path(batch_id, kind), "ab") as f:
             f.write(line + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def keep_answers(self, batch_id: str, kind: str) -> str | None:
         """A batch's answered lines of `kind` as a new file (None if there are none)."""

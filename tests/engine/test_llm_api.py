@@ -164,8 +164,8 @@ def test_chat_takes_one_conversation_or_many_through_the_template(llm: LLM) -> N
 
 
 def test_generate_takes_a_priority_per_prompt(llm: LLM, demo_dir: str) -> None:
-    """vLLM's `LLM.generate(priority=[...])`: refused under fcfs (this engine), one per prompt; under
-    priority scheduling each prompt gets its own, and greedy answers are as without them."""
+    """vLLM's `LLM.generate(priority=[...])`: refused under fcfs (this engine), one per prompt;
+    under priority scheduling each prompt gets its own, and greedy answers are as without them."""
     prompts = ["one", "two", "three"]
     params = SamplingParams(max_tokens=5, temperature=0.0)
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
