@@ -175,8 +175,9 @@ async def create_batch(request: Request) -> Response:
 @endpoint("batches")
 async def get_batch(request: Request) -> Response:
     st = state_of(request)
-    return json_response(await asyncio.to_thread(st.batches.store.batch,
-                                                 request.path_params["batch_id"]))
+    bid = request.path_params["batch_id"]
+    live = st.batches.runner.live(bid)
+    return json_response(live or await asyncio.to_thread(st.batches.store.batch, bid))
 
 
 @endpoint("batches")

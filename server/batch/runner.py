@@ -77,6 +77,7 @@ class BatchRunner:
         self._wakeup = asyncio.Event()
         self._cancelled: set[str] = set()
         self._saved = 0.0  # when the running batch's counts were last saved
+        self._running: dict | None = None  # the batch running now, as it is (counts live)
 
     def wake(self, cancel: str | None = None) -> None:
         """A batch was created, or `cancel` is being cancelled."""
@@ -91,6 +92,7 @@ class BatchRunner:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            self._running = batch
             try:
                 await self.run_batch(batch)
             except Exception as e:  # the disk, most likely: the batch fails, the server serves on
@@ -98,6 +100,13 @@ class BatchRunner:
                 await self._put(batch, status="failed", failed_at=_now(), errors={
                     "object": "list", "data": [{"code": "server_error", "message": str(e)[:500],
                                                 "param": None, "line": None}]})
+            finally:
+                self._running = None
+
+    def live(self, batch_id: str) -> dict | None:
+        """The running batch's object as it is now (its counts ahead of its saved copy)."""
+        running = self._running
+        return dict(running) if running is not None and running["id"] == batch_id else None
 
     def _oldest_active(self) -> dict | None:
         active = [b for b in self.store.list_batches() if b["status"] in ACTIVE]

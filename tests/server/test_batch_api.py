@@ -163,7 +163,11 @@ def test_a_restarted_server_resumes_a_batch_and_cancel_keeps_answers(batch_dir, 
         for row in rows[::6]:
             body = out[row["custom_id"]]["response"]["body"]
             assert body["choices"][0]["message"]["content"] == direct(client, row)
-        again = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+        many = [chat_line(i, f"Tell me about {i}", max_tokens=32, ignore_eos=True)
+                for i in range(200)]
+        longer = client.files.create(file=write_jsonl(tmp_path / "many.jsonl", many),
+                                     purpose="batch")
+        again = client.batches.create(input_file_id=longer.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         while client.batches.retrieve(again.id).request_counts.completed < 2:
             time.sleep(0.1)
@@ -171,7 +175,7 @@ def test_a_restarted_server_resumes_a_batch_and_cancel_keeps_answers(batch_dir, 
         cancelled = wait_for(client, again.id)
         assert cancelled.status == "cancelled"
         kept = answers(client, cancelled.output_file_id)
-        assert 2 <= len(kept) < 24 and len(kept) == cancelled.request_counts.completed
+        assert 2 <= len(kept) < 200 and len(kept) == cancelled.request_counts.completed
         with pytest.raises(Exception, match="409"):
             client.batches.cancel(again.id)
     finally:
