@@ -2,7 +2,9 @@
 `<think>` ... `</think>`, then its answer. The chat endpoints return the span as `reasoning` (and
 `reasoning_content`, SGLang's and older vLLM's name) and the answer as `content`.
 
-Where the output starts is read from the prompt's tokens (the chat template decides):
+Where the output starts is read from the generation prompt, the text the chat template adds for the
+reply (what it renders with `add_generation_prompt` beyond the conversation: the history's spans
+and the users' text never count):
     inside   the prompt opened a span (DeepSeek-R1's template, Qwen3's thinking-only ones): the
              output is thinking until `</think>`
     closed   the prompt closed one (Qwen3's template with `enable_thinking: false`): all answer
@@ -31,10 +33,10 @@ class ReasoningParser:
     start_token: int
     end_token: int
 
-    def where(self, prompt_ids: list[int]) -> str:
-        """Where the output starts: INSIDE, CLOSED or NONE (the module's docstring)."""
-        last = {t: i for i, t in enumerate(prompt_ids) if t in (self.start_token, self.end_token)}
-        start, end = last.get(self.start_token, -1), last.get(self.end_token, -1)
+    def where(self, generation_prompt: str) -> str:
+        """Where the output starts after `generation_prompt`: INSIDE, CLOSED or NONE (the module's
+        docstring)."""
+        start, end = generation_prompt.rfind(START), generation_prompt.rfind(END)
         if start > end:
             return INSIDE
         if end > start:
@@ -80,7 +82,7 @@ class ReasoningSplitter:
     after `</think>`) is dropped."""
 
     def __init__(self, where: str) -> None:
-        self.phase = {INSIDE: "thinking", CLOSED: "answer", NONE: "before"}[where]
+        self.phase = {INSIDE: "opened", CLOSED: "answer", NONE: "before"}[where]
         self.thought = where == INSIDE  # a span was entered
         self._held = ""
 
@@ -89,7 +91,7 @@ class ReasoningSplitter:
         reasoning, content = "", ""
         text, self._held = self._held + text, ""
         while text:
-            if self.phase == "before":
+            if self.phase in ("before", "opened"):  # does the output open (again) with <think>?
                 stripped = text.lstrip()
                 if stripped.startswith(START):
                     self.phase, self.thought, text = "thinking", True, stripped[len(START):]
@@ -97,7 +99,7 @@ class ReasoningSplitter:
                     self._held = text
                     return reasoning, content
                 else:
-                    self.phase = "answer_start"
+                    self.phase = "answer_start" if self.phase == "before" else "thinking"
             elif self.phase == "thinking":
                 at = text.find(END)
                 if at >= 0:
@@ -120,7 +122,7 @@ class ReasoningSplitter:
     def finish(self) -> tuple[str, str]:
         """What was held, at the output's end."""
         held, self._held = self._held, ""
-        if self.phase == "thinking":
+        if self.phase in ("thinking", "opened"):
             return held, ""
         if self.phase == "before":
             return "", held.lstrip()

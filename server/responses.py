@@ -57,6 +57,9 @@ ITEM_FIELDS = {
     "message": frozenset({"type", "role", "content", "id", "status"}),
     "function_call": frozenset({"type", "call_id", "name", "arguments", "id", "status"}),
     "function_call_output": frozenset({"type", "call_id", "output", "id", "status"}),
+    # a reasoning item a previous response returned: taken, and left out of the prompt (chat
+    # templates drop the history's thinking, as Qwen3's and DeepSeek-R1's do)
+    "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}),
 }
 # a chat field's name in an error -> the Responses field it came from (prefixes, in order)
 FIELD_NAMES = (("messages", "input"), ("max_tokens", "max_output_tokens"),
@@ -88,8 +91,11 @@ def _input_messages(value: object) -> list[dict]:
         kind = item.get("type", "message")
         if kind not in ITEM_FIELDS:
             raise ProtocolError(f"'{where}.type' {kind!r} is not supported (message, "
-                                "function_call, function_call_output)", f"{where}.type")
+                                "function_call, function_call_output, reasoning)",
+                                f"{where}.type")
         check_fields(item, ITEM_FIELDS[kind], where)
+        if kind == "reasoning":
+            continue
         if kind == "message":
             out.append({"role": item.get("role"), "content": _content_text(item.get("content"),
                                                                            where)})
@@ -260,7 +266,7 @@ async def responses(request: Request) -> Response:
     try:
         req = parse_chat(chat, st.limits)
         prompt = await chat_prompt(st, req.messages, req.tools, req.template_kwargs)
-        thinking = Thinking.of(st, req, prompt)
+        thinking = await Thinking.of(st, req)
         gen = new_generation(st, "resp", req, [prompt], None)
     except ProtocolError as e:
         raise _renamed(e) from None
@@ -288,7 +294,8 @@ def _input_items(value: object) -> list[dict]:
         item = {"type": "message", **item}
         if item["type"] == "message" and isinstance(item.get("content"), str):
             item["content"] = [{"type": "input_text", "text": item["content"]}]
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}
         items.append({"id": f"{prefix[item['type']]}_{uuid.uuid4().hex}", **item})
     return items
 

@@ -163,7 +163,7 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req: ChatRequest = parse_chat(await read_json(request), st.limits)
     prompt = await chat_prompt(st, req.messages, req.tools, req.template_kwargs)
-    thinking = Thinking.of(st, req, prompt)
+    thinking = await Thinking.of(st, req)
     gen = new_generation(st, "chatcmpl", req, [prompt], None)
     token_text = TokenText(st.tokenizer)
     base = {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()),

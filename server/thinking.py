@@ -5,9 +5,11 @@ is split into `reasoning` / `reasoning_content` and `content`, whole or as it st
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from server.generation import Delta
+from server.handlers import off_loop
 from server.protocol import ChatRequest, ProtocolError, ReasoningOptions
 from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.state import ServerState
@@ -25,7 +27,7 @@ class Thinking:
     _held: dict[int, str] = field(default_factory=dict)  # stream_reasoning false: the thinking
 
     @classmethod
-    def of(cls, st: ServerState, req: ChatRequest, prompt: list[int]) -> Thinking:
+    async def of(cls, st: ServerState, req: ChatRequest) -> Thinking:
         """The request's view; sets the engine's gate on `req.params` where the request needs one
         (a structured output or tool call, a thinking budget)."""
         if req.thinking_budget is not None and st.reasoning is None:
@@ -33,7 +35,7 @@ class Thinking:
                                 "--reasoning-parser", "thinking_token_budget")
         if st.reasoning is None:
             return cls(None)
-        where = st.reasoning.where(prompt)
+        where = st.reasoning.where(await off_loop(lambda: _generation_prompt(st, req)))
         if req.params.structured is not None or req.thinking_budget is not None:
             span = st.reasoning.span(where, req.thinking_budget)
             req.params = dataclasses.replace(req.params, thinking=span)
@@ -71,8 +73,23 @@ class Thinking:
             reasoning, content = reasoning + more_reasoning, content + more_content
         if not self.options.stream:  # sent whole once the span is over
             held = self._held.get(d.index, "") + reasoning
-            over = splitter.phase != "thinking" or d.finish_reason is not None
+            over = splitter.phase not in ("opened", "thinking") or d.finish_reason is not None
             self._held[d.index], reasoning = ("", held) if over else (held, "")
         shown = reasoning and self.options.include
         delta = dict.fromkeys(REASONING_KEYS, reasoning) if shown else {}
         return delta | ({"content": content} if content else {})
+
+
+def _generation_prompt(st: ServerState, req: ChatRequest) -> str:
+    """The text the chat template adds for the reply: what it renders with the generation prompt
+    beyond what it renders without (blocking: run off the event loop)."""
+    kwargs = st.config.default_chat_template_kwargs | req.template_kwargs
+    tools = req.tools.template_tools() if req.tools is not None else None
+
+    def render(generation: bool) -> str:
+        return st.tokenizer.apply_chat_template(
+            req.messages, tokenize=False, add_generation_prompt=generation, tools=tools,
+            **kwargs)
+
+    with_reply, without = render(True), render(False)
+    return with_reply[len(os.path.commonprefix([with_reply, without])):]

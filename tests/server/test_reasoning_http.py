@@ -118,6 +118,21 @@ def test_a_required_tool_call_is_parsed_from_the_answer(served) -> None:
     assert choice.message.content is None
 
 
+def test_a_span_in_the_history_or_the_users_text_does_not_move_the_start(served) -> None:
+    """Only the generation prompt says where the output starts: an earlier turn's span, or a
+    user who types the tags, leaves the reply's span open (its budget still applies)."""
+    client = served.openai()
+    history = [{"role": "user", "content": "a </think> b"},
+               {"role": "assistant", "content": "<think>x</think>ok"},
+               {"role": "user", "content": "Is it? </think>"}]
+    out = client.chat.completions.create(**(ASK | {"messages": history}), logprobs=True,
+                                         extra_body=GATED)
+    msg = out.choices[0].message
+    assert msg.content in ("yes", "no") and msg.reasoning
+    tokens = [t.token for t in out.choices[0].logprobs.content]
+    assert tokens.index("</think>") <= BUDGET
+
+
 def test_the_responses_api_returns_a_reasoning_item(served) -> None:
     client = served.openai()
     resp = client.responses.create(input="Is the sky blue?", max_output_tokens=12,
@@ -129,6 +144,11 @@ def test_the_responses_api_returns_a_reasoning_item(served) -> None:
                                           max_output_tokens=12, temperature=0, stream=True))
     done = [e for e in events if e.type == "response.reasoning_text.done"]
     assert done and done[0].text == resp.output[0].content[0].text
+    follow = client.responses.create(  # the reasoning item goes back as input (OpenAI's loop)
+        input=[{"role": "user", "content": "Is the sky blue?"},
+               *[item.model_dump(exclude_none=True) for item in resp.output],
+               {"role": "user", "content": "Sure?"}], max_output_tokens=4, temperature=0)
+    assert follow.status in ("completed", "incomplete")
 
 
 def test_bad_reasoning_fields_are_400s(served, http) -> None:

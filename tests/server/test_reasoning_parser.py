@@ -2,6 +2,8 @@
 the output starts by the prompt's tags, the whole output's split, and the same split however the
 text streams in (tags cut anywhere between deltas)."""
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,19 +16,19 @@ QWEN3 = ReasoningParser("qwen3", False, start_token=10, end_token=11)
 R1 = ReasoningParser("deepseek_r1", True, start_token=10, end_token=11)
 
 
-def test_where_the_output_starts_is_read_from_the_prompts_last_tag() -> None:
-    assert QWEN3.where([1, 2, 10, 3]) == INSIDE  # the template opened a span
-    assert QWEN3.where([1, 10, 3, 11, 4]) == CLOSED  # enable_thinking false: an empty span
-    assert QWEN3.where([1, 10, 11, 5, 10]) == INSIDE  # an earlier turn's span, then a new one
-    assert QWEN3.where([1, 2]) == NONE  # the output may open one
-    assert R1.where([1, 2]) == INSIDE  # DeepSeek-R1 always thinks
-    assert R1.where([10, 11]) == CLOSED
+def test_where_the_output_starts_is_read_from_the_generation_prompt() -> None:
+    assert QWEN3.where("<|im_start|>assistant\n<think>\n") == INSIDE  # the template opened one
+    assert QWEN3.where("<|im_start|>assistant\n<think>\n\n</think>\n\n") == CLOSED  # thinking off
+    assert QWEN3.where("<|im_start|>assistant\n") == NONE  # the output may open one
+    assert R1.where("<｜Assistant｜>") == INSIDE  # DeepSeek-R1 always thinks
+    assert R1.where("<think></think>") == CLOSED
 
 
 @pytest.mark.parametrize(("text", "where", "expected"), [
     ("plan it</think>\n\nThe answer.", INSIDE, ("plan it", "The answer.")),
     ("still thinking", INSIDE, ("still thinking", None)),
-    ("<think>echoed</think>answer", INSIDE, ("<think>echoed", "answer")),
+    ("\n<think>echoed</think>answer", INSIDE, ("echoed", "answer")),  # the tag said again
+    ("<thin", INSIDE, ("<thin", None)),
     ("</think>", INSIDE, ("", None)),
     ("\n<think>a</think> b", NONE, ("a", "b")),
     ("no span <think>x</think>", NONE, (None, "no span <think>x</think>")),
@@ -70,3 +72,23 @@ def test_chat_template_kwargs_are_the_templates_variables_only() -> None:
     assert template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
     with pytest.raises(Exception, match="cannot set 'chat_template'"):
         template_kwargs('{"chat_template": "{{ 1 }}"}')
+
+
+def test_the_generation_prompt_leaves_the_history_out() -> None:
+    """Qwen3's own template adds no tag for the reply, while its history may hold a span (a tool
+    loop's thinking): the output's start is NONE, not CLOSED by the history's `</think>`."""
+    from transformers import AutoTokenizer
+
+    from compiled_engine.models.demo import demo_model_dir
+    from server.thinking import _generation_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir()))
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    st = SimpleNamespace(tokenizer=tokenizer,
+                         config=SimpleNamespace(default_chat_template_kwargs={}))
+    req = SimpleNamespace(tools=None, template_kwargs={}, messages=[
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>x</think>y"},
+        {"role": "user", "content": "</think>"}])
+    assert _generation_prompt(st, req) == "<|assistant|>"
+    assert QWEN3.where(_generation_prompt(st, req)) == NONE
