@@ -81,12 +81,14 @@ def batch_folder(config: ServerConfig) -> Iterator[Path]:
         yield Path(folder)
 
 
-def batches(app: Starlette, config: ServerConfig, folder: Path) -> Batches:
+def batches(app: Starlette, config: ServerConfig, folder: Path, client: EngineClient) -> Batches:
     """The Batch API over this app's handlers: its requests at the lowest priority where the
-    engine schedules by priority."""
+    engine schedules by priority, and only while direct requests hold less than half the
+    server's queue (`--max-queue`)."""
     lowest = 2**31 - 1 if config.engine.scheduling_policy == "priority" else None
     runner = BatchRunner(BatchStore(folder), in_process(app, BATCH_HANDLERS),
-                         config.batch_concurrency, config.max_body_bytes, lowest)
+                         config.batch_concurrency, config.max_body_bytes, lowest,
+                         room=lambda: client.num_in_flight < config.max_queue // 2)
     return Batches(runner.store, runner)
 
 
@@ -107,7 +109,7 @@ def create_app(config: ServerConfig) -> Starlette:
         )
         try:
             with batch_folder(config) as folder:
-                state.batches = batches(app, config, folder)
+                state.batches = batches(app, config, folder, client)
                 async with running(state.batches.runner):
                     yield
         finally:

@@ -191,15 +191,7 @@ async def list_batches(request: Request) -> Response:
 @endpoint("batches")
 async def cancel_batch(request: Request) -> Response:
     st = state_of(request)
-    store, bid = st.batches.store, request.path_params["batch_id"]
-    batch = await asyncio.to_thread(store.batch, bid)
-    if batch["status"] not in ("validating", "in_progress"):
-        raise ProtocolError(f"a batch that is {batch['status']} cannot be cancelled", None,
-                            status=409, code="batch_not_cancellable")
-    batch |= {"status": "cancelling", "cancelling_at": int(time.time())}
-    await asyncio.to_thread(store.put_batch, batch)
-    st.batches.runner.wake(cancel=bid)
-    return json_response(batch)
+    return json_response(await st.batches.runner.cancel(request.path_params["batch_id"]))
 
 
 def _metadata(value: object) -> dict | None:

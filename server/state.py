@@ -49,7 +49,9 @@ class ServerConfig:
     # the Batch API's files and batches (None: a temporary folder, gone at exit: nothing resumes)
     batch_dir: str | None = None
     max_batch_file_bytes: int = 200 << 20  # an upload's size (OpenAI's limit)
-    batch_concurrency: int = 64  # a batch's requests in flight at once
+    # a batch's requests in flight at once (half of the grammar checker's queue: direct clients'
+    # constraints keep the other half)
+    batch_concurrency: int = 32
 
 
 @dataclass

@@ -22,7 +22,7 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
     add_serve_args(p)
     p.add_argument("-i", "--input-file", required=True, help="the batch's JSONL file")
     p.add_argument("-o", "--output-file", required=True, help="where the answers go (JSONL)")
-    p.add_argument("--batch-concurrency", type=int, default=64,
+    p.add_argument("--batch-concurrency", type=int, default=32,
                    help="requests in flight at once")
 
 
@@ -57,7 +57,10 @@ async def run_file(args: argparse.Namespace) -> int:
                 task = asyncio.create_task(one(line))
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), slots.release()))
-            await asyncio.gather(*running)
+            failures = [e for e in await asyncio.gather(*running, return_exceptions=True)
+                        if isinstance(e, BaseException)]
+            if failures:  # every other answer is written before the first failure is raised
+                raise failures[0]
         seconds = time.perf_counter() - start
     print(f"run-batch: {count} requests, {failed} failed, into {args.output_file}; answered in "
           f"{seconds:.2f} s", file=sys.stderr)

@@ -22,11 +22,14 @@ from starlette.responses import Response
 
 from server.batch.lines import BatchLine, check_file, lines
 from server.batch.store import ACTIVE, BatchStore
+from server.request_errors import ProtocolError
 
 log = logging.getLogger(__name__)
 Execute = Callable[[str, dict], Awaitable[tuple[int, bytes]]]
 Handler = Callable[[Request], Awaitable[Response]]
 RETRY_S = 1.0  # after a 429 / 503
+MAX_RETRIES = 120  # then the 429 / 503 is the line's answer
+ROOM_POLL_S = 0.05  # while the server has no room for the batch's next request
 COUNTS_EVERY_S = 0.5  # a running batch's counts are saved this often
 
 
@@ -35,7 +38,7 @@ def in_process(app: object, handlers: dict[str, Handler]) -> Execute:
     or the middleware (the batch was authorized when it was created); (status, body bytes)."""
 
     async def execute(url: str, body: dict) -> tuple[int, bytes]:
-        raw = json.dumps(body).encode()
+        raw = json.dumps(body, ensure_ascii=False).encode()
         sent = False
 
         async def receive() -> dict:
@@ -67,46 +70,68 @@ def answer_line(custom_id: str, status: int, body: bytes) -> bytes:
 
 class BatchRunner:
     def __init__(self, store: BatchStore, execute: Execute, concurrency: int,
-                 max_line_bytes: int, priority: int | None) -> None:
-        """`priority`: set on every request (the lowest, under priority scheduling), or None."""
+                 max_line_bytes: int, priority: int | None,
+                 room: Callable[[], bool] = lambda: True) -> None:
+        """`priority`: set on every request (the lowest, under priority scheduling), or None;
+        `room`: whether the server has room for one more of the batch's requests (it leaves
+        admission to direct clients first)."""
         self.store = store
         self.execute = execute
         self.concurrency = concurrency
         self.max_line_bytes = max_line_bytes
         self.priority = priority
+        self.room = room
         self._wakeup = asyncio.Event()
-        self._cancelled: set[str] = set()
+        self._lock = asyncio.Lock()  # status changes: the runner's and a cancel's, one at a time
         self._saved = 0.0  # when the running batch's counts were last saved
         self._running: dict | None = None  # the batch running now, as it is (counts live)
 
-    def wake(self, cancel: str | None = None) -> None:
-        """A batch was created, or `cancel` is being cancelled."""
-        if cancel is not None:
-            self._cancelled.add(cancel)
+    def wake(self) -> None:
+        """A batch was created."""
         self._wakeup.set()
 
-    async def run_forever(self) -> None:
-        while True:
-            batch = await asyncio.to_thread(self._oldest_active)
-            if batch is None:
-                await self._wakeup.wait()
-                self._wakeup.clear()
-                continue
-            self._running = batch
-            try:
-                await self.run_batch(batch)
-            except Exception as e:  # the disk, most likely: the batch fails, the server serves on
-                log.exception("batch %s failed", batch["id"])
-                await self._put(batch, status="failed", failed_at=_now(), errors={
-                    "object": "list", "data": [{"code": "server_error", "message": str(e)[:500],
-                                                "param": None, "line": None}]})
-            finally:
-                self._running = None
+    async def cancel(self, batch_id: str) -> dict:
+        """Mark a waiting or running batch `cancelling` (409 for one that is not); the runner stops
+        taking its lines and closes it `cancelled` with the answers it has."""
+        async with self._lock:
+            running = self._running
+            batch = (running if running is not None and running["id"] == batch_id
+                     else await asyncio.to_thread(self.store.batch, batch_id))
+            if batch["status"] not in ("validating", "in_progress"):
+                raise ProtocolError(f"a batch that is {batch['status']} cannot be cancelled", None,
+                                    status=409, code="batch_not_cancellable")
+            batch |= {"status": "cancelling", "cancelling_at": _now()}
+            await asyncio.to_thread(self.store.put_batch, batch)
+        self._wakeup.set()
+        return dict(batch)
 
     def live(self, batch_id: str) -> dict | None:
         """The running batch's object as it is now (its counts ahead of its saved copy)."""
         running = self._running
         return dict(running) if running is not None and running["id"] == batch_id else None
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                batch = await asyncio.to_thread(self._oldest_active)
+                if batch is None:
+                    await self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                self._running = batch
+                try:
+                    await self.run_batch(batch)
+                except Exception as e:  # the disk, most likely: the batch fails, the server serves
+                    log.exception("batch %s failed", batch["id"])
+                    await self._put(batch, status="failed", failed_at=_now(), errors={
+                        "object": "list", "data": [{"code": "server_error",
+                                                    "message": str(e)[:500], "param": None,
+                                                    "line": None}]})
+                finally:
+                    self._running = None
+            except Exception:  # even that failed: log it, and try again later
+                log.exception("the batch runner failed")
+                await asyncio.sleep(RETRY_S)
 
     def _oldest_active(self) -> dict | None:
         active = [b for b in self.store.list_batches() if b["status"] in ACTIVE]
@@ -131,19 +156,15 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
         todo = lines(path, batch["endpoint"], self.max_line_bytes)
         try:
-            while batch["status"] == "in_progress":
-                if bid in self._cancelled:
-                    await self._put(batch, status="cancelling", cancelling_at=_now())
-                    break
-                if time.time() >= batch["expires_at"]:
-                    batch["status"] = "expired"
-                    break
+            while self._taking(batch):
                 line = await asyncio.to_thread(next, todo, None)
                 if line is None:
                     break
                 if line.custom_id in answered:
                     continue
                 await slots.acquire()
+                while not self.room() and self._taking(batch):
+                    await asyncio.sleep(ROOM_POLL_S)
                 task = asyncio.create_task(self._one(batch, line))
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), slots.release()))
@@ -154,36 +175,55 @@ class BatchRunner:
                 task.cancel()
         await self._finish(batch)
 
+    def _taking(self, batch: dict) -> bool:
+        """Whether the batch takes more lines (not cancelled, not past its window)."""
+        return batch["status"] == "in_progress" and time.time() < batch["expires_at"]
+
     async def _one(self, batch: dict, line: BatchLine) -> None:
         body = line.body if self.priority is None else line.body | {"priority": self.priority}
-        while True:
+        for _ in range(MAX_RETRIES):
             status, payload = await self.execute(line.url, body)
-            if status not in (429, 503):
+            if status not in (429, 503) or not self._taking(batch):
                 break
             await asyncio.sleep(RETRY_S)
+        if status in (429, 503) and not self._taking(batch):
+            return  # cancelled or expired while the server could not answer: not answered
         kind = "output" if status < 400 else "errors"
         await asyncio.to_thread(self.store.append_answer, batch["id"], kind,
                                 answer_line(line.custom_id, status, payload))
         batch["request_counts"]["completed" if kind == "output" else "failed"] += 1
         if time.monotonic() - self._saved >= COUNTS_EVERY_S:  # (a restart counts the files)
             self._saved = time.monotonic()
-            await asyncio.to_thread(self.store.put_batch, batch)
+            await self._put(batch)
 
     async def _finish(self, batch: dict) -> None:
-        """Keep the answers as files and close the batch: completed, cancelled or expired."""
-        ending = {"in_progress": "completed", "finalizing": "completed",
-                  "cancelling": "cancelled"}.get(batch["status"], batch["status"])
-        if ending == "completed":
-            await self._put(batch, status="finalizing", finalizing_at=_now())
-        output = await asyncio.to_thread(self.store.keep_answers, batch["id"], "output")
-        errors = await asyncio.to_thread(self.store.keep_answers, batch["id"], "errors")
-        self._cancelled.discard(batch["id"])
+        """Keep the answers as files and close the batch: completed, cancelled or expired. The
+        files' ids are saved before the answers move, so that a restart in between finishes the
+        move instead of losing them."""
+        async with self._lock:
+            status = batch["status"]
+            counts = batch["request_counts"]
+            whole = counts["completed"] + counts["failed"] >= counts["total"]
+            ending = ("cancelled" if status == "cancelling" else "completed" if whole
+                      else "expired")
+            ids = {kind: batch.get(key) or f"file-{uuid.uuid4().hex}"
+                   for kind, key in (("output", "output_file_id"), ("errors", "error_file_id"))}
+            batch |= {"output_file_id": ids["output"], "error_file_id": ids["errors"]}
+            if status != "cancelling":
+                batch |= {"status": "finalizing", "finalizing_at": batch.get("finalizing_at")
+                          or _now()}
+            await asyncio.to_thread(self.store.put_batch, batch)
+        output = await asyncio.to_thread(self.store.keep_answers, batch["id"], "output",
+                                         ids["output"])
+        errors = await asyncio.to_thread(self.store.keep_answers, batch["id"], "errors",
+                                         ids["errors"])
         await self._put(batch, status=ending, output_file_id=output, error_file_id=errors,
                         **{f"{ending}_at": _now()})
 
     async def _put(self, batch: dict, **changes: object) -> None:
-        batch.update(changes)
-        await asyncio.to_thread(self.store.put_batch, batch)
+        async with self._lock:
+            batch.update(changes)
+            await asyncio.to_thread(self.store.put_batch, batch)
 
 
 @dataclass

@@ -34,10 +34,14 @@ class BatchStore:
     def add_file(self, temp: Path, filename: str, purpose: str) -> dict:
         """Keep the uploaded `temp` (moved) as a new file; its object."""
         file_id = f"file-{uuid.uuid4().hex}"
-        obj = {"id": file_id, "object": "file", "bytes": temp.stat().st_size,
+        shutil.move(temp, self.file_path(file_id))
+        return self._describe(file_id, filename, purpose)
+
+    def _describe(self, file_id: str, filename: str, purpose: str) -> dict:
+        """Write the object of the file kept as `file_id`; the object."""
+        obj = {"id": file_id, "object": "file", "bytes": self.file_path(file_id).stat().st_size,
                "created_at": int(time.time()), "filename": filename, "purpose": purpose,
                "status": "processed", "expires_at": None, "status_details": None}
-        shutil.move(temp, self.file_path(file_id))
         _write_json(self.files / f"{file_id}.json", obj)
         return obj
 
@@ -86,23 +90,25 @@ class BatchStore:
 
     def answered(self, batch_id: str) -> dict[str, set[str]]:
         """The custom ids a batch has answered, by kind ("output", "errors"): a restart goes on
-        from there. The file is cut at its first line that is not whole (the process, or the
-        machine, stopped while writing it): that line and any after it run again."""
+        from there. Read a line at a time; the file is cut at its first line that is not whole
+        (the process, or the machine, stopped while writing it): that line and any after it run
+        again."""
         done: dict[str, set[str]] = {}
         for kind in ("output", "errors"):
             path = self.answers_path(batch_id, kind)
-            data = path.read_bytes() if path.is_file() else b""
             ids, end = set(), 0
-            for line in data.splitlines(keepends=True):
-                try:
-                    ids.add(json.loads(line)["custom_id"])
-                except (ValueError, KeyError, TypeError):
-                    break
-                if not line.endswith(b"\n"):
-                    break
-                end += len(line)
-            if end != len(data):
-                path.write_bytes(data[:end])
+            if path.is_file():
+                with open(path, "rb") as f:
+                    for line in f:
+                        try:
+                            ids.add(json.loads(line)["custom_id"])
+                        except (ValueError, KeyError, TypeError):
+                            break
+                        if not line.endswith(b"\n"):
+                            break
+                        end += len(line)
+                if end != path.stat().st_size:
+                    os.truncate(path, end)
             done[kind] = ids
         return done
 
@@ -112,14 +118,18 @@ class BatchStore:
         with self._lock, open(self.answers_path(batch_id, kind), "ab") as f:
             f.write(line + b"\n")
 
-    def keep_answers(self, batch_id: str, kind: str) -> str | None:
-        """A batch's answered lines of `kind` as a new file (None if there are none)."""
-        path = self.answers_path(batch_id, kind)
-        if not path.is_file() or path.stat().st_size == 0:
-            path.unlink(missing_ok=True)
+    def keep_answers(self, batch_id: str, kind: str, file_id: str) -> str | None:
+        """A batch's answered lines of `kind` as the file `file_id` (None when there are none);
+        again after a restart, it finishes a move it began."""
+        path, target = self.answers_path(batch_id, kind), self.file_path(file_id)
+        if path.is_file() and path.stat().st_size == 0:
+            path.unlink()
+        if path.is_file():
+            os.replace(path, target)
+        if not target.is_file():
             return None
         name = f"{batch_id}_{'output' if kind == 'output' else 'error'}.jsonl"
-        return self.add_file(path, name, "batch_output")["id"]
+        return self._describe(file_id, name, "batch_output")["id"]
 
 
 def _checked_id(value: str, kind: str, param: str | None = None) -> str:
