@@ -8,8 +8,9 @@ and the users' text never count):
     inside   the prompt opened a span (DeepSeek-R1's template, Qwen3's thinking-only ones): the
              output is thinking until `</think>`
     closed   the prompt closed one (Qwen3's template with `enable_thinking: false`): all answer
-    none     neither: `qwen3` reads a span only if the output opens one; `deepseek_r1` (a model
-             that always thinks) reads the output as thinking until `</think>`
+    none     neither: `qwen3` reads a span only if the output opens one; `deepseek_r1` and
+             `qwen3_thinking` (models that always think) read the output as thinking until
+             `</think>`
 An output that never closes its span is all thinking (`content` null). Both tags must be single
 tokens of the vocabulary that the detokenizer keeps (as Qwen3's and DeepSeek-R1's are)."""
 
@@ -21,8 +22,8 @@ from compiled_engine.sampling_params import ThinkingSpan
 
 START, END = "<think>", "</think>"
 # parser -> whether the model always thinks (its output is a span even if nothing opened it)
-PARSERS = {"qwen3": False, "deepseek_r1": True}
-ALIASES = {"deepseek-r1": "deepseek_r1"}
+PARSERS = {"qwen3": False, "deepseek_r1": True, "qwen3_thinking": True}
+ALIASES = {"deepseek-r1": "deepseek_r1", "qwen3-thinking": "qwen3_thinking"}  # SGLang's names
 INSIDE, CLOSED, NONE = "inside", "closed", "none"
 
 

@@ -92,3 +92,24 @@ def test_the_generation_prompt_leaves_the_history_out() -> None:
         {"role": "user", "content": "</think>"}])
     assert _generation_prompt(st, req) == "<|assistant|>"
     assert QWEN3.where(_generation_prompt(st, req)) == NONE
+
+
+def test_the_parsers_by_name() -> None:
+    """SGLang's names too; a model that always thinks reads an unopened output as thinking."""
+    from types import SimpleNamespace as Tokenizer
+
+    from server.reasoning import reasoning_parser
+
+    ids = {"<think>": [10], "</think>": [11]}
+    tokenizer = Tokenizer(encode=lambda text, add_special_tokens: ids.get(text, [1, 2]),
+                          decode=lambda tokens, skip_special_tokens: {10: "<think>",
+                                                                      11: "</think>"}[tokens[0]])
+    for name, always in (("qwen3", False), ("deepseek-r1", True), ("qwen3-thinking", True)):
+        parser = reasoning_parser(name, tokenizer)
+        assert (parser.start_token, parser.end_token) == (10, 11)
+        assert parser.where("<|assistant|>") == (INSIDE if always else NONE)
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        reasoning_parser("nope", tokenizer)
+    no_tags = Tokenizer(encode=lambda text, add_special_tokens: [1, 2], decode=lambda *a, **k: "")
+    with pytest.raises(ValueError, match="no single token '<think>'"):
+        reasoning_parser("qwen3", no_tags)
