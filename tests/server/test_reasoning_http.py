@@ -6,8 +6,8 @@ and a required tool call apply to the answer only; `enable_thinking: false` leav
 Responses API returns a reasoning item. The split is checked against the raw output of the same
 request with `separate_reasoning: false`, token by token through the logprobs.
 
-Eager: the span's gate and the split run in the sampler and the server, outside the compiled
-graphs (which the rest of the suite runs)."""
+Served as users run it: compiled, bf16 (the span's gate and the split run in the sampler and the
+server, outside the graphs; the split is checked against the same server's raw output)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ GATED = {"thinking_token_budget": BUDGET, "structured_outputs": {"choice": ["yes
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = make_thinking_checkpoint(str(tmp_path_factory.mktemp("thinking")))
-    server = start_server(engine=dict(model=path, enforce_eager=True, num_pages=512),
+    server = start_server(engine=dict(model=path, dtype="bfloat16", num_pages=512),
                           reasoning_parser="qwen3")
     try:
         yield Served(server, path)
