@@ -238,12 +238,19 @@ def whole(c: Choice) -> Delta:
                  c.prompt_logprobs)
 
 
+def template_args(st: ServerState, tools: ToolRequest | None,
+                  template_kwargs: dict) -> tuple[list[dict] | None, dict]:
+    """What a chat template renders with beside the messages: the tools' functions, and its
+    variables (the server's defaults under the request's)."""
+    funcs = tools.template_tools() if tools is not None else None
+    return funcs, st.config.default_chat_template_kwargs | template_kwargs
+
+
 async def chat_prompt(st: ServerState, messages: list[dict], tools: ToolRequest | None,
                       template_kwargs: dict) -> list[int]:
     """The chat template's prompt ids (off the event loop), the server's default template
     variables under the request's; a conversation or a variable the template refuses is a 400."""
-    kwargs = st.config.default_chat_template_kwargs | template_kwargs
-    funcs = tools.template_tools() if tools is not None else None
+    funcs, kwargs = template_args(st, tools, template_kwargs)
     try:
         return await off_loop(lambda: encode_chat(st.tokenizer, messages, tools=funcs,
                                                   template_kwargs=kwargs))

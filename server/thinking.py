@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from server.generation import Delta
-from server.handlers import off_loop
+from server.handlers import off_loop, template_args
 from server.protocol import ChatRequest, ProtocolError, ReasoningOptions
 from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.state import ServerState
@@ -50,8 +50,7 @@ class Thinking:
         request leaves them out)."""
         if self.parser is None or not self.options.include:
             return {}
-        reasoning = self.parser.split(text, self.where)[0]
-        return dict.fromkeys(REASONING_KEYS, reasoning)
+        return dict.fromkeys(REASONING_KEYS, self.reasoning(text))
 
     def reasoning(self, text: str) -> str | None:
         """A whole output's thinking (None: no span, or no parser)."""
@@ -83,8 +82,7 @@ class Thinking:
 def _generation_prompt(st: ServerState, req: ChatRequest) -> str:
     """The text the chat template adds for the reply: what it renders with the generation prompt
     beyond what it renders without (blocking: run off the event loop)."""
-    kwargs = st.config.default_chat_template_kwargs | req.template_kwargs
-    tools = req.tools.template_tools() if req.tools is not None else None
+    tools, kwargs = template_args(st, req.tools, req.template_kwargs)
 
     def render(generation: bool) -> str:
         return st.tokenizer.apply_chat_template(
