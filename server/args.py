@@ -15,6 +15,7 @@ from server.state import ServerConfig
 from server.tools import PARSERS
 
 API_KEY_ENV = "COMPILED_ENGINE_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -26,6 +27,20 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
             raise OSError(f"{args.api_key_file} holds no key")
         return key
     return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def runtime_lora_updating(args: argparse.Namespace) -> bool:
+    """--allow-runtime-lora-updating, or $VLLM_ALLOW_RUNTIME_LORA_UPDATING read as vLLM reads it
+    (`1` or `true`, any case)."""
+    env = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    return args.allow_runtime_lora_updating or env
+
+
+def folder(text: str) -> str:
+    """A folder flag's value: an existing directory, as its real path."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return os.path.realpath(text)
 
 
 def seconds(text: str) -> float:
@@ -100,6 +115,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-file-mb", type=int, default=200, metavar="MB",
                    help="the largest file /v1/files takes")
     p.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help=f"let clients load and unload LoRA adapters while serving (/v1/load_lora_adapter, "
+             f"/load_lora_adapter and their unloads; also ${RUNTIME_LORA_ENV}=1, as vLLM); "
+             f"loads read only from --lora-dir",
+    )
+    p.add_argument("--lora-dir", type=folder, default=None, metavar="DIR",
+                   help="the folder runtime adapter loads read from: a client's lora_path is "
+                        "relative to it (or absolute inside it), symlinks out of it refused")
+    p.add_argument(
         "--tool-call-parser",
         choices=PARSERS,
         default=None,
@@ -128,5 +152,7 @@ def server_config(args: argparse.Namespace, engine, api_key: str | None = None,
         max_batch_file_bytes=args.max_batch_file_mb << 20,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         pooling=args.pooling,
+        allow_runtime_lora_updating=runtime_lora_updating(args),
+        lora_dir=args.lora_dir,
         torchrun=torchrun,
     )

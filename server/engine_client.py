@@ -174,9 +174,11 @@ class EngineClient:
         check."""
         return await self._call(lambda token: StatsRequest(token, check_integrity), timeout_s)
 
-    async def load_lora(self, name: str, path: str, timeout_s: float) -> LoraReply:
-        """Every rank reads, checks and serves the adapter (or none does: the reply says why)."""
-        return await self._call(lambda token: LoadLora(token, name, path), timeout_s)
+    async def load_lora(self, name: str, path: str, timeout_s: float,
+                        root: str | None = None) -> LoraReply:
+        """Every rank reads, checks and serves the adapter (or none does: the reply says why);
+        `root`: the folder `path` must still resolve inside (`LoadLora.root`)."""
+        return await self._call(lambda token: LoadLora(token, name, path, root), timeout_s)
 
     async def unload_lora(self, name: str, timeout_s: float) -> LoraReply:
         return await self._call(lambda token: UnloadLora(token, name), timeout_s)

@@ -23,7 +23,8 @@ from server.tools import parser_for_template
 @dataclass
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    api_key: str | None = None
+    # the API keys the server takes (none: no key asked for); each key owns its Batch API objects
+    api_keys: tuple[str, ...] = ()
     max_queue: int = 1024  # sequences in flight (waiting + running) before 429
     max_body_bytes: int = 4 * 2**20
     debug: bool = False  # exposes GET /debug/integrity
@@ -46,9 +47,16 @@ class ServerConfig:
     read_timeout_s: float = 60.0  # a request body must arrive within this
     request_timeout_s: float | None = None  # a generation running longer is ended (None: no limit)
     grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is a 400
-    # the Batch API's files and batches (None: a temporary folder, gone at exit: nothing resumes)
+    # the Batch API's files and batches (None: under the user's state folder, store.state_root)
     batch_dir: str | None = None
     max_batch_file_bytes: int = 200 << 20  # an upload's size (OpenAI's limit)
+    batch_disk_bytes: int = 10 << 30  # everything the Batch API keeps, together
+    max_batch_output_bytes: int = 1 << 30  # a batch's answers (output and error files together)
+    # LoRA adapters loaded and unloaded by clients (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off:
+    # the four adapter routes answer 404), and the folder such loads are confined to (None: every
+    # runtime load refused)
+    allow_runtime_lora_updating: bool = False
+    lora_dir: str | None = None
     # a batch's requests in flight at once (half of the grammar checker's queue: direct clients'
     # constraints keep the other half)
     batch_concurrency: int = 32

@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from compiled_engine.lora.folder import OUTSIDE, still_confined
+from compiled_engine.lora.weights import AdapterError, AdapterWeights
 from compiled_engine.ranks.messages import LoadLora, LoraReply
 
 READ_DEADLINE_S = 90.0  # less than the server's wait for the answer (server/lora_routes.py)
@@ -33,8 +35,15 @@ class AdapterWait:
         """Begin reading `msg`'s adapter on a thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
-        read = self._pool.submit(self._engine.read_lora, msg.name, msg.path)
+        read = self._pool.submit(self._read, msg)
         self._reads[msg.token] = (msg, read, time.monotonic())
+
+    def _read(self, msg: LoadLora) -> AdapterWeights:
+        """The adapter's weights; a client's path that no longer resolves to itself inside its
+        folder (a link put in its way since the server checked it) refused unread."""
+        if msg.root is not None and not still_confined(msg.root, msg.path):
+            raise AdapterError(OUTSIDE)
+        return self._engine.read_lora(msg.name, msg.path)
 
     def ready(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Rank 0: the loads read here, and those past the deadline, in arrival order."""

@@ -45,11 +45,13 @@ class StatsRequest:
 @dataclass(slots=True)
 class LoadLora:
     """Every rank reads and checks the adapter at `path` (off its loop), then serves it as `name`;
-    rank 0 answers with a `LoraReply`."""
+    rank 0 answers with a `LoraReply`. With `root` (a client's load: `path` is the real path the
+    server found inside that folder) each rank checks again that it still is, before reading."""
 
     token: int
     name: str
     path: str
+    root: str | None = None
 
 
 @dataclass(slots=True)

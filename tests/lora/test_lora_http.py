@@ -1,9 +1,12 @@
 """LoRA adapters through the server: a request picks its adapter by `model` (vLLM: the name;
 SGLang: `base:name`) or `/generate`'s `lora_path`; `/v1/models` lists them with `root` and `parent`;
-adapters are loaded, used, unloaded and loaded again live through vLLM's and SGLang's endpoints,
-with the answers those servers give; a bad adapter or one in use is a 400 that changes nothing."""
+adapters are loaded, used, unloaded and loaded again live through vLLM's and SGLang's endpoints
+(turned on, loads from the operator's folder), with the answers those servers give; a bad adapter
+or one in use is a 400 that changes nothing; every path outside the folder gets the same refusal."""
 
 from __future__ import annotations
+
+import shutil
 
 import httpx
 import pytest
@@ -25,7 +28,7 @@ def served(tmp_path_factory):
     server = start_server(
         engine=dict(model=base, dtype="float32", enforce_eager=True, enable_lora=True,
                     max_loras=2, max_lora_rank=16, lora_modules=[("a", paths["a"])]),
-        debug=True,
+        debug=True, allow_runtime_lora_updating=True, lora_dir=str(root),
     )
     try:
         yield server, base, paths, refs, root
@@ -94,16 +97,16 @@ def test_load_use_unload_and_load_again_live(served) -> None:
         assert wait_idle(http)["integrity_error"] is None
 
 
-def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_path) -> None:
-    server, base, paths, refs, _ = served
-    big = make_adapter(base, str(tmp_path / "big"), ["q_proj"], 32)
+def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served) -> None:
+    server, base, paths, refs, root = served
+    big = make_adapter(base, str(root / "big"), ["q_proj"], 32)
     with server.http() as http:
         before = http.get("/v1/models").json()
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": big})
         assert r.status_code == 400 and "--max-lora-rank 16" in r.json()["error"]["message"]
-        r = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such"})
+        r = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": "no/such"})
         assert r.status_code == 400 and r.json()["success"] is False
-        assert "no adapter at" in r.json()["error_message"]
+        assert "no adapter at" in r.json()["error_message"]  # inside the folder: the reason
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": paths["b"],
                                                      "load_inplace": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
@@ -113,12 +116,12 @@ def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_p
                                                      "lora_path": paths["b"]})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "'lora_name' has 10000 characters, more than 256"
-        broken = tmp_path / "broken"
+        broken = root / "broken"
         broken.mkdir()
         (broken / "adapter_config.json").write_text("[]")
         (broken / "adapter_model.safetensors").write_bytes(b"")
         for path, says in ((str(broken), "not a JSON object"),
-                           ("/tmp/" + "x" * 300, "cannot read the adapter at")):
+                           ("x" * 300, "cannot read the adapter at")):
             r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
             assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
         r = http.post("/unload_lora_adapter", json={"lora_name": "never-loaded"})
@@ -137,4 +140,38 @@ def test_a_bad_adapter_or_one_in_use_is_a_400_that_changes_nothing(served, tmp_p
                 " ", ""), "the stream goes on to its end"
         assert http.get("/v1/models").json() == before
         assert _tokens(http, "a") == refs["a"]
+        assert wait_idle(http)["integrity_error"] is None
+
+
+def test_every_path_outside_the_folder_gets_one_refusal(served, tmp_path) -> None:
+    server, base, paths, refs, root = served
+    outside = shutil.copytree(paths["b"], tmp_path / "b")  # a good adapter, outside the folder
+    huge = tmp_path / "huge.gguf"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 30)  # larger than any adapter of this model
+    (root / "link-out").symlink_to(outside)
+    (root / "link-etc").symlink_to("/etc")
+    (root / "alias").symlink_to(paths["b"])  # a link that stays inside is the operator's
+    tried = [str(outside), "link-out", str(root / "link-out"), "link-etc/passwd", "/etc/passwd",
+             "/etc", "/root", "/no/such/adapter", "../" + outside.parent.name + "/b", str(huge),
+             str(tmp_path), "/proc/self/environ", "a\0b"]
+    with server.http() as http:
+        before = http.get("/v1/models").json()
+        vllm = [http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+                for path in tried]
+        sglang = [http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+                  for path in tried]
+        assert {r.status_code for r in vllm + sglang} == {400}
+        assert len({r.content for r in vllm}) == 1, [r.text for r in vllm]
+        assert len({r.content for r in sglang}) == 1, [r.text for r in sglang]
+        message = vllm[0].json()["error"]["message"]
+        assert "--lora-dir" in message and "/" not in message
+        assert sglang[0].json()["error_message"] == message
+        assert http.get("/v1/models").json() == before
+        # inside the folder: relative, through a link that stays in it, served
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "alias", "lora_path": "alias"})
+        assert r.status_code == 200, r.text
+        assert _tokens(http, "alias") == refs["b"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "alias"}).status_code == 200
+        assert http.get("/v1/models").json() == before
         assert wait_idle(http)["integrity_error"] is None
