@@ -102,7 +102,8 @@ def create_app(config: ServerConfig) -> Starlette:
         metrics.weight_bytes.set(handle.ready.weight_bytes)
         metrics.kv_pool_bytes.set(handle.ready.kv_pool_bytes)
         grammars = GrammarChecker(resolve_model(config.engine.model), handle.ready.vocab_size,
-                                  handle.ready.eos_token_ids, config.grammar_compile_timeout_s)
+                                  handle.ready.eos_token_ids, config.grammar_compile_timeout_s,
+                                  config.grammar_compile_memory_bytes)
         state = app.state.server = ServerState(
             config, client, tokenizer, limits, metrics, config.engine.model, grammars,
             adapters=dict(config.engine.lora_modules), reasoning=reasoning,

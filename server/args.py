@@ -7,6 +7,7 @@ import json
 import os
 
 from compiled_engine.engine_args import add_engine_args
+from compiled_engine.grammar_worker import MEMORY_BYTES
 from compiled_engine.sampling_params import POOLINGS
 from server.protocol import ProtocolError, template_kwargs_of
 from server.reasoning import ALIASES as REASONING_ALIASES
@@ -87,6 +88,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-compile-timeout", type=seconds, default=10.0, metavar="SECONDS",
                    help="an output constraint (JSON schema, regex, grammar) that takes longer to "
                         "compile is refused with a 400")
+    p.add_argument("--grammar-compile-memory", type=int, default=MEMORY_BYTES >> 20, metavar="MiB",
+                   help="what compiling one output constraint may allocate in the server's "
+                        "compiler process; a constraint that needs more is refused with a 400")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
     p.add_argument(
         "--pooling",
@@ -144,6 +148,7 @@ def server_config(args: argparse.Namespace, engine, api_key: str | None = None,
         read_timeout_s=args.read_timeout,
         request_timeout_s=args.request_timeout,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        grammar_compile_memory_bytes=args.grammar_compile_memory << 20,
         max_queue=args.max_queue,
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,

@@ -2,11 +2,13 @@
 
 A constraint that does not compile is a 400 naming its field; one whose compile runs past
 `--grammar-compile-timeout` is a 400 too, and the worker is killed (a fresh one starts on the next
-constraint). So the engine's ranks only compile constraints known to compile within the budget, and
-they do it outside their steps (`compiled_engine.ranks.grammar_wait`). Verdicts are cached by the
-constraint's text: a constraint seen before is answered at once (a timeout for TIMEOUT_VERDICT_S,
-since a loaded machine may have caused it). One worker compiles one constraint at a time; at most
-MAX_PENDING wait for it (then 429); requests without a constraint never wait for it.
+constraint); one that ends the worker (past its memory limit, `--grammar-compile-memory`, or its CPU
+backstop, or a crash) is a 400 as well. So the engine's ranks only compile constraints known to
+compile within the budget, and they do it outside their steps
+(`compiled_engine.ranks.grammar_wait`). Verdicts are cached by the constraint's text: a constraint
+seen before is answered at once (a timeout or a dead worker for FAILURE_VERDICT_S, since a loaded
+machine may have caused it). One worker compiles one constraint at a time; at most MAX_PENDING
+wait for it (then 429); requests without a constraint never wait for it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import multiprocessing
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -22,26 +25,30 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from compiled_engine.grammar_worker import READY, serve_compiles
+from compiled_engine.grammar_worker import MEMORY_BYTES, OUT_OF_MEMORY_EXIT, READY, serve_compiles
 from compiled_engine.sampling_params import StructuredOutput
 from server.engine_client import Overloaded
 from server.request_errors import ProtocolError
 
 MAX_VERDICTS = 4096  # constraints whose verdict is remembered (LRU)
 MAX_PENDING = 64  # constraints waiting for the worker before a 429
-TIMEOUT_VERDICT_S = 600.0  # how long a timeout is remembered
+FAILURE_VERDICT_S = 600.0  # how long a timeout or a dead worker is remembered
 WORKER_START_S = 300.0  # the worker's start (imports, the tokenizer): outside the budget
+CPU_PAST_TIMEOUT_S = 10.0  # the worker's CPU limit per compile, beyond the wall-clock budget
 
 
 class GrammarChecker:
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: Sequence[int],
-                 timeout_s: float) -> None:
+                 timeout_s: float, memory_bytes: int = MEMORY_BYTES) -> None:
         """`model_path`, `vocab_size`, `stop_token_ids`: as the engine's GrammarBook has them (the
-        worker compiles exactly what the ranks will)."""
+        worker compiles exactly what the ranks will); `memory_bytes`: what one compile may allocate
+        in the worker."""
         self.model_path, self.vocab_size = model_path, vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.timeout_s = timeout_s
+        self.memory_bytes = memory_bytes
         self.compiles = 0  # constraints sent to a worker (the rest were answered from the cache)
+        self.starts = 0  # workers started
         self.pending = 0  # constraints waiting for the worker or in it
         # key -> (the 400's message or None, when it expires or None)
         self._verdicts: OrderedDict[bytes, tuple[str | None, float | None]] = OrderedDict()
@@ -87,11 +94,10 @@ class GrammarChecker:
                 self._stop_worker()
                 verdict = (f"the constraint did not compile within {self.timeout_s:g} s (the "
                            "server's --grammar-compile-timeout): make it smaller or simpler")
-                expires = time.monotonic() + TIMEOUT_VERDICT_S
-        except (EOFError, OSError):  # the worker died (killed, out of memory): not remembered
-            self._stop_worker()
-            raise ProtocolError("the server's constraint compiler failed on this constraint",
-                                status=503, kind="server_error") from None
+                expires = time.monotonic() + FAILURE_VERDICT_S
+        except (EOFError, OSError):  # the worker died on it: out of memory, out of CPU, a crash
+            verdict = self._death()
+            expires = time.monotonic() + FAILURE_VERDICT_S
         with self._lock:
             self._verdicts[key] = (verdict, expires)
             if len(self._verdicts) > MAX_VERDICTS:
@@ -107,9 +113,11 @@ class GrammarChecker:
         parent, child = ctx.Pipe()
         worker = ctx.Process(
             target=serve_compiles, name="grammar-check", daemon=True,
-            args=(child, self.model_path, self.vocab_size, self.stop_token_ids),
+            args=(child, self.model_path, self.vocab_size, self.stop_token_ids,
+                  self.memory_bytes, self.timeout_s + CPU_PAST_TIMEOUT_S),
         )
         worker.start()
+        self.starts += 1
         child.close()
         self._worker, self._conn = worker, parent
         try:
@@ -121,6 +129,19 @@ class GrammarChecker:
             raise ProtocolError("the server could not start its constraint compiler", status=503,
                                 kind="server_error")
         return parent
+
+    def _death(self) -> str:
+        """The 400's message for the constraint the worker died on (it is stopped)."""
+        worker = self._worker
+        if worker is not None:
+            worker.join(10)
+        code = None if worker is None else worker.exitcode
+        self._stop_worker()
+        if code == OUT_OF_MEMORY_EXIT:
+            return (f"the constraint needs more than {self.memory_bytes / 2**20:g} MiB to compile "
+                    "(the server's --grammar-compile-memory): make it smaller or simpler")
+        return (f"the constraint made the server's constraint compiler fail{_cause(code)}: make "
+                "it smaller or simpler")
 
     def _stop_worker(self) -> None:
         worker, conn = self._worker, self._conn
@@ -141,6 +162,16 @@ class GrammarChecker:
 
 
 _UNKNOWN = object()
+
+
+def _cause(exitcode: int | None) -> str:
+    """` (SIGXCPU)` for a worker a signal ended, else nothing."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        return f" (signal {-exitcode})"
 
 
 def _key(spec: StructuredOutput) -> bytes:

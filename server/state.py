@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.grammar_worker import MEMORY_BYTES
 from compiled_engine.models.demo import DEMO_NAME
 from compiled_engine.ranks.torchrun import TorchrunPlacement
 from server.batch.runner import Batches
@@ -47,6 +48,7 @@ class ServerConfig:
     read_timeout_s: float = 60.0  # a request body must arrive within this
     request_timeout_s: float | None = None  # a generation running longer is ended (None: no limit)
     grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is a 400
+    grammar_compile_memory_bytes: int = MEMORY_BYTES  # a constraint needing more to compile: a 400
     # the Batch API's files and batches (None: under the user's state folder, store.state_root)
     batch_dir: str | None = None
     max_batch_file_bytes: int = 200 << 20  # an upload's size (OpenAI's limit)
