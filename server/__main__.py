@@ -13,7 +13,8 @@ from compiled_engine.models.tp_fit import check_tp_size
 from compiled_engine.ranks.entry import run_rank
 from compiled_engine.ranks.rank_spec import RankSpec
 from compiled_engine.ranks.torchrun import torchrun_placement
-from server.args import add_serve_args, resolve_api_key, server_config
+from server.app import batch_store
+from server.args import add_serve_args, resolve_api_keys, server_config
 from server.serve import serve
 
 
@@ -44,11 +45,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        api_key = resolve_api_key(args)
+        api_keys = resolve_api_keys(args)
     except OSError as e:
         print(f"compiled-engine serve: error: --api-key-file: {e}", file=sys.stderr)
         return 2
-    return serve(server_config(args, engine, api_key, torchrun), args.host, args.port)
+    config = server_config(args, engine, api_keys, torchrun)
+    try:
+        batch_store(config)  # a folder of another user's refused before the engine starts
+    except OSError as e:
+        print(f"compiled-engine serve: error: --batch-dir: {e}", file=sys.stderr)
+        return 2
+    return serve(config, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -25,7 +24,7 @@ from compiled_engine.ranks.launcher import EngineHandle, launch
 from compiled_engine.tokenization import load_tokenizer
 from server import batch_routes, embeddings, info_routes, lora_routes, responses, routes
 from server.batch.runner import Batches, BatchRunner, in_process, running
-from server.batch.store import BatchStore
+from server.batch.store import BatchStore, state_root
 from server.engine_client import EngineClient
 from server.grammar_check import GrammarChecker
 from server.handlers import error_response
@@ -71,30 +70,31 @@ BATCH_HANDLERS = {"/v1/chat/completions": routes.chat_completions,
                   "/v1/responses": responses.responses}
 
 
-@contextlib.contextmanager
-def batch_folder(config: ServerConfig) -> Iterator[Path]:
-    """--batch-dir, or a temporary folder for this process."""
-    if config.batch_dir is not None:
-        yield Path(config.batch_dir)
-        return
-    with tempfile.TemporaryDirectory(prefix="compiled-engine-batches-") as folder:
-        yield Path(folder)
+def batch_store(config: ServerConfig) -> BatchStore:
+    """The Batch API's store: --batch-dir, or under the user's state folder; UnsafeFolder (an
+    OSError) for a folder another user owns or may write."""
+    return BatchStore(Path(config.batch_dir) if config.batch_dir else state_root(),
+                      config.batch_disk_bytes)
 
 
-def batches(app: Starlette, config: ServerConfig, folder: Path, client: EngineClient) -> Batches:
+def batches(app: Starlette, config: ServerConfig, store: BatchStore,
+            client: EngineClient) -> Batches:
     """The Batch API over this app's handlers: its requests at the lowest priority where the
     engine schedules by priority, and only while direct requests hold less than half the
     server's queue (`--max-queue`)."""
     lowest = 2**31 - 1 if config.engine.scheduling_policy == "priority" else None
-    runner = BatchRunner(BatchStore(folder), in_process(app, BATCH_HANDLERS),
-                         config.batch_concurrency, config.max_body_bytes, lowest,
-                         room=lambda: client.num_in_flight < config.max_queue // 2)
-    return Batches(runner.store, runner)
+    half = max(1, config.max_queue // 2)
+    runner = BatchRunner(store, in_process(app, BATCH_HANDLERS), config.batch_concurrency,
+                         config.max_body_bytes, lowest,
+                         room=lambda n: client.num_in_flight + min(n, half) <= half,
+                         max_output_bytes=config.max_batch_output_bytes)
+    return Batches(store, runner)
 
 
 def create_app(config: ServerConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        store = await asyncio.to_thread(batch_store, config)  # refused before the engine starts
         tokenizer, limits, handle, reasoning = await asyncio.to_thread(_start_engine, config)
         client = EngineClient(handle, config.max_queue)
         client.start()
@@ -109,10 +109,9 @@ def create_app(config: ServerConfig) -> Starlette:
             adapters=dict(config.engine.lora_modules), reasoning=reasoning,
         )
         try:
-            with batch_folder(config) as folder:
-                state.batches = batches(app, config, folder, client)
-                async with running(state.batches.runner):
-                    yield
+            state.batches = batches(app, config, store, client)
+            async with running(state.batches.runner):
+                yield
         finally:
             grammars.close()
             await client.close()
@@ -160,8 +159,8 @@ def create_app(config: ServerConfig) -> Starlette:
     app = Starlette(routes=table, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error})
     app.add_middleware(SendTimeoutMiddleware, send_timeout_s=config.send_timeout_s)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
     # outermost: a foreign Host or a non-JSON body is refused before anything else
     app.add_middleware(OriginGuardMiddleware, bind=config.host, allowed_hosts=config.allowed_hosts)
     return app
@@ -185,15 +184,16 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 class ApiKeyMiddleware:
     """Every endpoint except /health and the chat page's files (GET / and /static/...: the page then
-    asks for the key) requires `Authorization: Bearer KEY`."""
+    asks for the key) requires `Authorization: Bearer KEY`, KEY one of the server's keys."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app, self.expected = app, [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not _open_path(scope):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            # every key compared (no early exit), each in constant time
+            if not sum(hmac.compare_digest(given, key) for key in self.expected):
                 err = ProtocolError(
                     "a valid API key is required: send 'Authorization: Bearer <key>'",
                     status=401,

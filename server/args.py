@@ -19,15 +19,17 @@ API_KEY_ENV = "COMPILED_ENGINE_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """The API key: --api-key-file's first line, else --api-key, else $COMPILED_ENGINE_API_KEY."""
+def resolve_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The API keys: --api-key-file's lines (one key a line), else --api-key's, else
+    $COMPILED_ENGINE_API_KEY; none: the server asks for no key."""
     if args.api_key_file:
         with open(args.api_key_file, encoding="utf-8") as f:
-            key = f.readline().strip()
-        if not key:
+            keys = tuple(dict.fromkeys(k for line in f if (k := line.strip())))
+        if not keys:
             raise OSError(f"{args.api_key_file} holds no key")
-        return key
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+        return keys
+    env = os.environ.get(API_KEY_ENV)
+    return tuple(dict.fromkeys(args.api_key or ())) or ((env,) if env else ())
 
 
 def runtime_lora_updating(args: argparse.Namespace) -> bool:
@@ -70,12 +72,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
              "set, any bind checks the Host)",
     )
     p.add_argument(
-        "--api-key", default=None,
-        help=f"require 'Authorization: Bearer KEY' (all but /health); visible in ps: prefer "
-             f"${API_KEY_ENV} or --api-key-file",
+        "--api-key", default=None, nargs="+", metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' (all but /health), KEY one of these; each key "
+             f"owns its own Batch API files and batches; visible in ps: prefer ${API_KEY_ENV} "
+             f"(one key) or --api-key-file",
     )
     p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from this file (its first line)")
+                   help="read the API keys from this file (one key a line)")
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
     p.add_argument("--send-timeout", type=seconds, default=60.0, metavar="SECONDS",
                    help="drop a client that takes no data for this long (its requests aborted)")
@@ -114,10 +117,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
              "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)",
     )
     p.add_argument("--batch-dir", default=None, metavar="PATH",
-                   help="where the Batch API keeps its files and batches (a restarted server "
-                        "resumes the batches it finds there; default: a temporary folder)")
+                   help="where the Batch API keeps its files and batches, private to this user "
+                        "(a restarted server resumes the batches it finds there; one server a "
+                        "folder; default: $XDG_STATE_HOME/compiled-engine/batches, else "
+                        "~/.local/state/compiled-engine/batches)")
     p.add_argument("--max-batch-file-mb", type=int, default=200, metavar="MB",
                    help="the largest file /v1/files takes")
+    p.add_argument("--batch-disk-gb", type=float, default=10.0, metavar="GB",
+                   help="what the Batch API keeps, all files and answers together (GiB): an "
+                        "upload past it is refused (413), a batch's lines past it are error "
+                        "lines, unrun")
+    p.add_argument("--max-batch-output-mb", type=int, default=1024, metavar="MB",
+                   help="a batch's answers, output and error files together: past it, its lines "
+                        "left are error lines (batch_output_too_large), unrun")
     p.add_argument(
         "--allow-runtime-lora-updating", action="store_true",
         help=f"let clients load and unload LoRA adapters while serving (/v1/load_lora_adapter, "
@@ -135,12 +147,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config(args: argparse.Namespace, engine, api_key: str | None = None,
+def server_config(args: argparse.Namespace, engine, api_keys: tuple[str, ...] = (),
                   torchrun=None) -> ServerConfig:
     """The server's settings from its flags (`add_serve_args`) and the engine's."""
     return ServerConfig(
         engine=engine,
-        api_key=api_key,
+        api_keys=api_keys,
         host=args.host,
         allowed_hosts=tuple(args.allowed_hosts or ()),
         send_timeout_s=args.send_timeout,
@@ -155,6 +167,8 @@ def server_config(args: argparse.Namespace, engine, api_key: str | None = None,
         reasoning_parser=args.reasoning_parser,
         batch_dir=args.batch_dir,
         max_batch_file_bytes=args.max_batch_file_mb << 20,
+        batch_disk_bytes=int(args.batch_disk_gb * (1 << 30)),
+        max_batch_output_bytes=args.max_batch_output_mb << 20,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         pooling=args.pooling,
         allow_runtime_lora_updating=runtime_lora_updating(args),

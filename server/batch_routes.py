@@ -1,13 +1,14 @@
 """OpenAI's Files and Batches endpoints (`server/batch`): `POST /v1/files` (multipart: `file`, and
 `purpose` "batch"), `GET /v1/files`, `GET /v1/files/{id}`, `GET /v1/files/{id}/content`, `DELETE
 /v1/files/{id}`; `POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{id}`, `POST
-/v1/batches/{id}/cancel`. An upload is refused past `--max-batch-file-mb`, and from a web page on
+/v1/batches/{id}/cancel`. Each file and batch belongs to the API key that made it: another key
+finds no such object (404), as for an id the store never made. An upload is refused past
+`--max-batch-file-mb` or the store's disk budget (`--batch-disk-gb`), and from a web page on
 another origin (a form needs no CORS preflight, so the JSON-only rule cannot guard this one)."""
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
 from server.batch.lines import ENDPOINTS
+from server.batch.store import NO_OWNER, owner_of, public
 from server.handlers import (
     endpoint,
     json_response,
@@ -61,30 +63,21 @@ async def upload_file(request: Request) -> Response:
                                 "purpose")
         if not isinstance(upload, UploadFile):
             raise ProtocolError("'file' is required", "file")
-        obj = await asyncio.to_thread(_keep, st, upload, limit)
+        name = Path(upload.filename or "upload.jsonl").name[:256]
+        await upload.seek(0)
+        obj = await asyncio.to_thread(st.batches.store.add_upload, upload.file, name,
+                                      _owner(request), limit)
     finally:
         await form.close()
-    return json_response(obj)
+    return json_response(public(obj))
 
 
-def _keep(st, upload: UploadFile, limit: int) -> dict:
-    """The uploaded file moved into the store (blocking)."""
-    store = st.batches.store
-    with tempfile.NamedTemporaryFile(dir=store.files, suffix=".part", delete=False) as out:
-        temp = Path(out.name)
-        try:
-            upload.file.seek(0)
-            size = 0
-            while chunk := upload.file.read(1 << 20):
-                size += len(chunk)
-                if size > limit:
-                    raise _too_big(limit)
-                out.write(chunk)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-    name = Path(upload.filename or "upload.jsonl").name[:256]
-    return store.add_file(temp, name, "batch")
+def _owner(request: Request) -> str:
+    """Who the caller is to the store: its API key (which the server's middleware checked), or
+    one owner for all where the server takes no key."""
+    if not state_of(request).config.api_keys:
+        return NO_OWNER
+    return owner_of(request.headers.get("authorization", "").removeprefix("Bearer "))
 
 
 async def _capped(request: Request, limit: int):
@@ -116,22 +109,23 @@ def _refuse_other_origins(request: Request) -> None:
 async def list_files(request: Request) -> Response:
     st = state_of(request)
     only_queries(request.query_params, {"purpose", "limit", "after", "order"})
-    objs = await asyncio.to_thread(st.batches.store.list_files, request.query_params.get("purpose"))
-    return json_response(list_page(objs, request.query_params))
+    objs = await asyncio.to_thread(st.batches.store.list_files,
+                                   request.query_params.get("purpose"), _owner(request))
+    return json_response(list_page([public(o) for o in objs], request.query_params))
 
 
 @endpoint("files")
 async def get_file(request: Request) -> Response:
     st = state_of(request)
-    return json_response(await asyncio.to_thread(st.batches.store.file,
-                                                 request.path_params["file_id"]))
+    return json_response(public(await asyncio.to_thread(
+        st.batches.store.file, request.path_params["file_id"], _owner(request))))
 
 
 @endpoint("files")
 async def file_content(request: Request) -> Response:
     st = state_of(request)
     store, file_id = st.batches.store, request.path_params["file_id"]
-    await asyncio.to_thread(store.file, file_id)  # 404 without it
+    await asyncio.to_thread(store.file, file_id, _owner(request))  # 404 without it
     return FileResponse(store.file_path(file_id), media_type="application/jsonl")
 
 
@@ -139,7 +133,7 @@ async def file_content(request: Request) -> Response:
 async def delete_file(request: Request) -> Response:
     st = state_of(request)
     file_id = request.path_params["file_id"]
-    await asyncio.to_thread(st.batches.store.delete_file, file_id)
+    await asyncio.to_thread(st.batches.store.delete_file, file_id, _owner(request))
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -157,8 +151,8 @@ async def create_batch(request: Request) -> Response:
     file_id = get_str(body, "input_file_id", None)
     if file_id is None:
         raise ProtocolError("'input_file_id' is required", "input_file_id")
-    store = st.batches.store
-    if (await asyncio.to_thread(store.file, file_id, "input_file_id"))["purpose"] != "batch":
+    store, owner = st.batches.store, _owner(request)
+    if (await asyncio.to_thread(store.file, file_id, owner, "input_file_id"))["purpose"] != "batch":
         raise ProtocolError(f"file {file_id[:80]!r} is not a batch input file", "input_file_id")
     now = int(time.time())
     batch = await asyncio.to_thread(store.new_batch, {
@@ -167,31 +161,34 @@ async def create_batch(request: Request) -> Response:
         "created_at": now, "in_progress_at": None, "expires_at": now + COMPLETION_WINDOW_S,
         "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
         "cancelling_at": None, "cancelled_at": None,
-        "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata})
+        "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata},
+        owner)
     st.batches.runner.wake()
-    return json_response(batch)
+    return json_response(public(batch))
 
 
 @endpoint("batches")
 async def get_batch(request: Request) -> Response:
     st = state_of(request)
-    bid = request.path_params["batch_id"]
-    live = st.batches.runner.live(bid)
-    return json_response(live or await asyncio.to_thread(st.batches.store.batch, bid))
+    bid, owner = request.path_params["batch_id"], _owner(request)
+    live = st.batches.runner.live(bid, owner)
+    return json_response(public(live or await asyncio.to_thread(st.batches.store.batch, bid,
+                                                                owner)))
 
 
 @endpoint("batches")
 async def list_batches(request: Request) -> Response:
     st = state_of(request)
     only_queries(request.query_params, {"limit", "after"})
-    return json_response(list_page(await asyncio.to_thread(st.batches.store.list_batches),
-                                   request.query_params))
+    objs = await asyncio.to_thread(st.batches.store.list_batches, _owner(request))
+    return json_response(list_page([public(o) for o in objs], request.query_params))
 
 
 @endpoint("batches")
 async def cancel_batch(request: Request) -> Response:
     st = state_of(request)
-    return json_response(await st.batches.runner.cancel(request.path_params["batch_id"]))
+    return json_response(public(await st.batches.runner.cancel(request.path_params["batch_id"],
+                                                               _owner(request))))
 
 
 def _metadata(value: object) -> dict | None:

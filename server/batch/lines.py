@@ -1,7 +1,7 @@
 """A batch input file's lines (OpenAI's format: `{"custom_id", "method": "POST", "url", "body"}`),
 read one at a time (a file is never held whole) and checked before a batch runs: each line JSON of
 that shape, at most `max_line_bytes`, on the batch's endpoint, not streamed, custom ids unique, at
-most `MAX_LINES`."""
+most `MAX_LINES`; what each asks of the engine (`sequences`)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,16 @@ def check_file(path: Path, endpoint: str | None,
         errors.append({"code": "empty_file", "message": "the input file holds no request",
                        "param": None, "line": None})
     return count, errors
+
+
+def sequences(line: BatchLine) -> int:
+    """The sequences a line asks the engine for: `n` for each prompt (a list of prompts, or of
+    embeddings' inputs, is one each; a list of token ids is one)."""
+    n = line.body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    field = line.body.get("input" if line.url == "/v1/embeddings" else "prompt")
+    many = isinstance(field, list) and any(not isinstance(p, int) for p in field)
+    return n * (len(field) if many else 1)
 
 
 def lines(path: Path, endpoint: str | None, max_line_bytes: int) -> Iterator[BatchLine]:

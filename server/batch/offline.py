@@ -2,13 +2,16 @@
 offline through the server's own handlers, in this process, without a socket: the engine starts,
 every line is answered (`--batch-concurrency` at once), each answer a line of the output file as it
 comes (errors too, with their status: vLLM writes one file), then the engine stops. The file is
-checked first, as the Batch API checks it; lines may name any of its endpoints."""
+checked first, as the Batch API checks it; lines may name any of its endpoints. The app's Batch API
+store is a temporary folder: a server's store (and its batches) is never touched."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +39,13 @@ async def run_file(args: argparse.Namespace) -> int:
         for e in errors:
             print(f"run-batch: {e['message']}", file=sys.stderr)
         return 2
-    app = create_app(config)
+    with tempfile.TemporaryDirectory(prefix="compiled-engine-run-batch-") as store:
+        app = create_app(dataclasses.replace(config, batch_dir=store))
+        return await _answer_all(app, args, config, source, count)
+
+
+async def _answer_all(app, args: argparse.Namespace, config, source: Path, count: int) -> int:
+    """Every line of `source` answered into the output file through `app`'s handlers."""
     async with app.router.lifespan_context(app):
         start = time.perf_counter()
         execute = in_process(app, BATCH_HANDLERS)

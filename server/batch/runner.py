@@ -1,10 +1,12 @@
 """Runs the batches, oldest first, one at a time: a batch is checked (`validating`), then its lines
 go to the server's own endpoint handlers in this process (`in_process`), at most `concurrency` at
-once and at the lowest priority where the server schedules by priority; each answer is on disk
-before it counts (a restart goes on from the last one), 2xx in the output file, the rest in the
-error file. An answer the server could not give now (429 overloaded, 503 draining or engine
-gone) is not an answer: the line runs again later, or after a restart. Past its completion window
-a batch expires; a cancelled one stops taking lines and keeps those answered."""
+once (counted in sequences: a line with `n` 4 counts 4) and at the lowest priority where the
+server schedules by priority; each answer is on disk before it counts (a restart goes on from the
+last one), 2xx in the output file, the rest in the error file. An answer the server could not
+give now (429 overloaded, 503 draining or engine gone) is not an answer: the line runs again
+later, or after a restart. Past its completion window a batch expires; a cancelled one stops
+taking lines and keeps those answered. A batch's answers are bounded (`max_output_bytes`, and
+the store's disk budget): past either, each line left is an error line saying so, unrun."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.batch.lines import BatchLine, check_file, lines
-from server.batch.store import ACTIVE, BatchStore
+from server.batch.lines import BatchLine, check_file, lines, sequences
+from server.batch.store import ACTIVE, NO_OWNER, BatchStore
 from server.request_errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -68,19 +70,70 @@ def answer_line(custom_id: str, status: int, body: bytes) -> bytes:
             f'"req_{uuid.uuid4().hex}", "body": ').encode() + body + b'}, "error": null}'
 
 
+def refusal_line(custom_id: str, code: str, message: str) -> bytes:
+    """An error file's line for a request that got no answer (OpenAI's shape: no response)."""
+    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+                       "response": None, "error": {"code": code, "message": message}},
+                      ensure_ascii=False).encode()
+
+
+class _Flight:
+    """The sequences a batch has in flight, at most `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self._freed = limit, 0, asyncio.Event()
+
+    async def take(self, count: int) -> None:
+        while self.used + count > self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self.used += count
+
+    def give(self, count: int) -> None:
+        self.used -= count
+        self._freed.set()
+
+
+@dataclass
+class _Output:
+    """A running batch's answers so far, against its bound and the store's budget."""
+
+    bytes: int
+    limit: int
+    full: tuple[str, str] | None = None  # (code, message) once the batch takes no more answers
+
+    def admit(self, size: int, room: int) -> bool:
+        """Whether an answer of `size` bytes is kept (else `full` says why not)."""
+        if self.full is None and self.bytes + size > self.limit:
+            self.full = ("batch_output_too_large", f"the batch's answers reached their bound of "
+                         f"{self.limit} bytes (--max-batch-output-mb): this request is not "
+                         "answered")
+        elif self.full is None and size > room:
+            self.full = ("batch_store_full", "the Batch API's store is full (--batch-disk-gb): "
+                         "this request is not answered")
+        if self.full is not None:
+            return False
+        self.bytes += size
+        return True
+
+
 class BatchRunner:
     def __init__(self, store: BatchStore, execute: Execute, concurrency: int,
                  max_line_bytes: int, priority: int | None,
-                 room: Callable[[], bool] = lambda: True) -> None:
-        """`priority`: set on every request (the lowest, under priority scheduling), or None;
-        `room`: whether the server has room for one more of the batch's requests (it leaves
-        admission to direct clients first)."""
+                 room: Callable[[int], bool] = lambda sequences: True,
+                 max_output_bytes: int = 1 << 30) -> None:
+        """`concurrency`: the sequences in flight at once; `priority`: set on every request (the
+        lowest, under priority scheduling), or None; `room`: whether the server has room for a
+        request of the batch's with that many sequences (it leaves admission to direct clients
+        first); `max_output_bytes`: a batch's answers, both files together."""
         self.store = store
         self.execute = execute
         self.concurrency = concurrency
         self.max_line_bytes = max_line_bytes
         self.priority = priority
         self.room = room
+        self.max_output_bytes = max_output_bytes
+        self._broken: set[str] = set()  # batches that could not even be marked failed
         self._wakeup = asyncio.Event()
         self._lock = asyncio.Lock()  # status changes: the runner's and a cancel's, one at a time
         self._saved = 0.0  # when the running batch's counts were last saved
@@ -90,13 +143,12 @@ class BatchRunner:
         """A batch was created."""
         self._wakeup.set()
 
-    async def cancel(self, batch_id: str) -> dict:
-        """Mark a waiting or running batch `cancelling` (409 for one that is not); the runner stops
-        taking its lines and closes it `cancelled` with the answers it has."""
+    async def cancel(self, batch_id: str, owner: str) -> dict:
+        """Mark `owner`'s waiting or running batch `cancelling` (409 for one that is not); the
+        runner stops taking its lines and closes it `cancelled` with the answers it has."""
         async with self._lock:
-            running = self._running
-            batch = (running if running is not None and running["id"] == batch_id
-                     else await asyncio.to_thread(self.store.batch, batch_id))
+            batch = self._live(batch_id, owner) or await asyncio.to_thread(
+                self.store.batch, batch_id, owner)
             if batch["status"] not in ("validating", "in_progress"):
                 raise ProtocolError(f"a batch that is {batch['status']} cannot be cancelled", None,
                                     status=409, code="batch_not_cancellable")
@@ -105,10 +157,16 @@ class BatchRunner:
         self._wakeup.set()
         return dict(batch)
 
-    def live(self, batch_id: str) -> dict | None:
-        """The running batch's object as it is now (its counts ahead of its saved copy)."""
+    def live(self, batch_id: str, owner: str) -> dict | None:
+        """`owner`'s running batch's object as it is now (its counts ahead of its saved copy)."""
+        batch = self._live(batch_id, owner)
+        return None if batch is None else dict(batch)
+
+    def _live(self, batch_id: str, owner: str) -> dict | None:
         running = self._running
-        return dict(running) if running is not None and running["id"] == batch_id else None
+        if running is None or running["id"] != batch_id:
+            return None
+        return running if running.get("owner", NO_OWNER) == owner else None
 
     async def run_forever(self) -> None:
         while True:
@@ -123,10 +181,12 @@ class BatchRunner:
                     await self.run_batch(batch)
                 except Exception as e:  # the disk, most likely: the batch fails, the server serves
                     log.exception("batch %s failed", batch["id"])
+                    self._broken.add(batch["id"])  # until it is marked failed
                     await self._put(batch, status="failed", failed_at=_now(), errors={
                         "object": "list", "data": [{"code": "server_error",
                                                     "message": str(e)[:500], "param": None,
                                                     "line": None}]})
+                    self._broken.discard(batch["id"])
                 finally:
                     self._running = None
             except Exception:  # even that failed: log it, and try again later
@@ -134,7 +194,8 @@ class BatchRunner:
                 await asyncio.sleep(RETRY_S)
 
     def _oldest_active(self) -> dict | None:
-        active = [b for b in self.store.list_batches() if b["status"] in ACTIVE]
+        active = [b for b in self.store.list_batches(None)
+                  if b["status"] in ACTIVE and b["id"] not in self._broken]
         return min(active, key=lambda b: (b["created_at"], b["id"])) if active else None
 
     async def run_batch(self, batch: dict) -> None:
@@ -152,7 +213,9 @@ class BatchRunner:
         counts = batch["request_counts"]
         counts["completed"], counts["failed"] = len(done["output"]), len(done["errors"])
         answered = done["output"] | done["errors"]
-        slots = asyncio.Semaphore(self.concurrency)
+        output = _Output(await asyncio.to_thread(self.store.answers_bytes, bid),
+                         self.max_output_bytes)
+        flight = _Flight(self.concurrency)
         running: set[asyncio.Task] = set()
         todo = lines(path, batch["endpoint"], self.max_line_bytes)
         try:
@@ -162,12 +225,17 @@ class BatchRunner:
                     break
                 if line.custom_id in answered:
                     continue
-                await slots.acquire()
-                while not self.room() and self._taking(batch):
+                if output.full is not None:  # past a bound: the line is not run
+                    await self._answer(batch, "errors", refusal_line(line.custom_id,
+                                                                     *output.full))
+                    continue
+                count = min(sequences(line), self.concurrency)
+                await flight.take(count)
+                while not self.room(count) and self._taking(batch):
                     await asyncio.sleep(ROOM_POLL_S)
-                task = asyncio.create_task(self._one(batch, line))
+                task = asyncio.create_task(self._one(batch, line, output))
                 running.add(task)
-                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+                task.add_done_callback(lambda t, n=count: (running.discard(t), flight.give(n)))
             if running:
                 await asyncio.gather(*running)
         finally:
@@ -179,7 +247,7 @@ class BatchRunner:
         """Whether the batch takes more lines (not cancelled, not past its window)."""
         return batch["status"] == "in_progress" and time.time() < batch["expires_at"]
 
-    async def _one(self, batch: dict, line: BatchLine) -> None:
+    async def _one(self, batch: dict, line: BatchLine, output: _Output) -> None:
         body = line.body if self.priority is None else line.body | {"priority": self.priority}
         for _ in range(MAX_RETRIES):
             status, payload = await self.execute(line.url, body)
@@ -188,9 +256,15 @@ class BatchRunner:
             await asyncio.sleep(RETRY_S)
         if status in (429, 503) and not self._taking(batch):
             return  # cancelled or expired while the server could not answer: not answered
-        kind = "output" if status < 400 else "errors"
-        await asyncio.to_thread(self.store.append_answer, batch["id"], kind,
-                                answer_line(line.custom_id, status, payload))
+        kind, answer = "output" if status < 400 else "errors", answer_line(line.custom_id, status,
+                                                                          payload)
+        if not output.admit(len(answer) + 1, self.store.room()):
+            kind, answer = "errors", refusal_line(line.custom_id, *output.full)
+        await self._answer(batch, kind, answer)
+
+    async def _answer(self, batch: dict, kind: str, answer: bytes) -> None:
+        """One line answered: on disk, then counted."""
+        await asyncio.to_thread(self.store.append_answer, batch["id"], kind, answer)
         batch["request_counts"]["completed" if kind == "output" else "failed"] += 1
         if time.monotonic() - self._saved >= COUNTS_EVERY_S:  # (a restart counts the files)
             self._saved = time.monotonic()
@@ -213,10 +287,11 @@ class BatchRunner:
                 batch |= {"status": "finalizing", "finalizing_at": batch.get("finalizing_at")
                           or _now()}
             await asyncio.to_thread(self.store.put_batch, batch)
+        owner = batch.get("owner", NO_OWNER)
         output = await asyncio.to_thread(self.store.keep_answers, batch["id"], "output",
-                                         ids["output"])
+                                         ids["output"], owner)
         errors = await asyncio.to_thread(self.store.keep_answers, batch["id"], "errors",
-                                         ids["errors"])
+                                         ids["errors"], owner)
         await self._put(batch, status=ending, output_file_id=output, error_file_id=errors,
                         **{f"{ending}_at": _now()})
 

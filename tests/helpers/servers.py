@@ -3,8 +3,11 @@ processes), and what the tests read from them."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +56,9 @@ class RunningServer:
 
 def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
     engine = EngineConfig(**(ENGINE | overrides.pop("engine", {})))
+    if "batch_dir" not in overrides:  # its own Batch API store (the default one is the user's)
+        overrides["batch_dir"] = tempfile.mkdtemp(prefix="compiled-engine-test-batches-")
+        atexit.register(shutil.rmtree, overrides["batch_dir"], True)
     # bound now and handed to uvicorn: the engine's ranks start first and bind ports of their own,
     # which could take a port picked but not yet bound
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

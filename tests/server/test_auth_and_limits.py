@@ -19,7 +19,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[RunningServer]:
-    running = start_server(api_key=KEY, max_queue=1, max_body_bytes=2048,
+    running = start_server(api_keys=(KEY,), max_queue=1, max_body_bytes=2048,
                            allowed_hosts=("API.internal:8000",))  # (its port and case ignored)
     yield running
     running.stop()

@@ -1,43 +1,221 @@
-"""The Batch API's state on disk (server/batch/store.py) across a stop at the worst moments: a
-line cut short while being written runs again, and a batch stopped while its answers were being
-kept finishes keeping them (nothing answered twice, nothing lost)."""
+"""The Batch API's state on disk (server/batch/store.py) and its runner without a server: a line cut
+short while being written runs again, a batch stopped while its answers were being kept finishes
+keeping them (nothing answered twice, nothing lost); objects belong to their owner; ids the store
+never makes are 404s; an object cut short is left out; folders 0700 and files 0600; a folder of
+another user's refused; a disk budget; a batch's `n` counted against its share of the queue; a
+batch's answers bounded."""
 
+import asyncio
+import io
 import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
 
 import pytest
 
-from server.batch.store import BatchStore
+from server.batch.runner import BatchRunner
+from server.batch.store import BatchStore, owner_of
 from server.request_errors import ProtocolError
+
+ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
+LONG_IDS = ("file-" + "é" * 200, "batch_" + "文" * 300, "file-" + "a" * 32 + "/..", "x" * 5000)
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}{'-' if kind == 'file' else '_'}{uuid.uuid4().hex}"
 
 
 def answer(custom_id: str) -> bytes:
     return json.dumps({"custom_id": custom_id, "response": {"status_code": 200}}).encode()
 
 
+def upload(store: BatchStore, rows: list[dict], owner: str = ALICE, limit: int = 1 << 20) -> dict:
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    return store.add_upload(io.BytesIO(data), "in.jsonl", owner, limit)
+
+
+def batch_of(store: BatchStore, file_id: str, owner: str = ALICE) -> dict:
+    return store.new_batch({"endpoint": "/v1/completions", "input_file_id": file_id,
+                            "status": "validating", "created_at": 1, "expires_at": 2**40,
+                            "request_counts": {"total": 0, "completed": 0, "failed": 0}}, owner)
+
+
+def line(i: int, **body) -> dict:
+    return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", **body}}
+
+
 def test_a_line_cut_short_and_what_follows_it_run_again(tmp_path) -> None:
-    store = BatchStore(tmp_path)
-    store.append_answer("batch_a", "output", answer("x"))
-    store.append_answer("batch_a", "output", answer("y"))
-    path = store.answers_path("batch_a", "output")
+    store, bid = BatchStore(tmp_path), new_id("batch")
+    store.append_answer(bid, "output", answer("x"))
+    store.append_answer(bid, "output", answer("y"))
+    path = store.answers_path(bid, "output")
     path.write_bytes(path.read_bytes() + answer("z")[:9])  # the process stopped mid-line
-    assert store.answered("batch_a") == {"output": {"x", "y"}, "errors": set()}
+    assert store.answered(bid) == {"output": {"x", "y"}, "errors": set()}
     assert path.read_bytes().count(b"\n") == 2 and path.read_bytes().endswith(b"\n")
-    store.append_answer("batch_a", "output", answer("z"))
-    assert store.answered("batch_a")["output"] == {"x", "y", "z"}
+    store.append_answer(bid, "output", answer("z"))
+    assert store.answered(bid)["output"] == {"x", "y", "z"}
 
 
 def test_keeping_the_answers_again_after_a_stop_finishes_the_move(tmp_path) -> None:
-    store = BatchStore(tmp_path)
-    store.append_answer("batch_a", "output", answer("x"))
-    assert store.keep_answers("batch_a", "output", "file-out") == "file-out"
-    assert store.keep_answers("batch_a", "output", "file-out") == "file-out"  # resumed: kept
-    assert store.keep_answers("batch_a", "errors", "file-err") is None  # none to keep
-    assert store.file("file-out")["purpose"] == "batch_output"
-    assert store.file_path("file-out").read_bytes() == answer("x") + b"\n"
+    store, bid, out, err = BatchStore(tmp_path), new_id("batch"), new_id("file"), new_id("file")
+    store.append_answer(bid, "output", answer("x"))
+    assert store.keep_answers(bid, "output", out, ALICE) == out
+    assert store.keep_answers(bid, "output", out, ALICE) == out  # resumed: kept
+    assert store.keep_answers(bid, "errors", err, ALICE) is None  # none to keep
+    assert store.file(out, ALICE)["purpose"] == "batch_output"
+    assert store.file_path(out).read_bytes() == answer("x") + b"\n"
 
 
-def test_ids_never_reach_outside_the_store(tmp_path) -> None:
+def test_ids_the_store_never_makes_are_404s(tmp_path) -> None:
+    """Over-long Unicode ids were 500s ("File name too long") on every route."""
     store = BatchStore(tmp_path)
-    for bad in ("../x", "file-..", "a/b", "x" * 200):
-        with pytest.raises(ProtocolError):
-            store.file(bad)
+    for bad in ("../x", "file-..", "a/b", "file-nope", *LONG_IDS):
+        for call in (store.file, store.batch, store.delete_file):
+            with pytest.raises(ProtocolError) as e:
+                call(bad, ALICE)
+            assert e.value.status == 404
+
+
+def test_objects_belong_to_their_owner(tmp_path) -> None:
+    store = BatchStore(tmp_path)
+    f = upload(store, [line(0)])
+    b = batch_of(store, f["id"])
+    assert [o["id"] for o in store.list_files(None, ALICE)] == [f["id"]]
+    assert [o["id"] for o in store.list_batches(ALICE)] == [b["id"]]
+    assert store.list_files(None, BOB) == [] and store.list_batches(BOB) == []
+    for call in (lambda: store.file(f["id"], BOB), lambda: store.batch(b["id"], BOB),
+                 lambda: store.delete_file(f["id"], BOB)):
+        with pytest.raises(ProtocolError) as e:
+            call()
+        assert e.value.status == 404
+    assert store.file(f["id"], ALICE)["id"] == f["id"]  # Bob's delete did nothing
+    assert "alice-key" not in "".join(p.read_text() for p in tmp_path.rglob("*.json"))
+
+
+def test_an_object_cut_short_is_left_out_with_one_log_line(tmp_path, caplog) -> None:
+    store = BatchStore(tmp_path)
+    good = upload(store, [line(0)])
+    batch = batch_of(store, good["id"])
+    (store.files / f"{new_id('file')}.json").write_bytes(b"")  # power loss
+    (store.batches / f"{new_id('batch')}.json").write_text('{"id": 3, "stat')
+    (store.batches / f"{new_id('batch')}.json").write_text("[1, 2]")
+    with caplog.at_level(logging.WARNING, logger="server.batch.store"):
+        for _ in range(3):
+            assert [o["id"] for o in store.list_files(None, ALICE)] == [good["id"]]
+            assert [o["id"] for o in store.list_batches(None)] == [batch["id"]]
+    assert len(caplog.records) == 3  # one line per damaged object, not per listing
+
+
+def test_folders_are_0700_and_files_0600_whatever_the_umask(tmp_path) -> None:
+    old = os.umask(0o022)
+    try:
+        store = BatchStore(tmp_path / "store")
+        f = upload(store, [line(0)])
+        bid = batch_of(store, f["id"])["id"]
+        store.append_answer(bid, "output", answer("x"))
+        store.append_answer(bid, "errors", answer("y"))
+        store.keep_answers(bid, "errors", new_id("file"), ALICE)
+    finally:
+        os.umask(old)
+    folders = [tmp_path / "store", store.files, store.batches]
+    files = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
+    assert len(files) == 6  # upload + object, batch, output answers, kept errors + object
+    assert {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o700"}
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}
+
+
+def test_an_existing_store_is_made_private(tmp_path) -> None:
+    """A store an older server wrote with the umask: its folders and files tightened."""
+    (tmp_path / "files").mkdir(mode=0o755)
+    (tmp_path / "files" / f"{new_id('file')}.jsonl").write_text("{}\n")
+    os.chmod(tmp_path / "files" / next(os.scandir(tmp_path / "files")).name, 0o644)
+    store = BatchStore(tmp_path)
+    assert oct(store.files.stat().st_mode & 0o777) == "0o700"
+    assert {oct(p.stat().st_mode & 0o777) for p in store.files.iterdir()} == {"0o600"}
+
+
+@pytest.fixture
+def foreign(tmp_path):
+    """A folder owned by another user (uid 65534, "nobody"): only root can make one."""
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    try:
+        os.chown(folder, 65534, 65534)
+    except PermissionError:
+        pytest.skip("making a folder of another user's needs root")
+    return folder
+
+
+def test_a_folder_of_another_users_is_refused(foreign) -> None:
+    with pytest.raises(OSError, match="owned by uid 65534"):
+        BatchStore(foreign)
+
+
+def test_the_server_refuses_a_batch_dir_of_another_users_in_one_line(foreign) -> None:
+    run = subprocess.run([sys.executable, "-m", "server", "--model", "demo", "--batch-dir",
+                          str(foreign)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        f"compiled-engine serve: error: --batch-dir: {foreign} is owned by uid 65534, not by "
+        f"this user (uid {os.geteuid()}): refusing to keep private data there"]
+
+
+def test_the_disk_budget_refuses_an_upload_past_it(tmp_path) -> None:
+    store = BatchStore(tmp_path, disk_budget=4096)
+    upload(store, [line(0)])
+    used = store.used
+    with pytest.raises(ProtocolError) as e:
+        upload(store, [line(i, padding="p" * 100) for i in range(40)])  # ~5 KB
+    assert (e.value.status, e.value.code) == (413, "batch_store_full")
+    assert store.used == used and len(store.list_files(None, ALICE)) == 1
+    assert not list(store.files.glob("*.part"))
+
+
+def run_batch(store: BatchStore, execute, **runner) -> dict:
+    """A batch of the store's (its one batch) run to its end by a runner over `execute`."""
+    async def go() -> None:
+        r = BatchRunner(store, execute, max_line_bytes=1 << 16, priority=None, **runner)
+        await r.run_batch(store.list_batches(None)[0])
+    asyncio.run(asyncio.wait_for(go(), 60))
+    return store.list_batches(None)[0]
+
+
+def test_a_lines_n_counts_against_the_batchs_share_of_the_queue(tmp_path) -> None:
+    """16 sequences in flight: lines asking for n=8 run two at a time (were 16 lines: 128)."""
+    store = BatchStore(tmp_path)
+    batch_of(store, upload(store, [line(i, n=8) for i in range(6)])["id"])
+    flight, peak, asked = [0], [0], []
+
+    async def execute(url: str, body: dict) -> tuple[int, bytes]:
+        flight[0] += body["n"]
+        peak[0] = max(peak[0], flight[0])
+        await asyncio.sleep(0.05)
+        flight[0] -= body["n"]
+        return 200, b"{}"
+
+    done = run_batch(store, execute, concurrency=16, room=lambda n: asked.append(n) or True)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 6
+    assert peak[0] <= 16 and set(asked) == {8}
+
+
+def test_a_batchs_answers_are_bounded(tmp_path) -> None:
+    """Past --max-batch-output-mb each line left is an error line saying so, unrun."""
+    store = BatchStore(tmp_path)
+    batch_of(store, upload(store, [line(i) for i in range(10)])["id"])
+    ran = []
+
+    async def execute(url: str, body: dict) -> tuple[int, bytes]:
+        ran.append(body)
+        return 200, json.dumps({"text": "t" * 900}).encode()
+
+    done = run_batch(store, execute, concurrency=1, max_output_bytes=3000)
+    counts = done["request_counts"]
+    assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (2, 8)
+    errors = [json.loads(x) for x in store.file_path(done["error_file_id"]).read_text().splitlines()]
+    assert {e["error"]["code"] for e in errors} == {"batch_output_too_large"}
+    assert store.file_path(done["output_file_id"]).stat().st_size <= 3000
+    assert len(ran) == 3  # the one that did not fit, and none after it

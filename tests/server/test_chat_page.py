@@ -277,7 +277,7 @@ def test_server_error_is_shown(page: Page, http: httpx.Client) -> None:
 
 
 def test_api_key(browser: WebDriver) -> None:
-    keyed = start_server(api_key=KEY)
+    keyed = start_server(api_keys=(KEY,))
     page = Page(browser, keyed.url)
     try:
         with httpx.Client(base_url=keyed.url, timeout=30) as plain:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from server.args import API_KEY_ENV, resolve_api_key
+from server.args import API_KEY_ENV, resolve_api_keys
 from server.handlers import is_json
 from server.origin_guard import host_name, is_loopback
 
@@ -42,13 +42,13 @@ def test_the_api_key_comes_from_a_file_the_flag_or_the_environment(tmp_path, mon
         return argparse.Namespace(**({"api_key": None, "api_key_file": None} | kw))
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert resolve_api_key(args()) is None
+    assert resolve_api_keys(args()) == ()
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert resolve_api_key(args()) == "from-env"
-    assert resolve_api_key(args(api_key="from-flag")) == "from-flag"
+    assert resolve_api_keys(args()) == ("from-env",)
+    assert resolve_api_keys(args(api_key=["from-flag", "b"])) == ("from-flag", "b")
     key = tmp_path / "key"
-    key.write_text("from-file\n")
-    assert resolve_api_key(args(api_key="from-flag", api_key_file=str(key))) == "from-file"
+    key.write_text("from-file\n\nsecond\n")  # one key a line
+    assert resolve_api_keys(args(api_key=["x"], api_key_file=str(key))) == ("from-file", "second")
     key.write_text("\n")
     with pytest.raises(OSError, match="holds no key"):
-        resolve_api_key(args(api_key_file=str(key)))
+        resolve_api_keys(args(api_key_file=str(key)))
