@@ -215,7 +215,7 @@ def test_a_batchs_answers_are_bounded(tmp_path) -> None:
     done = run_batch(store, execute, concurrency=1, max_output_bytes=3000)
     counts = done["request_counts"]
     assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (2, 8)
-    errors = [json.loads(x) for x in store.file_path(done["error_file_id"]).read_text().splitlines()]
+    errors = map(json.loads, store.file_path(done["error_file_id"]).read_text().splitlines())
     assert {e["error"]["code"] for e in errors} == {"batch_output_too_large"}
     assert store.file_path(done["output_file_id"]).stat().st_size <= 3000
     assert len(ran) == 3  # the one that did not fit, and none after it
