@@ -1,6 +1,7 @@
 """Runtime adapter updates are the operator's to turn on: with `--lora-modules` alone the four
 load/unload routes answer vLLM's 404 (naming the flag) and the start-up adapters keep serving;
-`--allow-runtime-lora-updating` or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING` turns them on;
+`--allow-runtime-lora-updating` or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING` turns them on (then,
+as in vLLM, start-up adapters may be unloaded; without `--lora-dir` nothing loads);
 `--lora-dir` must be a folder; a rank refuses a path that a link now takes out of the folder."""
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ def modules_only(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def on_without_folder(tmp_path_factory):
+    """Runtime updating on, no `--lora-dir`."""
+    root = tmp_path_factory.mktemp("lora-on")
+    base = add_demo_tokenizer(make_checkpoint(str(root / "base"), "LlamaForCausalLM", **SHAPE))
+    a = make_adapter(base, str(root / "a"), ["q_proj"], 4, seed=1)
+    server = start_server(engine=dict(model=base, dtype="float32", enforce_eager=True,
+                                      enable_lora=True, max_loras=1, max_lora_rank=4,
+                                      lora_modules=[("a", a)]),
+                          allow_runtime_lora_updating=True)
+    try:
+        yield server, a
+    finally:
+        server.stop()
+
+
 def _tokens(http, model: str) -> list[int]:
     r = http.post("/generate", json={"input_ids": PROMPT, "model": model, "sampling_params": {
         "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
@@ -66,6 +83,21 @@ def test_with_lora_modules_alone_clients_neither_load_nor_unload(modules_only) -
         assert http.get("/v1/models").json() == models
         assert _tokens(http, "a") == before
         assert http.post("/generate", json={"input_ids": PROMPT, "model": "b"}).status_code == 404
+
+
+def test_on_without_a_folder_nothing_loads_and_clients_unload(on_without_folder) -> None:
+    server, a = on_without_folder
+    with server.http() as http:
+        bodies = {r.content for r in (
+            http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": path})
+            for path in (a, "/etc/passwd", "/no/such", "a"))}
+        assert len(bodies) == 1
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": a})
+        assert r.status_code == 400 and "--lora-dir" in r.json()["error"]["message"]
+        # as in vLLM: with the routes on, a client may unload an adapter given at start-up
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 200, r.text
+        assert http.post("/generate", json={"input_ids": PROMPT, "model": "a"}).status_code == 404
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
