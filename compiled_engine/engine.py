@@ -45,7 +45,7 @@ from compiled_engine.runner.sampler import SamplingRow
 from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.plan import StepOutput, StepPlan, TokenEvent
 from compiled_engine.scheduler.prefix_cache import CacheStored
-from compiled_engine.scheduler.request import ADAPTER_SHIFT, cache_key_tokens
+from compiled_engine.scheduler.request import ADAPTER_SHIFT, cache_key_tokens, salt_namespace
 from compiled_engine.scheduler.scheduler import Scheduler
 from compiled_engine.scheduler.validation import RequestRejected
 
@@ -126,16 +126,17 @@ class Engine:
         state.host_kv = host
         self.scheduler.add_request(rid, prompt_ids, ledger, state)
         if self.tier is not None:  # its prompt's stored pages stay the store's most recent
-            found = self._tier_keys(prompt_ids, lora_name)
+            found = self._tier_keys(prompt_ids, lora_name, params.cache_salt)
             if found is not None:
                 self.tier.touch(found[0])
 
     # ---- the KV tier --------------------------------------------------------------------------
-    def tier_span(self, prompt_ids: list[int], lora_name: str | None = None
-                  ) -> tuple[int, int] | None:
+    def tier_span(self, prompt_ids: list[int], lora_name: str | None = None,
+                  cache_salt: str | None = None) -> tuple[int, int] | None:
         """The prompt's pages [first, end) past the pool's cached prefix that the KV tier has (None:
-        none). Read them with `read_tier` (off the step loop: it reads files)."""
-        found = self._tier_keys(prompt_ids, lora_name)
+        none) for a request of `lora_name` and `cache_salt`. Read them with `read_tier` (off the
+        step loop: it reads files)."""
+        found = self._tier_keys(prompt_ids, lora_name, cache_salt)
         if found is None:
             return None
         keys, tokens = found
@@ -144,20 +145,23 @@ class Engine:
         return (first, end) if end > first else None
 
     def tier_reader(self, prompt_ids: list[int], lora_name: str | None,
-                    span: tuple[int, int]) -> Callable[[], HostPages | None]:
+                    span: tuple[int, int], cache_salt: str | None = None
+                    ) -> Callable[[], HostPages | None]:
         """What reads the prompt's pages `span` from this rank's tier (thread-safe: the keys are
         taken now)."""
-        found = self._tier_keys(prompt_ids, lora_name)
+        found = self._tier_keys(prompt_ids, lora_name, cache_salt)
         keys = [] if found is None else found[0][span[0] : span[1]]
         return functools.partial(self.tier.fetch, span[0], keys)
 
-    def read_tier(self, prompt_ids: list[int], lora_name: str | None = None) -> HostPages | None:
+    def read_tier(self, prompt_ids: list[int], lora_name: str | None = None,
+                  cache_salt: str | None = None) -> HostPages | None:
         """The prompt's pages the KV tier has past the pool's cached prefix, read now (offline
         callers; the rank loop reads on a thread)."""
-        span = self.tier_span(prompt_ids, lora_name)
-        return None if span is None else self.tier_reader(prompt_ids, lora_name, span)()
+        span = self.tier_span(prompt_ids, lora_name, cache_salt)
+        return None if span is None else self.tier_reader(prompt_ids, lora_name, span,
+                                                          cache_salt)()
 
-    def _tier_keys(self, prompt_ids: list[int], lora_name: str | None
+    def _tier_keys(self, prompt_ids: list[int], lora_name: str | None, cache_salt: str | None
                    ) -> tuple[list[bytes], tuple[int, ...]] | None:
         """The tier's keys of the prompt's pages and its prefix-cache tokens (None: no tier, or an
         adapter that is not loaded, which add_request refuses)."""
@@ -171,7 +175,7 @@ class Engine:
             adapter = found.id
         if not all(0 <= t < 1 << ADAPTER_SHIFT for t in prompt_ids):
             return None  # add_request refuses it
-        tokens = cache_key_tokens(prompt_ids, adapter)
+        tokens = cache_key_tokens(prompt_ids, adapter, salt_namespace(cache_salt))
         return self.tier.keys(tokens, self.tier_adapter_seeds()), tokens
 
     def tier_adapter_seeds(self) -> dict[int, bytes]:

@@ -8,6 +8,7 @@ import json
 
 from compiled_engine.config import COMPILE_MODE_NAMES, EngineConfig
 from compiled_engine.kv_events.config import KVEventsConfig
+from compiled_engine.kv_tier.folder import check_folder
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME, cache_root
 from compiled_engine.models.names import SMOLLM2_NAME, default_model
 from compiled_engine.runner.buckets import parse_buckets
@@ -205,6 +206,11 @@ def _kv_cache_dir(args: argparse.Namespace) -> str | None:
         raise ValueError(f"--kv-cache-disk-gb must be > 0, got {args.kv_cache_disk_gb}")
     if args.kv_cache_dir is None and args.enable_hierarchical_cache:
         return str(cache_root() / "kv-tier")
+    if args.kv_cache_dir is not None:
+        try:
+            check_folder(args.kv_cache_dir)
+        except OSError as e:
+            raise ValueError(f"--kv-cache-dir: {e}") from None
     return args.kv_cache_dir
 
 

@@ -151,7 +151,8 @@ class LLM:
                 ids = encode_prompt(self.tokenizer, prompt)
                 results.append(RequestOutput(prompt_token_ids=ids))
                 name = None if lora is None else lora.lora_name
-                host = self.engine.read_tier(ids, name)  # the KV tier's pages of its prompt
+                # the KV tier's pages of its prompt
+                host = self.engine.read_tier(ids, name, p.cache_salt)
                 for sample in expand_n(p):
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1

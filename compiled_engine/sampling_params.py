@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from compiled_engine.scheduler.request import LedgerParams
+from compiled_engine.scheduler.request import LedgerParams, salt_namespace
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 POOLINGS = ("last", "mean")  # an embedding's pooling of the final hidden states
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's cache_salt: a random secret (43 base64 characters: 256 bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # priority scheduling (`--scheduling-policy priority`): lower is sooner, as vLLM's
     priority: int = 0
+    # vLLM's cache_salt: a request shares prefix-cache and KV-tier pages only with requests of the
+    # same salt (None: with those of no salt)
+    cache_salt: str | None = None
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings: matched by the server's detokenizer
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
@@ -153,6 +157,8 @@ class SamplingParams:
             self.structured is not None or self.thinking is not None,
             self.prompt_logprobs is not None or self.pooling == "mean",
             priority=self.priority,
+            # a salt that is not a string is refused by `validate`
+            cache_salt=salt_namespace(self.cache_salt) if isinstance(self.cache_salt, str) else 0,
         )
 
     def validate(self) -> None:
@@ -167,6 +173,10 @@ class SamplingParams:
                "an embedding request (pooling) generates nothing: max_tokens must be 0",
                self.max_tokens)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)", self.seed)
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                           and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
+               f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+               "characters", self.cache_salt)
         if self.logit_bias is not None:
             _check(
                 all(t >= 0 for t in self.logit_bias),

@@ -24,7 +24,7 @@ from compiled_engine.graph_bar import GraphBar
 from compiled_engine.host_malloc import keep_freed_memory
 from compiled_engine.kv_events.config import KVEventsConfig
 from compiled_engine.kv_tier import keys as tier_keys
-from compiled_engine.kv_tier.store import PageStore
+from compiled_engine.kv_tier.folder import open_store
 from compiled_engine.kv_tier.tier import KVTier
 from compiled_engine.layers.moe import expert_load
 from compiled_engine.lora.registry import LoRARegistry
@@ -134,34 +134,30 @@ def start_kv_events(config: EngineConfig, scheduler: Scheduler) -> KVEventPublis
 
 def start_tier(config: EngineConfig, model_dir: str, runner: ModelRunner, scheduler: Scheduler,
                engine: Engine) -> KVTier | None:
-    """This rank's KV tier under `config.kv_cache_dir` (None without one): a directory per model,
-    dtype, KV layout and TP rank, so that no page is read where its bytes mean something else."""
+    """This rank's KV tier under `config.kv_cache_dir` (None without one): a store per model,
+    dtype, KV layout and TP rank, so that no page is read where its bytes mean something else, all
+    of them within one byte budget (`kv_tier.folder`)."""
     if config.kv_cache_dir is None:
         return None
     if config.prefix_cache != "radix":
         raise ValueError("the KV tier needs the radix prefix cache (--prefix-cache radix)")
     k = runner.k_caches[0]
-    seed = tier_keys.salt(model=tier_keys.files_identity(model_dir), dtype=str(k.dtype),
-                          quantization=config.quantization, load_format=config.load_format,
-                          random_seed=config.seed if config.load_format == "dummy" else None,
-                          kv_shape=list(k.shape[1:]), layers=len(runner.k_caches),
-                          page_size=config.page_size, tp_rank=ps.get_tp_rank(),
-                          tp_size=ps.get_tp_size(), torch=torch.__version__,
-                          device=k.device.type)
-    root = Path(config.kv_cache_dir).expanduser() / seed.hex()[:16]
-    others = [p.name for p in root.parent.iterdir() if p.is_dir() and p != root] if (
-        root.parent.is_dir()) else []
-    if others:
-        log.info("KV tier: %s also holds %d other stores (another model, dtype, layout or TP "
-                 "rank): never read here", root.parent, len(others))
+    run = dict(model=tier_keys.files_identity(model_dir), dtype=str(k.dtype),
+               quantization=config.quantization, load_format=config.load_format,
+               random_seed=config.seed if config.load_format == "dummy" else None,
+               kv_shape=list(k.shape[1:]), layers=len(runner.k_caches),
+               page_size=config.page_size, tp_size=ps.get_tp_size(), torch=torch.__version__,
+               device=k.device.type)
+    seed = tier_keys.salt(**run, tp_rank=ps.get_tp_rank())
     if config.page_size < 16:
         log.warning("KV tier with --page-size %d: a file per %d token(s); --page-size 16 keeps "
                     "fewer, larger files", config.page_size, config.page_size)
-    store = PageStore(root, int(config.kv_cache_disk_gb * 1e9))
+    store = open_store(config.kv_cache_dir, tier_keys.salt(**run), ps.get_tp_rank(),
+                       ps.get_tp_size(), int(config.kv_cache_disk_gb * 1e9))
     if scheduler.cache.events is None:
         scheduler.cache.events = []
-    log.info("KV tier: %s holds %d pages (%.2f GB of %.2f)", root, len(store), store.bytes / 1e9,
-             config.kv_cache_disk_gb)
+    log.info("KV tier: %s holds %d pages (%.2f GB of this rank's %.2f)", store.root, len(store),
+             store.bytes / 1e9, store.budget_bytes / 1e9)
     return KVTier(store, seed, config.page_size, runner.k_caches, runner.v_caches,
                   engine.tier_adapter_seeds)
 

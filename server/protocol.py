@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from compiled_engine.sampling_params import (
     LOGIT_BIAS_RANGE,
+    MAX_CACHE_SALT_CHARS,
     SAMPLING_RANGES,
     SamplingParams,
     StructuredOutput,
@@ -32,7 +33,9 @@ SAMPLING_FIELDS = frozenset({
     # keep a matched stop string in the output: vLLM's name, and SGLang's (which routers send)
     "include_stop_str_in_output", "no_stop_trim",
     # vLLM's request priority (lower is sooner; /generate takes SGLang's at the top level)
-    "priority"})
+    "priority",
+    # vLLM's prefix-cache partition: requests share cached prompt pages only with the same salt
+    "cache_salt"})
 # Fields the field's routers (sglang-router, vllm-router) add to every request they forward,
 # accepted where they ask for what this server does anyway (any other value: a 400 naming it).
 ROUTER_DEFAULTS: dict[str, object] = {"return_hidden_states": False, "skip_special_tokens": True}
@@ -305,7 +308,17 @@ def sampling_params(body: dict, limits: Limits, logprobs: int | None,
         n=sampling_int(body, "n", 1),
         structured=structured,
         priority=get_int(body, "priority", 0, -(2**31), 2**31 - 1),
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string, bounded (`MAX_CACHE_SALT_CHARS`)."""
+    salt = get_str(body, "cache_salt", None)
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ProtocolError(f"'cache_salt' must be a non-empty string of at most "
+                            f"{MAX_CACHE_SALT_CHARS} characters, got {len(salt)}", "cache_salt")
+    return salt
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:

@@ -51,7 +51,8 @@ IDS = ("user", "safety_identifier", "prompt_cache_key")  # ids that ask for no b
 DEFAULTS = {"include": [], "truncation": "disabled", "background": False, "service_tier": "auto"}
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "text", "tools", "tool_choice", "parallel_tool_calls",
-                    "previous_response_id", "store", "metadata", "priority", *IDS, *DEFAULTS})
+                    "previous_response_id", "store", "metadata", "priority", "cache_salt", *IDS,
+                    *DEFAULTS})
 TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict"})
 ITEM_FIELDS = {
     "message": frozenset({"type", "role", "content", "id", "status"}),
@@ -139,6 +140,7 @@ def _chat_body(body: dict, conversation: list[dict]) -> dict:
     chat: dict = {"model": body.get("model"), "messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("user", "user"), ("priority", "priority"),
+                         ("cache_salt", "cache_salt"),
                          ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]

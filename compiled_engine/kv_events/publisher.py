@@ -30,7 +30,7 @@ import zmq
 
 from compiled_engine.kv_events.config import KVEventsConfig
 from compiled_engine.scheduler.prefix_cache import CacheRemoved, CacheStored
-from compiled_engine.scheduler.request import ADAPTER_SHIFT
+from compiled_engine.scheduler.request import SALT_BITS, split_cache_key
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +70,18 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def adapter_of(path: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """A cache path's LoRA adapter (0: none) and its token ids: an adapter's paths carry its id in
-    each key's high bits (`Request.cache_tokens`)."""
-    adapter = path[0] >> ADAPTER_SHIFT if path else 0
-    if not adapter:
-        return 0, path
-    mask = (1 << ADAPTER_SHIFT) - 1
-    return adapter, tuple(t & mask for t in path)
-
-
 def chain_hashes(path: tuple[int, ...], page_size: int) -> list[bytes]:
     """The chained hash of every page of `path` (page-aligned), in order: sha256 of the previous
-    page's hash (none for the first; under a LoRA adapter, the hash of its id) and the page's
-    tokens as little-endian uint32."""
-    adapter, path = adapter_of(path)
+    page's hash and the page's tokens as little-endian uint32. The first page chains from nothing,
+    or under a LoRA adapter from the hash of its id, and under a cache salt (vLLM's, mixed into
+    its first block's hash) from the hash of that and the salt's namespace: tenants of other salts
+    share no block hash."""
+    adapter, salt_ns, path = split_cache_key(path)
     out = []
     prev = hashlib.sha256(b"lora" + adapter.to_bytes(8, "little")).digest() if adapter else b""
+    if salt_ns:
+        prev = hashlib.sha256(prev + b"cache_salt" + salt_ns.to_bytes(SALT_BITS // 8, "big"))
+        prev = prev.digest()
     for i in range(0, len(path), page_size):
         prev = hashlib.sha256(prev + struct.pack(f"<{page_size}I", *path[i : i + page_size]))
         prev = prev.digest()
@@ -112,7 +107,7 @@ def to_events(
         own = [external(h) for h in hashes[first:]]
         if isinstance(ev, CacheStored):
             parent = external(hashes[first - 1]) if first else None
-            adapter, tokens = adapter_of(ev.path)
+            adapter, _, tokens = split_cache_key(ev.path)
             out.append(BlockStored(own, parent, list(tokens[ev.start :]), page_size,
                                    adapter or None, medium, None))
         else:

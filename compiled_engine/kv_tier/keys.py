@@ -1,6 +1,6 @@
 """A tier page's key: the chained hash of its prefix's tokens, seeded with a salt of everything that
 changes the page's bytes, so that a page is only ever read back where it was written from the same
-model, dtype, KV layout, TP rank and adapter."""
+model, dtype, KV layout, TP rank and adapter, and for a request of the same cache salt."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from compiled_engine.scheduler.request import ADAPTER_SHIFT
+from compiled_engine.scheduler.request import SALT_BITS, split_cache_key
 
 FORMAT = 1  # bump when what a page file holds changes
 
@@ -31,20 +31,22 @@ def salt(**what: object) -> bytes:
 
 def page_keys(path: Sequence[int], page_size: int, seed: bytes,
               adapter_seeds: dict[int, bytes] | None = None) -> list[bytes]:
-    """The key of every whole page of `path` (prefix-cache tokens: an adapter's id in each token's
-    high bits), in order. An adapter's pages chain from its own seed (`adapter_seeds`: its id ->
-    its files' hash); with none there for it, no keys (its pages are not stored)."""
-    adapter = path[0] >> ADAPTER_SHIFT if path else 0
+    """The key of every whole page of `path` (prefix-cache tokens: their adapter's id and cache
+    salt's namespace in each token's high bits), in order. An adapter's pages chain from its own
+    seed (`adapter_seeds`: its id -> its files' hash; with none there for it, no keys: its pages
+    are not stored); a salt's from a seed of its namespace, so that tenants share no page."""
+    adapter, salt_ns, tokens = split_cache_key(path)
     if adapter:
         extra = (adapter_seeds or {}).get(adapter)
         if extra is None:
             return []
         seed = hashlib.sha256(seed + extra).digest()
-        mask = (1 << ADAPTER_SHIFT) - 1
-        path = [t & mask for t in path]
+    if salt_ns:
+        salt_bytes = salt_ns.to_bytes(SALT_BITS // 8, "big")
+        seed = hashlib.sha256(seed + b"cache_salt" + salt_bytes).digest()
     keys, prev = [], seed
     pack = struct.Struct(f"<{page_size}I").pack
-    for i in range(0, len(path) // page_size * page_size, page_size):
-        prev = hashlib.sha256(prev + pack(*path[i : i + page_size])).digest()
+    for i in range(0, len(tokens) // page_size * page_size, page_size):
+        prev = hashlib.sha256(prev + pack(*tokens[i : i + page_size])).digest()
         keys.append(prev)
     return keys

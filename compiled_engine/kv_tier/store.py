@@ -6,18 +6,29 @@ check out (torn, corrupt, another key) is deleted and read as a miss. The index 
 is rebuilt from the directory when the store opens (by modification time: the least recently used
 go first when the store is over its byte budget), on a thread: opening waits for it at most
 `REBUILD_WAIT_S`, and a page not indexed yet is a miss. One process owns a directory: an advisory
-lock (`flock`) refuses a second one."""
+lock (`flock`) refuses a second one.
+
+Only this user reads the pages: folders are 0700 and files 0600 whatever the umask, and a folder
+owned by another user is refused (`UnsafeFolder`). Stores of other keys that share the budget
+(`stale`: another model or layout under the same --kv-cache-dir, `folder.open_store`) count
+against it and are removed whole, least recently used first, before any page of this one."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import shutil
+import stat
 import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
+
+from compiled_engine.private_dir import ensure_private_dir, open_private
 
 MAGIC = b"CEKVPG1\n"
 HEADER = struct.Struct("<8s32sQI")  # magic, key, payload bytes, crc32 of the payload
@@ -29,19 +40,32 @@ class StoreBusy(RuntimeError):
     """Another process holds the store's directory."""
 
 
+def lock_folder(folder: Path) -> IO:
+    """An exclusive lock on `folder` (its file `lock`, 0600), held while the file is open;
+    StoreBusy when another process holds it."""
+    lock_file = open_private(folder / "lock", "a+")
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        raise StoreBusy(f"another process uses the KV tier directory {folder} (give each "
+                        "server its own --kv-cache-dir)") from None
+    return lock_file
+
+
 class PageStore:
     def __init__(self, root: str | Path, budget_bytes: int,
-                 rebuild_wait_s: float = REBUILD_WAIT_S) -> None:
-        self.root = Path(root)
+                 rebuild_wait_s: float = REBUILD_WAIT_S, stale: Sequence[Path] = (),
+                 held: IO | None = None) -> None:
+        """`stale`: other stores whose bytes count against `budget_bytes` (removed first);
+        `held`: a lock file this store closes with its own."""
+        self.root = ensure_private_dir(root)
         self.budget_bytes = budget_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.root / "lock", "a+")  # noqa: SIM115 - held while open
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise StoreBusy(f"another process uses the KV tier directory {self.root} (give each "
-                            "server its own --kv-cache-dir)") from None
+        for sub in self.root.iterdir():
+            if sub.is_dir():
+                ensure_private_dir(sub)
+        self._lock_file = lock_folder(self.root)
+        self._held = held
         self._mutex = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, oldest first
         self.bytes = 0
@@ -49,6 +73,9 @@ class PageStore:
         self.track_removed = False  # keep the keys of removed pages for `take_removed`
         self._removed: list[bytes] = []
         self._gone: set[bytes] | None = set()  # while the index is rebuilt: files removed since
+        self._stale_dirs = list(stale)
+        self._stale: list[tuple[int, Path, int]] = []  # (last use in ns, store, bytes), oldest last
+        self.stale_bytes = 0
         self._rebuilt = threading.Thread(target=self._rebuild, name="kv-tier-index", daemon=True)
         self._rebuilt.start()
         self._rebuilt.join(rebuild_wait_s)
@@ -73,10 +100,11 @@ class PageStore:
                 self._index.move_to_end(key)
                 return True
         path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
+        if not path.parent.is_dir():
+            ensure_private_dir(path.parent)
         tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open_private(tmp, "wb") as f:
                 f.write(HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload)))
                 f.write(payload)
             os.replace(tmp, path)
@@ -87,7 +115,8 @@ class PageStore:
             if key not in self._index:
                 self._index[key] = size
                 self.bytes += size
-            self._evict_over_budget()
+            doomed = self._evict_over_budget()
+        _remove_stores(doomed)
         return True
 
     def touch(self, keys) -> None:
@@ -131,6 +160,8 @@ class PageStore:
     def close(self) -> None:
         self._rebuilt.join()
         self._lock_file.close()
+        if self._held is not None:
+            self._held.close()
 
     # ---- inspection ---------------------------------------------------------------------------
 
@@ -142,7 +173,8 @@ class PageStore:
             indexed = {k.hex(): size for k, size in self._index.items()}
             assert on_disk == indexed, f"index {sorted(indexed)} != files {sorted(on_disk)}"
             assert self.bytes == sum(indexed.values()), "byte count off"
-            assert self.bytes <= self.budget_bytes, f"{self.bytes} bytes over {self.budget_bytes}"
+            total = self.bytes + self.stale_bytes
+            assert total <= self.budget_bytes, f"{total} bytes over {self.budget_bytes}"
             assert not list(self.root.glob("*/*.tmp")), "a temporary file was left behind"
 
     # ---- internals ----------------------------------------------------------------------------
@@ -162,8 +194,15 @@ class PageStore:
                 self._removed.append(key)
         self._path(key).unlink(missing_ok=True)
 
-    def _evict_over_budget(self) -> None:
-        """Under the mutex: remove the least recently used pages until within the budget."""
+    def _evict_over_budget(self) -> list[Path]:
+        """Under the mutex: forget the least recently used stale stores, then remove the least
+        recently used pages, until within the budget; returns the stores to remove (outside the
+        mutex: a store is many files)."""
+        doomed = []
+        while self.bytes + self.stale_bytes > self.budget_bytes and self._stale:
+            _, store, size = self._stale.pop()
+            self.stale_bytes -= size
+            doomed.append(store)
         while self.bytes > self.budget_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.bytes -= size
@@ -172,10 +211,12 @@ class PageStore:
             if self.track_removed:
                 self._removed.append(key)
             self._path(key).unlink(missing_ok=True)
+        return doomed
 
     def _rebuild(self) -> None:
-        """Index the directory's pages (older than any stored since it opened); remove temporary
-        files that a process which stopped mid-write left; skip names that are not keys."""
+        """Index the directory's pages (older than any stored since it opened), making any file
+        that others may read 0600; remove temporary files that a process which stopped mid-write
+        left; skip names that are not keys. Then measure the stale stores."""
         mine = f".{os.getpid()}-"
         found: list[tuple[int, bytes, int]] = []
         for sub in sorted(p for p in self.root.iterdir() if p.is_dir()):
@@ -186,12 +227,16 @@ class PageStore:
                     continue
                 try:
                     key = bytes.fromhex(path.stem)
-                    stat = path.stat()
+                    info = path.lstat()
                 except (ValueError, OSError):
                     continue
-                if path.suffix == SUFFIX and len(key) == 32:
-                    found.append((stat.st_mtime_ns, key, stat.st_size))
+                if path.suffix == SUFFIX and len(key) == 32 and stat.S_ISREG(info.st_mode):
+                    if info.st_mode & 0o077:
+                        with contextlib.suppress(OSError):
+                            os.chmod(path, 0o600)
+                    found.append((info.st_mtime_ns, key, info.st_size))
         found.sort(reverse=True)
+        stale = sorted((_measure(store) for store in self._stale_dirs), reverse=True)
         with self._mutex:
             removed, self._gone = self._gone, None
             for _, key, size in found:  # newest first, each before the ones indexed so far
@@ -200,7 +245,26 @@ class PageStore:
                     self._index[key] = size
                     self.bytes += size
                     self._index.move_to_end(key, last=False)
-            self._evict_over_budget()
+            self._stale = stale  # the least recently used last
+            self.stale_bytes = sum(size for _, _, size in self._stale)
+            doomed = self._evict_over_budget()
+        _remove_stores(doomed)
+
+
+def _measure(store: Path) -> tuple[int, Path, int]:
+    """A store's last use (its newest file's modification time, in ns), path and bytes."""
+    used = size = 0
+    for where, _, files in os.walk(store):
+        for name in files:
+            with contextlib.suppress(OSError):
+                info = os.lstat(os.path.join(where, name))
+                used, size = max(used, info.st_mtime_ns), size + info.st_size
+    return used, store, size
+
+
+def _remove_stores(stores: Sequence[Path]) -> None:
+    for store in stores:
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def _check(data: bytes, key: bytes) -> bytes | None:

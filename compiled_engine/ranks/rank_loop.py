@@ -220,7 +220,7 @@ def _tier_span(engine, tiers: TierWait, msg: Add) -> tuple[int, int] | None:
     (None: it is prefilled; a request that computes every position has no use for them)."""
     if msg.params.ledger_params().every_position:
         return None
-    span = engine.tier_span(msg.prompt_ids, msg.lora_name)
+    span = engine.tier_span(msg.prompt_ids, msg.lora_name, msg.params.cache_salt)
     return span if span is not None and tiers.room(span) else None
 
 

@@ -44,7 +44,8 @@ class RemoteEngine:
         self._adapters = dict(config.lora_modules)  # the LoRA adapters served: name -> path
         self._policy = config.scheduling_policy
 
-    def read_tier(self, prompt_ids: list[int], lora_name: str | None = None) -> None:
+    def read_tier(self, prompt_ids: list[int], lora_name: str | None = None,
+                  cache_salt: str | None = None) -> None:
         """None: the ranks read their KV tiers themselves (`ranks.tier_wait`)."""
         return None
 

@@ -40,7 +40,8 @@ class TierWait:
             return False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
-        read = self._engine.tier_reader(msg.prompt_ids, msg.lora_name, msg.tier_span)
+        read = self._engine.tier_reader(msg.prompt_ids, msg.lora_name, msg.tier_span,
+                                         msg.params.cache_salt)
         self._waiting[msg.rid] = (msg, self._pool.submit(read))
         return True
 

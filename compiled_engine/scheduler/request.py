@@ -4,6 +4,7 @@ rules."""
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,6 +29,9 @@ class LedgerParams:
     # LoRA: the engine's id of the request's adapter (0: the base model). Its prefix-cache entries
     # are its own: the same tokens under another adapter have other KV.
     adapter: int = 0
+    # vLLM's `cache_salt`, as its namespace (`salt_namespace`; 0: no salt): its prefix-cache entries
+    # are shared only with requests of the same salt.
+    cache_salt: int = 0
     # The KV tier: the prompt's pages [first, end) whose KV the engine holds on the host (read from
     # the tier while the request waited). Admitted with a cache hit of at least `first` pages, the
     # request gets them loaded instead of computed.
@@ -46,6 +50,8 @@ class LedgerParams:
                 self.min_tokens,
             ),
             (self.adapter >= 0, "adapter must be >= 0", self.adapter),
+            (0 <= self.cache_salt < 1 << SALT_BITS, "cache_salt must be a salt_namespace",
+             self.cache_salt),
             (
                 0 <= self.host_pages[0] <= self.host_pages[1],
                 "host_pages must be 0 <= first <= end",
@@ -61,16 +67,39 @@ class LedgerParams:
                 raise ValueError(f"{message}, got {value!r}")
 
 
-# a prefix-cache key's bits above this are its adapter's id (token ids stay below 2**32)
+# A prefix-cache key is a token id (below 2**32) with its request's namespace in the high bits:
+# its adapter's id from bit ADAPTER_SHIFT, its cache salt's namespace from bit SALT_SHIFT. The same
+# tokens under another adapter or salt are other keys, so no prefix is shared across them.
 ADAPTER_SHIFT = 32
+SALT_SHIFT = 64
+SALT_BITS = 128
 
 
-def cache_key_tokens(tokens: Sequence[int], adapter: int) -> tuple[int, ...]:
-    """`tokens` as the prefix cache keys them under `adapter` (0: the base model)."""
-    if not adapter:
+def salt_namespace(salt: str | None) -> int:
+    """The namespace of vLLM's `cache_salt` (0: no salt): 128 bits of its SHA-256."""
+    if salt is None:
+        return 0
+    digest = hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[: SALT_BITS // 8], "big") or 1
+
+
+def cache_key_tokens(tokens: Sequence[int], adapter: int, salt: int = 0) -> tuple[int, ...]:
+    """`tokens` as the prefix cache keys them under `adapter` (0: the base model) and cache salt
+    namespace `salt` (0: none)."""
+    high = adapter << ADAPTER_SHIFT | salt << SALT_SHIFT
+    if not high:
         return tuple(tokens)
-    salt = adapter << ADAPTER_SHIFT
-    return tuple(salt | t for t in tokens)
+    return tuple(high | t for t in tokens)
+
+
+def split_cache_key(path: Sequence[int]) -> tuple[int, int, tuple[int, ...]]:
+    """A prefix-cache path's adapter, salt namespace and token ids (`cache_key_tokens` undone)."""
+    high = path[0] >> ADAPTER_SHIFT if path else 0
+    if not high:
+        return 0, 0, tuple(path)
+    mask = (1 << ADAPTER_SHIFT) - 1
+    adapter = high & ((1 << (SALT_SHIFT - ADAPTER_SHIFT)) - 1)
+    return adapter, high >> (SALT_SHIFT - ADAPTER_SHIFT), tuple(t & mask for t in path)
 
 
 class TokenRejected(Exception):
@@ -140,9 +169,10 @@ class Request:
         return self.prompt + tuple(self.output)
 
     def cache_tokens(self) -> tuple[int, ...]:
-        """Its tokens as the prefix cache keys them: under an adapter each id carries the adapter's
-        in its high bits (`ADAPTER_SHIFT`), so that no prefix is shared across adapters."""
-        return cache_key_tokens(self.tokens(), self.params.adapter)
+        """Its tokens as the prefix cache keys them: under an adapter or a cache salt each id
+        carries their namespace in its high bits (`cache_key_tokens`), so that no prefix is shared
+        across adapters or salts."""
+        return cache_key_tokens(self.tokens(), self.params.adapter, self.params.cache_salt)
 
     def slots(self, page_size: int, lo: int, hi: int) -> tuple[int, ...]:
         """KV slots of positions [lo, hi) (on its pages)."""

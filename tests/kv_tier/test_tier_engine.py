@@ -162,4 +162,4 @@ def test_tp2_reads_its_own_shards_after_a_restart(base, tmp_path) -> None:
         llm.engine.shutdown()
     assert restarted[3] == 12 * PAGE
     assert restarted[:2] == computed[:2]
-    assert len(list((tmp_path / "kv").iterdir())) == 2, "a store per TP rank"
+    assert len([p for p in (tmp_path / "kv").iterdir() if p.is_dir()]) == 2, "a store per TP rank"
