@@ -104,6 +104,7 @@ class EngineClient:
         self.draining = False  # shutting down: no new requests, those in flight finish
         self._recent: tuple[float, StatsReply] | None = None
         self._stats_task: asyncio.Future[StatsReply] | None = None
+        self.round_trips = 0  # calls sent to rank 0 (stats, LoRA)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +190,7 @@ class EngineClient:
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[token] = fut
+        self.round_trips += 1
         try:
             self.send(make(token))
             return await asyncio.wait_for(fut, timeout_s)

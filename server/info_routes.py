@@ -14,6 +14,8 @@ from compiled_engine.kv_events.config import KVEventsConfig
 from server.engine_client import EngineDead
 from server.handlers import json_response, state_of
 
+STATS_MAX_AGE_S = 1.0  # /server_info: engine stats at most this old (its polls share a round trip)
+
 
 async def model_info(request: Request) -> Response:
     st = state_of(request)
@@ -34,7 +36,7 @@ async def server_info(request: Request) -> Response:
     engine = st.config.engine
     stats = {}
     with contextlib.suppress(TimeoutError, EngineDead):
-        stats = (await st.client.stats(st.config.health_timeout_s)).stats
+        stats = (await st.client.recent_stats(STATS_MAX_AGE_S, st.config.health_timeout_s)).stats
     return json_response({
         "version": importlib.metadata.version("compiled-engine"),
         "model_path": st.model_name,
@@ -52,13 +54,13 @@ async def server_info(request: Request) -> Response:
 
 
 async def get_load(request: Request) -> Response:
-    """`{"load": running + waiting}`: sglang-router's load-aware policies read it."""
+    """`{"load": sequences in flight}` (running or waiting; what `--max-queue` bounds), from the
+    server's own books: sglang-router's load-aware policies poll it, at no cost to the engine."""
     st = state_of(request)
-    try:
-        stats = (await st.client.stats(st.config.health_timeout_s)).stats
-    except (TimeoutError, EngineDead) as e:
-        return json_response({"error": {"message": str(e) or "the engine did not answer"}}, 503)
-    return json_response({"load": stats["num_running"] + stats["num_waiting"]})
+    if not st.client.alive:
+        return json_response({"error": {"message": st.client.dead_reason
+                                        or "the engine is not running"}}, 503)
+    return json_response({"load": st.client.num_in_flight})
 
 
 async def kv_event_sources(request: Request) -> Response:

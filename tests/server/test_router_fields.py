@@ -1,10 +1,12 @@
 """What the field's routers send and read (captured from sglang-router 0.3.2 and vllm-router 0.1.17
 forwarding to a recording server): every field they add to a request is accepted where it asks for
 what the server does anyway and answers the same as without it; a value asking for anything else is
-a 400 naming the field; the info and load endpoints they poll answer; /metrics also carries vLLM's
-names."""
+a 400 naming the field; the info and load endpoints they poll answer, sharing the engine's round
+trips; /metrics also carries vLLM's names."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
@@ -111,6 +113,27 @@ def test_info_and_load_endpoints(http) -> None:
         assert info["tp_size"] == 1 and info["max_running_requests"] > 0 and info["version"]
     load = http.get("/get_load").json()
     assert set(load) == {"load"} and isinstance(load["load"], int) and load["load"] >= 0
+
+
+def test_polls_of_info_and_load_share_the_engine_round_trips(server, monkeypatch) -> None:
+    """64 concurrent polls of /get_load and /server_info: /get_load is answered from the server's
+    books, /server_info's engine stats are shared (one round trip per STATS_MAX_AGE_S, set past the
+    test's length here so that the count does not depend on the machine's speed)."""
+    from server import info_routes
+
+    monkeypatch.setattr(info_routes, "STATS_MAX_AGE_S", 3600.0)
+    client = server.state.client
+    before = client.round_trips
+
+    async def poll() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await asyncio.gather(*(http.get(path) for path in
+                                          ("/get_load", "/server_info") * 32))
+
+    replies = asyncio.run(poll())
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    assert all(isinstance(r.json().get("load", 0), int) for r in replies)
+    assert client.round_trips - before <= 1
 
 
 def test_metrics_under_vllm_names(http) -> None:
