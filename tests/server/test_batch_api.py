@@ -2,17 +2,23 @@
 equal the same requests made directly, a bad line is an error line with its 400, a malformed file
 fails its batch with the lines named, a cancelled batch keeps what it answered, a restarted server
 resumes a batch from its last answer (`--batch-dir`), uploads are bounded; and `compiled-engine
-run-batch` offline gives the same answers."""
+run-batch` offline gives the same answers. On a server with two API keys: neither key sees the
+other's files and batches, a store with damaged objects still lists and runs batches, its folders
+are 0700 and files 0600, its disk budget refuses an upload past it, a batch's answers are bounded;
+ids the store never made are 404s."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.helpers.servers import start_server
@@ -216,3 +222,140 @@ def test_a_file_past_the_upload_limit_declared_is_refused_unread(server) -> None
                      "\r\n\r\n".encode())
         head = sock.recv(4096).decode("latin-1")
     assert head.startswith("HTTP/1.1 413"), head[:200]
+
+
+KEYS = ("key-of-ann", "key-of-bo")
+OUTPUT_BOUND = 4096  # a batch's answers on the keyed server
+
+
+@pytest.fixture(scope="module")
+def keyed_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("keyed-batches")
+
+
+@pytest.fixture(scope="module")
+def keyed(keyed_dir):
+    """Two API keys; its store in `keyed_dir`, with small bounds (256 KiB on disk, 4 KiB of
+    answers a batch); eager (its answers are not what these tests compare)."""
+    running = start_server(engine={"enforce_eager": True, "num_pages": 512}, api_keys=KEYS,
+                           batch_dir=str(keyed_dir), batch_disk_bytes=256 << 10,
+                           max_batch_output_bytes=OUTPUT_BOUND)
+    yield running
+    running.stop()
+
+
+def as_key(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def run_one(client, tmp_path: Path, rows: list[dict]):
+    """`rows` uploaded and run as a batch to its end."""
+    upload = client.files.create(file=write_jsonl(tmp_path / f"{uuid.uuid4().hex}.jsonl", rows),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    return upload, wait_for(client, batch.id)
+
+
+def test_two_api_keys_cannot_see_each_others_files_and_batches(keyed, tmp_path) -> None:
+    ann = as_key(keyed, KEYS[0])
+    upload = ann.files.create(file=write_jsonl(tmp_path / "in.jsonl", [chat_line(0, "Hi", 2)]),
+                              purpose="batch")
+    batch = ann.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    with keyed.http(headers={"Authorization": f"Bearer {KEYS[1]}"}) as bo:
+        for method, path in (("GET", f"/v1/files/{upload.id}"),
+                             ("GET", f"/v1/files/{upload.id}/content"),
+                             ("DELETE", f"/v1/files/{upload.id}"),
+                             ("GET", f"/v1/batches/{batch.id}"),
+                             ("POST", f"/v1/batches/{batch.id}/cancel")):
+            r = bo.request(method, path)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
+        r = bo.post("/v1/batches", json={"input_file_id": upload.id, "completion_window": "24h",
+                                         "endpoint": "/v1/chat/completions"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "input_file_id"
+        assert upload.id not in [f["id"] for f in bo.get("/v1/files").json()["data"]]
+        assert batch.id not in [b["id"] for b in bo.get("/v1/batches").json()["data"]]
+        done = wait_for(ann, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 1
+        assert bo.get(f"/v1/files/{done.output_file_id}/content").status_code == 404
+        assert bo.get("/v1/files").json()["data"] == []
+    assert ann.files.retrieve(upload.id).id == upload.id  # bo's delete did nothing
+    assert done.output_file_id in [f.id for f in ann.files.list().data]
+    with keyed.http(headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:  # no owner shown
+        assert "owner" not in http.get(f"/v1/batches/{batch.id}").json()
+
+
+LONG_IDS = ("file-" + "é" * 200, "batch_" + "文" * 120, "x" * 3000)
+
+
+def test_long_unicode_ids_are_404s_on_every_route(server, http) -> None:
+    """They were 500s ("File name too long")."""
+    for bad in LONG_IDS:
+        for method, path in (("GET", f"/v1/files/{bad}"), ("GET", f"/v1/files/{bad}/content"),
+                             ("DELETE", f"/v1/files/{bad}"), ("GET", f"/v1/batches/{bad}"),
+                             ("POST", f"/v1/batches/{bad}/cancel")):
+            r = http.request(method, path)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path,
+                                                                                     r.text)
+        r = http.post("/v1/batches", json={"input_file_id": bad, "completion_window": "24h",
+                                           "endpoint": "/v1/chat/completions"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "input_file_id", r.text
+
+
+def test_a_store_with_damaged_objects_still_lists_and_runs_batches(keyed, keyed_dir,
+                                                                   tmp_path) -> None:
+    """A zero-byte object (a power loss) and garbage JSON: left out of the lists (were 500s), and
+    the runner runs the next batch (it had stopped for good)."""
+    damaged = [keyed_dir / "files" / f"file-{uuid.uuid4().hex}.json",
+               keyed_dir / "batches" / f"batch_{uuid.uuid4().hex}.json",
+               keyed_dir / "batches" / f"batch_{uuid.uuid4().hex}.json"]
+    for path, text in zip(damaged, ("", '{"id": "x", ', '"a string"'), strict=True):
+        path.write_text(text)
+    try:
+        ann = as_key(keyed, KEYS[0])
+        ann.files.list()
+        ann.batches.list()
+        _, done = run_one(ann, tmp_path, [chat_line(0, "Hello", 2)])
+        assert done.status == "completed" and done.request_counts.completed == 1
+        assert done.id in [b.id for b in ann.batches.list().data]
+    finally:
+        for path in damaged:
+            path.unlink()
+
+
+def test_the_store_is_private(keyed, keyed_dir, tmp_path) -> None:
+    """Folders 0700, files 0600 (uploads, objects, answers): were the umask's."""
+    run_one(as_key(keyed, KEYS[1]), tmp_path, [chat_line(0, "Why", 2)])
+    folders = [keyed_dir, *(p for p in keyed_dir.rglob("*") if p.is_dir())]
+    files = [p for p in keyed_dir.rglob("*") if p.is_file()]
+    assert len(folders) == 3 and len(files) >= 4
+    assert {oct(os.stat(p).st_mode & 0o777) for p in folders} == {"0o700"}
+    assert {oct(os.stat(p).st_mode & 0o777) for p in files} == {"0o600"}
+
+
+def test_the_disk_budget_refuses_an_upload_past_it(keyed, tmp_path) -> None:
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps(chat_line(0, "x" * (300 << 10))) + "\n")  # past 256 KiB
+    with keyed.http(headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+        r = http.post("/v1/files", files={"file": ("big.jsonl", big.read_bytes())},
+                      data={"purpose": "batch"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "batch_store_full", r.text
+        r = http.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch"})
+        assert r.status_code == 200  # what fits is still taken
+
+
+def test_a_batchs_answers_are_bounded(keyed, tmp_path) -> None:
+    """Past --max-batch-output-mb the lines left are error lines saying so (OpenAI's shape: no
+    response), not run; the batch completes."""
+    rows = [chat_line(i, f"Count to {i}:", max_tokens=16, ignore_eos=True) for i in range(12)]
+    client = as_key(keyed, KEYS[0])
+    _, done = run_one(client, tmp_path, rows)
+    counts = done.request_counts
+    assert done.status == "completed" and counts.completed + counts.failed == 12
+    assert counts.completed >= 1 and counts.failed >= 1
+    assert len(client.files.content(done.output_file_id).content) <= OUTPUT_BOUND
+    errors = answers(client, done.error_file_id).values()
+    assert len(errors) == counts.failed
+    assert {(e["response"], e["error"]["code"]) for e in errors} == {
+        (None, "batch_output_too_large")}
