@@ -226,11 +226,14 @@ def model_name(st: ServerState, req: GenerationRequest) -> str:
 
 
 def usage_tail(
-    req: GenerationRequest, gen: Generation, base: dict
+    req: GenerationRequest, gen: Generation, base: dict,
+    reasoning_tokens: Callable[[], int | None] = lambda: None,
 ) -> Callable[[], list[str]] | None:
+    """The stream's usage chunk (when the request asks for it); `reasoning_tokens`: counts the
+    thinking once the stream is over (`usage`)."""
     if not req.include_usage:
         return None
-    return lambda: [sse(base | {"choices": [], "usage": usage(gen)})]
+    return lambda: [sse(base | {"choices": [], "usage": usage(gen, reasoning_tokens())})]
 
 
 def whole(c: Choice) -> Delta:

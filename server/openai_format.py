@@ -26,10 +26,15 @@ def _lp(x: float | None) -> float | None:
     return max(x, LOGPROB_FLOOR)
 
 
-def usage(gen: Generation) -> dict:
+def usage(gen: Generation, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage of `gen`; `reasoning_tokens` (a reasoning model's thinking spans, None: not
+    one) goes in `completion_tokens_details`, where OpenAI puts it."""
     p, c = gen.prompt_tokens, gen.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 @dataclass

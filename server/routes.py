@@ -197,7 +197,9 @@ async def chat_completions(request: Request) -> Response:
             first = gen.choices[0]
             extra["prompt_logprobs"] = prompt_logprobs(first.prompt_ids, first.prompt_logprobs,
                                                        req.prompt_logprobs, token_text)
-        return json_response(base | {"choices": choices, "usage": usage(gen)} | extra)
+        return json_response(
+            base | {"choices": choices, "usage": usage(gen, thinking.usage_tokens(gen.choices))}
+            | extra)
 
     base["object"] = "chat.completion.chunk"
     head = [
@@ -251,7 +253,8 @@ async def chat_completions(request: Request) -> Response:
             ]
         }
 
-    return await stream(st, gen, head, chunk, usage_tail(req, gen, base))
+    return await stream(st, gen, head, chunk,
+                        usage_tail(req, gen, base, lambda: thinking.usage_tokens(gen.choices)))
 
 
 @endpoint("generate")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from server.generation import Delta
+from server.generation import Choice, Delta
 from server.handlers import off_loop, template_args
 from server.protocol import ChatRequest, ProtocolError, ReasoningOptions
 from server.reasoning import ReasoningParser, ReasoningSplitter
@@ -62,6 +63,13 @@ class Thinking:
             return 0
         end = self.parser.end_token
         return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
+
+    def usage_tokens(self, choices: Sequence[Choice]) -> int | None:
+        """The thinking spans' tokens over `choices` (chat usage's `reasoning_tokens`; None: no
+        parser)."""
+        if self.parser is None:
+            return None
+        return sum(self.reasoning_tokens(c.detok.text, c.token_ids) for c in choices)
 
     def stream_delta(self, d: Delta) -> dict:
         """A streamed delta's fields: the thinking and the answer it makes certain."""

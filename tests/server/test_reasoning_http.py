@@ -3,8 +3,9 @@ whose chat template opens the thinking span in the prompt (tests/helpers/thinkin
 official `openai` client: the thinking comes back as `reasoning` and `reasoning_content`, the answer
 as `content`, streamed and not; the thinking budget ends the span; the structured output (a choice)
 and a required tool call apply to the answer only; `enable_thinking: false` leaves no span; the
-Responses API returns a reasoning item. The split is checked against the raw output of the same
-request with `separate_reasoning: false`, token by token through the logprobs.
+Responses API returns a reasoning item; chat usage counts the span's tokens. The split is checked
+against the raw output of the same request with `separate_reasoning: false`, token by token through
+the logprobs.
 
 Served as users run it: compiled, bf16 (the span's gate and the split run in the sampler and the
 server, outside the graphs; the split is checked against the same server's raw output)."""
@@ -91,6 +92,21 @@ def test_streamed_thinking_and_answer_add_up_to_the_whole(served) -> None:
         assert "".join(d.content or "" for d in deltas) == whole.content
         if not stream_reasoning:
             assert len(thinking) == 1  # sent whole, once the span is over
+
+
+def test_chat_usage_counts_the_thinking_tokens(served, http) -> None:
+    """OpenAI's `completion_tokens_details.reasoning_tokens`: the span's tokens, its end tag
+    included, whole and streamed; a server without a reasoning parser leaves the details out."""
+    client = served.openai()
+    whole = client.chat.completions.create(**ASK, logprobs=True, extra_body=GATED)
+    tokens = [t.token for t in whole.choices[0].logprobs.content]
+    thinking = whole.usage.completion_tokens_details.reasoning_tokens
+    assert thinking == tokens.index("</think>") + 1 < whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(
+        **ASK, stream=True, stream_options={"include_usage": True}, extra_body=GATED))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
+    plain = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4})
+    assert plain.status_code == 200 and "completion_tokens_details" not in plain.json()["usage"]
 
 
 def test_without_thinking_the_whole_output_is_the_answer(served) -> None:
