@@ -54,7 +54,11 @@ def load_peft(path: str | Path) -> AdapterWeights:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise AdapterError(f"{tensors_file}: {module!r} has A {tuple(a.shape)} and B "
                                f"{tuple(b.shape)}, not [r, in] and [out, r] with r = {rank}")
-        modules[module] = (a, b * scaling)
+        b = b * scaling
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"{tensors_file}: {module!r} holds NaN or infinite values (its "
+                               f"lora_A, or its lora_B scaled by {scaling})")
+        modules[module] = (a, b)
     if not modules:
         raise AdapterError(f"{tensors_file}: no LoRA weights")
     return AdapterWeights(rank, modules)

@@ -13,7 +13,7 @@ from pathlib import Path
 from compiled_engine.lora.gguf import load_gguf_lora
 from compiled_engine.lora.peft import load_peft
 from compiled_engine.lora.slots import LoRASlots
-from compiled_engine.lora.weights import AdapterError, AdapterWeights
+from compiled_engine.lora.weights import AdapterError, AdapterTargets, AdapterWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ def read_adapter(path: str, slots: LoRASlots) -> AdapterWeights:
         limit = slots.max_adapter_bytes() + FILE_SLACK_BYTES
         if p.is_file() and p.suffix == ".gguf":
             _check_size(p, limit)
-            return load_gguf_lora(p, slots.heads(), slots.num_layers)
+            return load_gguf_lora(p, adapter_targets(slots))
         if not p.exists():
             raise AdapterError(f"no adapter at {cut(path)!r}")
         _check_size(p / "adapter_config.json", CONFIG_MAX_BYTES)
@@ -43,6 +43,12 @@ def read_adapter(path: str, slots: LoRASlots) -> AdapterWeights:
         return load_peft(p)
     except OSError as e:  # a name too long, a folder it may not enter, ...
         raise AdapterError(f"cannot read the adapter at {cut(path)!r}: {e.strerror or e}") from None
+
+
+def adapter_targets(slots: LoRASlots) -> AdapterTargets:
+    """What `slots`' model lets an adapter hold: each projection's features, the rank limit."""
+    projections = {path: t.full_shape() for path, t in slots.targets.items()}
+    return AdapterTargets(projections, slots.max_rank, slots.heads(), slots.num_layers)
 
 
 def _check_size(file: Path, limit: int) -> None:

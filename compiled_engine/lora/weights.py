@@ -22,3 +22,13 @@ class AdapterWeights:
 
     rank: int  # the largest of its modules'
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterTargets:
+    """What a model lets an adapter hold, checked before a file's data is read."""
+
+    projections: dict[str, tuple[int, int]]  # module path -> its (in, out) features, all ranks'
+    max_rank: int
+    heads: dict[str, int]  # attention heads of q_proj and k_proj (`LoRASlots.heads`)
+    num_layers: int  # decoder layers
