@@ -1,7 +1,7 @@
 """LoRA adapters in the engine: the prefix cache never shares a prefix across adapters, a bad
 adapter is refused with a message and changes nothing, an adapter in use is not unloaded, one
 unloaded is gone and its name can be loaded again; a file larger than the model's largest adapter
-is refused unread."""
+is refused unread, as are a GGUF file whose tensors share one block and a metadata bomb."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from compiled_engine.sampling_params import SamplingParams
 from compiled_engine.scheduler.validation import RequestRejected
 from tests.helpers.checkpoints import make_checkpoint
 from tests.helpers.lora import gguf_adapter, llama_with_adapters, make_adapter, peft_greedy
+from tests.lora.gguf_files import aliased, metadata_bomb
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=2000)
 PROMPT = list(range(3, 60))  # long enough to fill cached pages
@@ -103,6 +104,9 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(setup, tmp_path) -> None:
         str(huge_gguf): "has 1099511627776 bytes, more than an adapter of this model can",
         "/dev/zero": "no adapter_config.json",
         far: "a tensor of block 2000000000, the model has 2 layers",
+        aliased(tmp_path / "aliased.gguf"): "at offset 0 of the data, not 4194304 where the one "
+                                            "before it ends",
+        metadata_bomb(tmp_path / "bomb.gguf"): "metadata arrays of more than 65536 elements",
     }
     before = llm.engine.lora_paths()
     for path, message in cases.items():
