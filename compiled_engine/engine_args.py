@@ -204,13 +204,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def _kv_cache_dir(args: argparse.Namespace) -> str | None:
     if args.kv_cache_disk_gb <= 0:
         raise ValueError(f"--kv-cache-disk-gb must be > 0, got {args.kv_cache_disk_gb}")
-    if args.kv_cache_dir is None and args.enable_hierarchical_cache:
-        return str(cache_root() / "kv-tier")
-    if args.kv_cache_dir is not None:
+    folder = args.kv_cache_dir
+    if folder is None and args.enable_hierarchical_cache:
+        folder = str(cache_root() / "kv-tier")
+    if folder is not None:
         try:
-            check_folder(args.kv_cache_dir)
+            check_folder(folder)
         except OSError as e:
             raise ValueError(f"--kv-cache-dir: {e}") from None
-    return args.kv_cache_dir
+    return folder
 
 

@@ -42,15 +42,18 @@ def stores(folder: Path) -> list[Path]:
 
 
 def check_folder(folder: str | Path) -> None:
-    """UnsafeFolder when `folder` (if it exists) or a store in it is another user's (start-up
-    flags are checked before any rank starts)."""
+    """UnsafeFolder when `folder` (if it exists) is another user's or others may write it, or a
+    store in it is another user's (start-up flags are checked before any rank starts)."""
     folder = Path(folder).expanduser()
     if not folder.exists():
         return
-    owner = folder.stat().st_uid
-    if owner != os.geteuid():
-        raise UnsafeFolder(f"{folder} is owned by uid {owner}, not by this user (uid "
+    info = folder.stat()
+    if info.st_uid != os.geteuid():
+        raise UnsafeFolder(f"{folder} is owned by uid {info.st_uid}, not by this user (uid "
                            f"{os.geteuid()}): refusing the KV tier directory")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeFolder(f"{folder} is writable by other users (mode "
+                           f"{stat.S_IMODE(info.st_mode):o}): refusing the KV tier directory")
     if folder.is_dir():
         stores(folder)
 

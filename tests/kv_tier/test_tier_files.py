@@ -5,6 +5,7 @@ models are removed, least recently used first, when the folder would be past it)
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import stat
@@ -74,14 +75,31 @@ def test_every_folder_is_0700_and_every_file_0600(base, tmp_path, loose_umask) -
     assert not wrong, f"readable by other users: {wrong}"
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
+def test_a_folder_others_may_write_is_refused(base, tmp_path) -> None:
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    kv_dir.chmod(0o777)
+    args = _parser().parse_args(["--kv-cache-dir", str(kv_dir)])
+    with pytest.raises(ValueError, match=f"--kv-cache-dir: {kv_dir} is writable by other users"):
+        engine_config(args)
+    with pytest.raises(UnsafeFolder, match="writable by other users"):
+        LLM(base, kv_cache_dir=str(kv_dir), **ENGINE)
+    assert not list(kv_dir.iterdir())
+
+
 def test_a_folder_of_another_user_is_refused(base, tmp_path) -> None:
     if os.geteuid() != 0:
         pytest.skip("giving a folder to another user takes root")
     kv_dir = tmp_path / "kv"
     kv_dir.mkdir(mode=0o700)
     os.chown(kv_dir, NOBODY, NOBODY)
-    parser = __import__("argparse").ArgumentParser()
-    add_engine_args(parser)
+    parser = _parser()
     args = parser.parse_args(["--kv-cache-dir", str(kv_dir)])
     with pytest.raises(ValueError, match=f"--kv-cache-dir: {kv_dir} is owned by uid {NOBODY}"):
         engine_config(args)
