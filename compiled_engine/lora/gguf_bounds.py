@@ -7,6 +7,7 @@ Nothing here costs more than the bounds allow, whatever the file declares."""
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -65,13 +66,12 @@ def read_header(f: BinaryIO, where: str) -> GGUFHeader:
     _check_count(n_tensors, MAX_TENSORS, "tensors", where)
     _check_count(n_kv, MAX_KV, "metadata keys", where)
     metadata: dict[str, object] = {}
-    arrays = [0]  # elements so far
     for _ in range(n_kv):
         key = cursor.string(MAX_NAME_BYTES, "a metadata key")
         if key in metadata:
             raise AdapterError(f"{where}: metadata key {key!r} appears twice")
         (value_type,) = cursor.unpack("<I")
-        metadata[key] = cursor.value(value_type, key, arrays)
+        metadata[key] = cursor.value(value_type, key)
         if key == "general.alignment" and value_type != _UINT32:
             raise AdapterError(f"{where}: general.alignment is not a u32")
     alignment = _alignment(metadata, where)
@@ -123,10 +123,7 @@ def _layout(infos: list[tuple[str, tuple[int, ...], int, int]], data_start: int,
         if shape[-1] % block:
             raise AdapterError(f"{where}: tensor {name!r} of type {type_name} has rows of "
                                f"{shape[-1]}, not a multiple of {block}")
-        elements = 1
-        for n in shape:
-            elements *= n
-        nbytes = elements // block * block_bytes
+        nbytes = math.prod(shape) // block * block_bytes
         if offset != expected:
             raise AdapterError(f"{where}: tensor {name!r} at offset {offset} of the data, not "
                                f"{expected} where the one before it ends (tensors must be packed "
@@ -142,11 +139,12 @@ def _layout(infos: list[tuple[str, tuple[int, ...], int, int]], data_start: int,
 
 class _Cursor:
     """Reads a header's fields from the file's first bytes, read as they are needed (at most
-    MAX_HEADER_BYTES of them)."""
+    MAX_HEADER_BYTES of them); counts the metadata arrays' elements."""
 
     def __init__(self, f: BinaryIO, size: int, where: str) -> None:
         self.f, self.size, self.where, self.pos = f, size, where, 0
         self.data = bytearray()
+        self.array_elements = 0
 
     def take(self, n: int) -> bytes:
         start = self.skip(n)
@@ -179,8 +177,8 @@ class _Cursor:
         except UnicodeDecodeError:
             raise AdapterError(f"{self.where}: {what} is not UTF-8") from None
 
-    def value(self, value_type: int, key: str, arrays: list[int]) -> object:
-        """A metadata value; an array is skipped (None), its elements counted in `arrays[0]`."""
+    def value(self, value_type: int, key: str) -> object:
+        """A metadata value; an array is skipped (None), its elements counted."""
         if value_type == _STRING:
             return self.string(MAX_STRING_BYTES, f"the value of {key!r}")
         if value_type in _SCALARS:
@@ -188,8 +186,8 @@ class _Cursor:
         if value_type != _ARRAY:
             raise AdapterError(f"{self.where}: metadata key {key!r} has value type {value_type}")
         item_type, count = self.unpack("<IQ")
-        arrays[0] += count
-        if arrays[0] > MAX_ARRAY_ELEMENTS:
+        self.array_elements += count
+        if self.array_elements > MAX_ARRAY_ELEMENTS:
             raise AdapterError(f"{self.where}: metadata arrays of more than {MAX_ARRAY_ELEMENTS} "
                                f"elements in all ({key!r} has {count})")
         if item_type in _SCALARS:
@@ -203,6 +201,6 @@ class _Cursor:
                 self.skip(n)
         else:
             raise AdapterError(f"{self.where}: metadata key {key!r} is an array of value type "
-                               f"{item_type} (nested arrays are not read)")
+                               f"{item_type} (arrays of arrays or of unknown types are not read)")
         return None
 

@@ -141,7 +141,7 @@ def _metadata_cases(tmp_path: Path) -> dict[str, tuple[str, str]]:
                                  "a string of 1099511627776 bytes in 'general.tags'"),
         "a nested array": (gguf_file("nested", [*ADAPTER_KV, kv_array(
             "general.tags", ARRAY, 1, struct.pack("<IQ", INT8, 0))]),
-                           "is an array of value type 9 \\(nested arrays are not read\\)"),
+                           "is an array of value type 9 \\(arrays of arrays"),
         "many tensors": (gguf_file("tensors", ADAPTER_KV, n_tensors=1 << 40),
                          "1099511627776 tensors, more than the 4096 an adapter may have"),
         "many keys": (gguf_file("keys", ADAPTER_KV, n_kv=1 << 40),
