@@ -62,9 +62,10 @@ def _refused(path: str, slots: LoRASlots, message: str) -> None:
         read_adapter(path, slots)
 
 
-# the loading process: its growth in bytes (peak RSS less RSS before) and what it raised
+# the loading process: its growth in bytes (its peak RSS, reset before each load (Linux's
+# clear_refs), less its RSS before) and what it raised
 MEASURE = """
-import json, os, resource, sys
+import json, re, sys
 import torch
 from transformers import LlamaConfig
 from compiled_engine.lora.registry import read_adapter
@@ -73,16 +74,19 @@ from compiled_engine.lora.weights import AdapterError
 from compiled_engine.models.llama import LlamaForCausalLM
 model = LlamaForCausalLM(LlamaConfig(**json.loads(sys.argv[1])))
 slots = LoRASlots(model, 1, int(sys.argv[2]), torch.float32, torch.device("cpu"))
+def kib(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 out = []
 for path in sys.argv[3:]:
-    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) back to the RSS now
+    rss = kib("VmRSS")
     try:
         read_adapter(path, slots)
         error = None
     except AdapterError as e:
         error = str(e)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out.append({"error": error, "growth": peak - rss})
+    out.append({"error": error, "growth": (kib("VmHWM") - rss) * 1024})
 print(json.dumps(out))
 """
 
