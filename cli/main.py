@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 import kernels
 from benchmarks.cli import add_bench_parser
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         kernels.apply_isa_caps()
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
+        if getattr(args, "log_level", None) in ("debug", "trace"):
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,7 @@ from compiled_engine.ranks.rank_spec import RankSpec
 from compiled_engine.ranks.torchrun import torchrun_placement
 from server.app import batch_store
 from server.args import add_serve_args, resolve_api_keys, server_config
-from server.serve import serve
+from server.serve import refuse, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         check_tp_size(engine.model, engine.tp_size)
     # an unknown ISA level, a --tp that does not fit, a model not readable
     except (ValueError, OSError) as e:
-        print(f"compiled-engine serve: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(e, args.log_level)
     if torchrun is not None and torchrun.rank != 0:  # an engine rank; rank 0 serves HTTP
         run_rank(RankSpec(torchrun.rank, torchrun.world_size, "env://", engine,
                           torchrun.local_rank, torchrun.local_world_size), None)
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.DEBUG if args.log_level in ("debug", "trace") else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         api_keys = resolve_api_keys(args)
     except OSError as e:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"compiled-engine serve: error: --batch-dir: {e}", file=sys.stderr)
         return 2
-    return serve(config, args.host, args.port)
+    return serve(config, args.host, args.port, args.log_level)
 
 
 if __name__ == "__main__":

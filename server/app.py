@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiled_engine.models.demo import DEMO_LABEL, DEMO_NAME
 from compiled_engine.models.names import resolve_model
-from compiled_engine.ranks.launcher import EngineHandle, launch
+from compiled_engine.ranks.launcher import EngineHandle, StartupRefusal, launch
 from compiled_engine.tokenization import load_tokenizer
 from server import batch_routes, embeddings, info_routes, lora_routes, responses, routes
 from server.batch.runner import Batches, BatchRunner, in_process, running
@@ -53,8 +53,10 @@ def _start_engine(
         tokenizer = load_tokenizer(resolve_model(config.engine.model))
         reasoning = (None if config.reasoning_parser is None
                      else reasoning_parser(config.reasoning_parser, tokenizer))
-    except BaseException:
+    except BaseException as e:
         handle.shutdown()
+        if isinstance(e, ValueError):  # a flag the model does not fit (--reasoning-parser)
+            raise StartupRefusal(str(e)) from e
         raise
     return (
         tokenizer,

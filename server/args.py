@@ -95,6 +95,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="what compiling one output constraint may allocate in the server's "
                         "compiler process; a constraint that needs more is refused with a 400")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the server's log level (debug: a refused start's tracebacks too)")
     p.add_argument(
         "--pooling",
         choices=POOLINGS,

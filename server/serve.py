@@ -1,16 +1,22 @@
 """Running the app under uvicorn in this process: URL printed when ready, graceful
-SIGINT/SIGTERM."""
+SIGINT/SIGTERM; a start the configuration rules out (`StartupRefusal`) is one line on stderr and
+exit code 2 (its tracebacks too with `--log-level debug`)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
+import sys
 import time
+import traceback
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from compiled_engine.ranks.launcher import EngineStartError, StartupRefusal
 from server.app import create_app
 from server.state import ServerConfig, ServerState
 
@@ -91,10 +97,49 @@ class Server(uvicorn.Server):
             state.client.fail_all("the server is shutting down")
 
 
+class RefusalCatcher(logging.Filter):
+    """The app, with a StartupRefusal in its lifespan caught: Starlette's traceback of it and
+    uvicorn's lines about the failed start are left out of the log (`serve` reports it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        super().__init__()
+        self.app = app
+        self.refusal: StartupRefusal | None = None
+
+    def __getattr__(self, name: str) -> object:  # the app's `state` and the rest
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            send = functools.partial(self._lifespan_send, send)
+        await self.app(scope, receive, send)
+
+    async def _lifespan_send(self, send: Send, message: Message) -> None:
+        error = sys.exc_info()[1]  # Starlette reports a failed start from its `except` block
+        if message["type"] == "lifespan.startup.failed" and isinstance(error, StartupRefusal):
+            self.refusal = error
+            message = message | {"message": ""}
+        await send(message)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.refusal is None
+
+
+def refuse(error: BaseException, log_level: str) -> int:
+    """Print a refused start as one line on stderr (after its tracebacks, the failing rank's
+    included, at `debug` or `trace`); the exit code 2."""
+    if log_level in ("debug", "trace"):
+        traceback.print_exception(error, file=sys.stderr)
+        if isinstance(error, EngineStartError) and error.detail:
+            print(error.detail, file=sys.stderr, end="")
+    print(f"compiled-engine serve: error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
 def serve(
     config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
 ) -> int:
-    app = create_app(config)
+    app = RefusalCatcher(create_app(config))
     server = Server(
         uvicorn.Config(
             app,
@@ -105,6 +150,16 @@ def serve(
             lifespan="on",
         )
     )
-    server.run()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(app)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit after a failed start
+        if app.refusal is None:
+            raise
+    finally:
+        uvicorn_log.removeFilter(app)
+    if app.refusal is not None:
+        return refuse(app.refusal, log_level)
     return 0 if server.started and server.engine_dead_since is None else 1
 

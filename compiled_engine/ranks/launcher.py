@@ -28,7 +28,16 @@ POLL_S = 0.5  # how often a blocked receive checks that the ranks are alive
 
 
 class EngineStartError(RuntimeError):
-    pass
+    """The engine did not start; `detail`: the failing rank's traceback, when it sent one."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+class StartupRefusal(EngineStartError):
+    """A start the configuration rules out (a checkpoint this engine cannot load, a flag that does
+    not fit the model): `compiled-engine serve` prints its one line and exits with code 2."""
 
 
 class EngineFailure(RuntimeError):
@@ -113,7 +122,7 @@ def launch(
     try:
         check_tp_size(config.model, world)
     except ValueError as e:
-        raise EngineStartError(str(e)) from None
+        raise StartupRefusal(str(e)) from None
     ctx = mp.get_context("spawn")
     server_end, rank_end = ctx.Pipe(duplex=True)
     procs: list[BaseProcess] = []
@@ -161,7 +170,8 @@ def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) ->
                 if isinstance(ev, Ready):
                     return ev
                 if isinstance(ev, Fatal):
-                    raise EngineStartError(ev.message)
+                    raise (StartupRefusal if ev.refusal else EngineStartError)(ev.message,
+                                                                               ev.detail)
         dead = [p for p in procs if not p.is_alive()]
         if dead:
             raise EngineStartError(

@@ -135,3 +135,5 @@ class LoraReply:
 @dataclass(slots=True)
 class Fatal:
     message: str
+    refusal: bool = False  # a start-up the configuration rules out (launcher.StartupRefusal)
+    detail: str = ""  # the rank's traceback

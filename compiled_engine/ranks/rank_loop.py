@@ -63,7 +63,10 @@ MIN_COLLECTIVE_TIMEOUT_S = 600.0
 
 def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
     """Join the TP world, build the engine, run the loop until Shutdown. Failures are reported on
-    `conn` (rank 0) and end the process with exit code 1."""
+    `conn` (rank 0) and end the process with exit code 1: a ValueError or OSError before Ready
+    (a checkpoint or flag the engine cannot start with) as a refusal, its traceback logged at
+    debug level only (rank 0's launcher reports it)."""
+    started = False
     try:
         kernels.apply_isa_caps()  # before the process group's first tensor
         config, control = _init_distributed(spec)
@@ -90,13 +93,23 @@ def serve_rank(spec: RankSpec, conn: Connection | None) -> None:
                     )
                 ]
             )
+        started = True
         _loop(spec, engine, conn, control, debug_enabled(config.tp_debug) and control is not None)
         engine.shutdown()
     except BaseException as e:  # noqa: BLE001 - every failure is reported before the process exits
-        log.error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
+        detail = traceback.format_exc()
+        refusal = not started and isinstance(e, ValueError | OSError)
+        if not refusal:
+            log.error("rank %d failed:\n%s", spec.rank, detail)
+        else:
+            log.log(logging.DEBUG if conn is not None else logging.ERROR, "rank %d: %s",
+                    spec.rank, e)
+            log.debug("%s", detail)
         if conn is not None:
+            message = (str(e) if refusal
+                       else f"engine rank {spec.rank} failed: {type(e).__name__}: {e}")
             with contextlib.suppress(OSError):
-                conn.send([Fatal(f"engine rank {spec.rank} failed: {type(e).__name__}: {e}")])
+                conn.send([Fatal(message, refusal, detail)])
         raise SystemExit(1) from None
     finally:
         if spec.world_size > 1:

@@ -1,5 +1,6 @@
 """`compiled-engine serve` as a user runs it: URL printed when ready, SIGTERM drains, a second
-SIGTERM exits at once, exit 0, no orphans."""
+SIGTERM exits at once, exit 0, no orphans; a start the configuration rules out is one line and
+exit code 2."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from compiled_engine.ranks.launcher import free_port
 
@@ -149,3 +151,45 @@ def test_chat_streams_replies_and_handles_commands() -> None:
     replies = [line for line in out.stdout.split("> ") if line.strip()]
     # two messages answered; /reset answered nothing; /exit stopped
     assert len(replies) == 2, out.stdout
+
+
+def _unsupported_gguf(folder: Path) -> Path:
+    """The demo checkpoint as a GGUF file that says it is a Falcon (an architecture not served)."""
+    import gguf
+
+    from compiled_engine.models.demo import demo_model_dir
+    from tests.models._gguf_utils import write_gguf
+
+    return write_gguf(str(demo_model_dir()), folder / "falcon.gguf", gguf.GGMLQuantizationType.F32,
+                      arch="falcon")
+
+
+def _refused(*flags: str) -> subprocess.CompletedProcess:
+    cli = Path(sys.executable).with_name("compiled-engine")
+    return subprocess.run([str(cli), "serve", "--port", "0", "--enforce-eager", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["gguf architecture", "reasoning parser", "missing model"])
+def test_a_refused_start_is_one_line_and_exit_code_2(case: str, tmp_path: Path) -> None:
+    """What the configuration rules out, found before the ranks start, in a rank, or in the server
+    after the ranks are up: one line naming the problem, exit code 2, no traceback."""
+    flags, says = {
+        "gguf architecture": (("--model", str(_unsupported_gguf(tmp_path))),
+                              "GGUF architecture 'falcon' is not supported"),
+        "reasoning parser": (("--model", "demo", "--reasoning-parser", "qwen3"),
+                             "--reasoning-parser qwen3: this model's tokenizer has no single"),
+        "missing model": (("--model", str(tmp_path / "nowhere")), str(tmp_path / "nowhere")),
+    }[case]
+    out = _refused(*flags)
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert out.returncode == 2, out.stderr
+    assert len(errors) == 1 and says in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_refused_start_at_debug_level_shows_the_tracebacks(tmp_path: Path) -> None:
+    out = _refused("--model", str(_unsupported_gguf(tmp_path)), "--log-level", "debug")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("compiled-engine serve: error: ")
+    assert "Traceback" in out.stderr and "CheckpointError" in out.stderr  # the rank's, too
