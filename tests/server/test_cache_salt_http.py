@@ -62,6 +62,20 @@ def test_chat_takes_the_salt(client: openai.OpenAI) -> None:
     assert ask(a) > 0
 
 
+def test_responses_take_the_salt(client: openai.OpenAI) -> None:
+    prompt = _prompt()
+    a, b = _salts()
+
+    def ask(salt: str) -> int:
+        out = client.responses.create(model="demo", input=prompt, max_output_tokens=2,
+                                      temperature=0, store=False, extra_body={"cache_salt": salt})
+        return out.usage.input_tokens_details.cached_tokens
+
+    assert ask(a) == 0
+    assert ask(b) == 0
+    assert ask(a) > 0
+
+
 @pytest.mark.parametrize("salt", ["", "x" * (MAX_CACHE_SALT_CHARS + 1), 7, ["a"]])
 def test_a_bad_salt_is_a_400_naming_it(http: httpx.Client, salt) -> None:
     r = http.post("/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 1,
