@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_serve_args(parser)
     args = parser.parse_args(argv)
-    engine = engine_config(args)
+    try:
+        engine = engine_config(args)
+    except ValueError as e:  # a flag's value (e.g. a --kv-cache-dir of another user)
+        return refuse(e, args.log_level)
     torchrun = torchrun_placement()
     if torchrun is not None:  # TP across hosts: torchrun's world is the TP group
         if args.tp not in (1, torchrun.world_size):
