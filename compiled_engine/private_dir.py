@@ -1,13 +1,16 @@
 """Folders and files only this process's user may read: a folder is 0700 (made so, or an existing
 one of ours tightened), a file 0600 (whatever the umask); a folder owned by another user, or one
 that others may write, is refused (`UnsafeFolder`): whoever controls it could read what is kept
-there or plant what is read back."""
+there or plant what is read back. A folder that one process at a time may use is locked
+(`lock_folder`)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from pathlib import Path
+from typing import IO
 
 FOLDER_MODE = 0o700
 FILE_MODE = 0o600
@@ -15,6 +18,10 @@ FILE_MODE = 0o600
 
 class UnsafeFolder(OSError):
     """A folder this process will not keep private data in (the message says why, in one line)."""
+
+
+class FolderBusy(OSError):
+    """Another process holds the folder's lock (the message says what to do, in one line)."""
 
 
 def ensure_private_dir(path: str | os.PathLike) -> Path:
@@ -54,3 +61,15 @@ def private_opener(path: str, flags: int) -> int:
 def open_private(path: str | os.PathLike, mode: str = "wb"):
     """`open(path, mode)`, the file being 0600."""
     return open(path, mode, opener=private_opener)
+
+
+def lock_folder(folder: Path, busy: str) -> IO:
+    """An exclusive lock on `folder` (its file `lock`, 0600), held while the returned file is open;
+    FolderBusy(`busy`) when another process holds it."""
+    lock_file = open_private(folder / "lock", "a+")
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        raise FolderBusy(busy) from None
+    return lock_file

@@ -16,7 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from compiled_engine.kv_tier.store import HEADER, PageStore, StoreBusy
+from compiled_engine.kv_tier.store import HEADER, PageStore
+from compiled_engine.private_dir import FolderBusy
 
 KEYS = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
 keys = st.sampled_from(KEYS)
@@ -93,7 +94,7 @@ class PageStoreMachine(RuleBasedStateMachine):
 
     @rule()
     def a_second_process_is_refused(self) -> None:
-        with pytest.raises(StoreBusy):
+        with pytest.raises(FolderBusy):
             PageStore(self.dir, self.budget)
 
     @invariant()

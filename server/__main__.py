@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = server_config(args, engine, api_keys, torchrun)
     try:
-        batch_store(config)  # a folder of another user's refused before the engine starts
+        batch_store(config).close()  # another user's folder or a busy one: refused up front
     except OSError as e:
         print(f"compiled-engine serve: error: --batch-dir: {e}", file=sys.stderr)
         return 2

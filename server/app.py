@@ -117,6 +117,7 @@ def create_app(config: ServerConfig) -> Starlette:
         finally:
             grammars.close()
             await client.close()
+            store.close()
 
     table = [
         Route("/", chat_page, methods=["GET"]),

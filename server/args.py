@@ -9,6 +9,7 @@ import os
 from compiled_engine.engine_args import add_engine_args
 from compiled_engine.grammar_worker import MEMORY_BYTES
 from compiled_engine.sampling_params import POOLINGS
+from server.batch.store import state_root
 from server.protocol import ProtocolError, template_kwargs_of
 from server.reasoning import ALIASES as REASONING_ALIASES
 from server.reasoning import PARSERS as REASONING_PARSERS
@@ -122,8 +123,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-dir", default=None, metavar="PATH",
                    help="where the Batch API keeps its files and batches, private to this user "
                         "(a restarted server resumes the batches it finds there; one server a "
-                        "folder; default: $XDG_STATE_HOME/compiled-engine/batches, else "
-                        "~/.local/state/compiled-engine/batches)")
+                        "folder, a second refused; default: $XDG_STATE_HOME/compiled-engine/"
+                        "batches/port-PORT, else ~/.local/state/compiled-engine/batches/port-PORT)")
     p.add_argument("--max-batch-file-mb", type=int, default=200, metavar="MB",
                    help="the largest file /v1/files takes")
     p.add_argument("--batch-disk-gb", type=float, default=10.0, metavar="GB",
@@ -168,7 +169,7 @@ def server_config(args: argparse.Namespace, engine, api_keys: tuple[str, ...] = 
         debug=args.debug,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
-        batch_dir=args.batch_dir,
+        batch_dir=args.batch_dir or str(state_root() / f"port-{args.port}"),
         max_batch_file_bytes=args.max_batch_file_mb << 20,
         batch_disk_bytes=int(args.batch_disk_gb * (1 << 30)),
         max_batch_output_bytes=args.max_batch_output_mb << 20,

@@ -15,7 +15,7 @@ import re
 import stat
 from pathlib import Path
 
-from compiled_engine.kv_tier.store import PageStore, lock_folder
+from compiled_engine.kv_tier.store import PageStore, lock_store_folder
 from compiled_engine.private_dir import UnsafeFolder, ensure_private_dir
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,12 @@ def check_folder(folder: str | Path) -> None:
 
 def open_store(folder: str | Path, key: bytes, rank: int, world: int,
                budget_bytes: int) -> PageStore:
-    """TP rank `rank`'s store of run key `key` under `folder` (0700, this user's; StoreBusy when
+    """TP rank `rank`'s store of run key `key` under `folder` (0700, this user's; FolderBusy when
     another server uses it), with its share of `budget_bytes`; rank 0's share also covers the
     stores of other keys, removed as its own pages need the room."""
     folder = ensure_private_dir(Path(folder).expanduser())
     found = stores(folder)
-    held = lock_folder(folder) if rank == 0 else None
+    held = lock_store_folder(folder) if rank == 0 else None
     run = store_name(key, 0).removesuffix("0")
     stale = [p for p in found if not p.name.startswith(run)] if rank == 0 else []
     if stale:

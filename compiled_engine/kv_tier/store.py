@@ -16,7 +16,6 @@ against it and are removed whole, least recently used first, before any page of 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import stat
@@ -28,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from compiled_engine.private_dir import ensure_private_dir, open_private
+from compiled_engine.private_dir import ensure_private_dir, lock_folder, open_private
 
 MAGIC = b"CEKVPG1\n"
 HEADER = struct.Struct("<8s32sQI")  # magic, key, payload bytes, crc32 of the payload
@@ -36,21 +35,11 @@ SUFFIX = ".kv"
 REBUILD_WAIT_S = 2.0  # a bigger store is indexed on after the store opens
 
 
-class StoreBusy(RuntimeError):
-    """Another process holds the store's directory."""
-
-
-def lock_folder(folder: Path) -> IO:
-    """An exclusive lock on `folder` (its file `lock`, 0600), held while the file is open;
-    StoreBusy when another process holds it."""
-    lock_file = open_private(folder / "lock", "a+")
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.close()
-        raise StoreBusy(f"another process uses the KV tier directory {folder} (give each "
-                        "server its own --kv-cache-dir)") from None
-    return lock_file
+def lock_store_folder(folder: Path) -> IO:
+    """The lock on a KV tier folder (`private_dir.lock_folder`); FolderBusy when another process
+    holds it."""
+    return lock_folder(folder, f"another process uses the KV tier directory {folder} (give each "
+                               "server its own --kv-cache-dir)")
 
 
 class PageStore:
@@ -64,7 +53,7 @@ class PageStore:
         for sub in self.root.iterdir():
             if sub.is_dir():
                 ensure_private_dir(sub)
-        self._lock_file = lock_folder(self.root)
+        self._lock_file = lock_store_folder(self.root)
         self._held = held
         self._mutex = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, oldest first

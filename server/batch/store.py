@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from compiled_engine.private_dir import ensure_private_dir, open_private
+from compiled_engine.private_dir import ensure_private_dir, lock_folder, open_private
 from server.request_errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,21 @@ def state_root() -> Path:
 class BatchStore:
     def __init__(self, root: Path, disk_budget: int = 10 << 30) -> None:
         """`disk_budget`: the bytes all files and answers may take together. UnsafeFolder (an
-        OSError) for a folder of another user's or one others may write."""
+        OSError) for a folder of another user's or one others may write; FolderBusy (an OSError)
+        while another process's store holds it (until `close`)."""
         ensure_private_dir(root)
+        self._held = lock_folder(root, f"another server uses the Batch API's folder {root} (give "
+                                       "each server its own --batch-dir)")
         self.files = ensure_private_dir(root / "files")
         self.batches = ensure_private_dir(root / "batches")
         self.disk_budget = disk_budget
         self._lock = threading.Lock()  # writers on several threads; `used`
         self._reported: set[str] = set()  # unreadable objects already logged
         self.used = self._tighten()
+
+    def close(self) -> None:
+        """Let another store open the folder."""
+        self._held.close()
 
     def _tighten(self) -> int:
         """The bytes kept; every file made 0600 (a store an older server wrote kept the umask)."""

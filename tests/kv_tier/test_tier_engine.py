@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_engine.kv_tier.store import StoreBusy
 from compiled_engine.llm import LLM
+from compiled_engine.private_dir import FolderBusy
 from compiled_engine.sampling_params import SamplingParams
 from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
 
@@ -96,7 +96,7 @@ def test_a_corrupt_page_is_recomputed_and_one_directory_serves_one_engine(tmp_pa
     llm = LLM(base, **kw)
     computed = _run(llm, PROMPT)
     _flush(llm)
-    with pytest.raises(StoreBusy, match="another process uses the KV tier directory"):
+    with pytest.raises(FolderBusy, match="another process uses the KV tier directory"):
         LLM(base, **kw)
     llm.engine.shutdown()
     files = sorted(kv_dir.glob("*/*/*.kv"))

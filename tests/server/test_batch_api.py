@@ -176,7 +176,9 @@ def test_a_restarted_server_resumes_a_batch_and_cancel_keeps_answers(batch_dir, 
                                      purpose="batch")
         again = client.batches.create(input_file_id=longer.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
+        deadline = time.monotonic() + WAIT_S
         while client.batches.retrieve(again.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
             time.sleep(0.1)
         assert client.batches.cancel(again.id).status == "cancelling"
         cancelled = wait_for(client, again.id)

@@ -2,8 +2,8 @@
 short while being written runs again, a batch stopped while its answers were being kept finishes
 keeping them (nothing answered twice, nothing lost); objects belong to their owner; ids the store
 never makes are 404s; an object cut short is left out; folders 0700 and files 0600; a folder of
-another user's refused; a disk budget; a batch's `n` counted against its share of the queue; a
-batch's answers bounded."""
+another user's refused; one store a folder; a disk budget; a batch's `n` counted against its share
+of the queue; a batch's answers bounded."""
 
 import asyncio
 import io
@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from compiled_engine.private_dir import FolderBusy
 from server.batch.runner import BatchRunner
 from server.batch.store import BatchStore, owner_of
 from server.request_errors import ProtocolError
@@ -123,7 +124,7 @@ def test_folders_are_0700_and_files_0600_whatever_the_umask(tmp_path) -> None:
         os.umask(old)
     folders = [tmp_path / "store", store.files, store.batches]
     files = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
-    assert len(files) == 6  # upload + object, batch, output answers, kept errors + object
+    assert len(files) == 7  # the lock, upload + object, batch, output answers, kept errors + object
     assert {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o700"}
     assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}
 
@@ -148,6 +149,17 @@ def foreign(tmp_path):
     except PermissionError:
         pytest.skip("making a folder of another user's needs root")
     return folder
+
+
+def test_one_store_a_folder_until_it_is_closed(tmp_path) -> None:
+    """Two servers on one folder would both run its batches: a second store is refused with a
+    line saying what to do, and opens once the first is closed."""
+    first = BatchStore(tmp_path)
+    f = upload(first, [line(0)])
+    with pytest.raises(FolderBusy, match="give each server its own --batch-dir"):
+        BatchStore(tmp_path)
+    first.close()
+    assert BatchStore(tmp_path).file(f["id"], ALICE)["id"] == f["id"]
 
 
 def test_a_folder_of_another_users_is_refused(foreign) -> None:
