@@ -25,7 +25,8 @@ class FolderBusy(OSError):
 
 
 def ensure_private_dir(path: str | os.PathLike) -> Path:
-    """`path` made 0700 (its missing parents too), or an existing folder of this user set to 0700;
+    """`path` made 0700 (missing parents as `mkdir -p` makes them), or an existing folder of this
+    user set to 0700;
     UnsafeFolder when it is not a folder, is owned by another user, or is writable by others."""
     path = Path(path)
     made = not path.exists()

@@ -13,8 +13,7 @@ from starlette.responses import Response
 from compiled_engine.kv_events.config import KVEventsConfig
 from server.engine_client import EngineDead
 from server.handlers import json_response, state_of
-
-STATS_MAX_AGE_S = 1.0  # /server_info: engine stats at most this old (its polls share a round trip)
+from server.routes import STATS_MAX_AGE_S
 
 
 async def model_info(request: Request) -> Response:

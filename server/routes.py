@@ -57,7 +57,9 @@ TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "messages", "add_special
                              "continue_final_message"})
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-HEALTH_MAX_AGE_S = 1.0  # /health reuses an engine ping this recent (polls cost the engine nothing)
+# /health and /server_info reuse engine stats this recent: their polls cost the engine one round
+# trip a second whatever their number (a /metrics scrape reads them fresh)
+STATS_MAX_AGE_S = 1.0
 
 
 async def health(request: Request) -> Response:
@@ -67,7 +69,7 @@ async def health(request: Request) -> Response:
     if st.client.draining:
         return json_response({"status": "draining", "reason": "the server is shutting down"}, 503)
     try:
-        await st.client.recent_stats(HEALTH_MAX_AGE_S, st.config.health_timeout_s)
+        await st.client.recent_stats(STATS_MAX_AGE_S, st.config.health_timeout_s)
     except (TimeoutError, EngineDead) as e:
         return json_response(
             {"status": "unavailable", "reason": str(e) or "the engine did not answer in time"}, 503
