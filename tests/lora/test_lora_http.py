@@ -6,6 +6,7 @@ or one in use is a 400 that changes nothing; every path outside the folder gets 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -175,3 +176,32 @@ def test_every_path_outside_the_folder_gets_one_refusal(served, tmp_path) -> Non
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "alias"}).status_code == 200
         assert http.get("/v1/models").json() == before
         assert wait_idle(http)["integrity_error"] is None
+
+
+def test_hostile_adapter_files_are_refused_while_a_stream_goes_on(served) -> None:
+    """An aliased GGUF (40 tensors on one block) and a metadata bomb (10M array elements) in the
+    operator's folder: each a 400 naming its bound, read from the header alone, while a stream of
+    the base model runs to its end with the tokens it has alone."""
+    from tests.lora.gguf_files import aliased, metadata_bomb
+
+    server, base, _, refs, root = served
+    files = {"aliased": (aliased(root / "aliased.gguf"), "at offset 0 of the data"),
+             "bomb": (metadata_bomb(root / "bomb.gguf"), "metadata arrays of more than")}
+    body = {"model": base, "prompt": PROMPT, "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True}
+    with server.http() as http:
+        alone = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        before = http.get("/v1/models").json()
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream:
+            lines = stream.iter_lines()
+            chunks = [next(line for line in lines if line.startswith("data: "))]
+            for name, (path, says) in files.items():
+                r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+                assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+            chunks += [line for line in lines if line.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]"
+        text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1]
+                       if json.loads(c[6:])["choices"])
+        assert text == alone
+        assert http.get("/v1/models").json() == before
+        assert _tokens(http, "a") == refs["a"]
