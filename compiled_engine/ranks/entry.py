@@ -8,6 +8,7 @@ import logging
 import signal
 from multiprocessing.connection import Connection
 
+from compiled_engine.ranks.orphan_watch import exit_with_parent
 from compiled_engine.ranks.rank_spec import RankSpec
 
 
@@ -19,6 +20,7 @@ def run_rank(spec: RankSpec, conn: Connection | None) -> None:
     )
     # Ctrl-C goes to the server, which stops the ranks in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     from compiled_engine.ranks.rank_loop import serve_rank
 
     serve_rank(spec, conn)

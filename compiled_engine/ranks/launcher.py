@@ -1,9 +1,13 @@
 """Starting the engine rank processes (spawn), waiting until rank 0 is ready, watching them (a dead
-or hung rank kills the rest: see monitor.py), and stopping them."""
+or hung rank kills the rest: see monitor.py), and stopping them: on `shutdown`, and at the latest
+when this interpreter exits (multiprocessing's own exit hook would otherwise wait for them
+forever). A rank whose launching process dies exits by itself (orphan_watch.py)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -11,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -25,6 +30,7 @@ from compiled_engine.ranks.torchrun import TorchrunPlacement
 
 EXPLAIN_WAIT_S = 5.0  # how long a reader that saw the channel end waits for the monitor's diagnosis
 POLL_S = 0.5  # how often a blocked receive checks that the ranks are alive
+EXIT_STOP_S = 2.0  # at interpreter exit, how long the ranks get to stop before they are terminated
 
 
 class EngineStartError(RuntimeError):
@@ -66,6 +72,8 @@ class EngineHandle:
     procs: list[BaseProcess]
     ready: Ready
     monitor: RankMonitor
+    # stops the ranks when the interpreter exits (registered with atexit until `shutdown`)
+    at_exit: Callable[[], None] | None = None
     _send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, msg: object) -> None:
@@ -102,8 +110,9 @@ class EngineHandle:
         return seen if self.monitor.failure is None else f"{self.monitor.failure} ({seen})"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        self.monitor.stop()
-        _stop(self.conn, self.procs, timeout_s)
+        if self.at_exit is not None:
+            atexit.unregister(self.at_exit)
+        _stop_ranks(self.monitor, self.conn, self.procs, timeout_s)
 
 
 def launch(
@@ -144,16 +153,20 @@ def launch(
         p.start()
         procs.append(p)
     rank_end.close()
+    # One rank has no peer to wait on: only its exit is watched (a long CPU step is not a hang).
+    monitor = RankMonitor(procs, heartbeats if world > 1 else (), config.rank_timeout_s)
+    # registered after multiprocessing's exit hook (imported to spawn), so it runs before it
+    at_exit = functools.partial(_stop_ranks, monitor, server_end, procs, EXIT_STOP_S)
+    atexit.register(at_exit)
     try:
         ready = _wait_ready(server_end, procs, ready_timeout_s)
     except BaseException:
+        atexit.unregister(at_exit)
         _stop(server_end, procs, timeout_s=2.0)
         raise
     heartbeats[:] = [time.monotonic()] * len(heartbeats)
-    # One rank has no peer to wait on: only its exit is watched (a long CPU step is not a hang).
-    monitor = RankMonitor(procs, heartbeats if world > 1 else (), config.rank_timeout_s)
     monitor.start()
-    return EngineHandle(server_end, procs, ready, monitor)
+    return EngineHandle(server_end, procs, ready, monitor, at_exit)
 
 
 def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) -> Ready:
@@ -178,6 +191,13 @@ def _wait_ready(conn: Connection, procs: list[BaseProcess], timeout_s: float) ->
                 f"{dead[0].name} exited with code {dead[0].exitcode} during start-up"
             )
     raise EngineStartError(f"the engine did not start within {timeout_s:.0f}s")
+
+
+def _stop_ranks(monitor: RankMonitor, conn: Connection, procs: list[BaseProcess],
+                timeout_s: float) -> None:
+    """An orderly stop: the monitor told first, so that the ranks' exits are not failures."""
+    monitor.stop()
+    _stop(conn, procs, timeout_s)
 
 
 def _stop(conn: Connection, procs: list[BaseProcess], timeout_s: float) -> None:

@@ -1,5 +1,7 @@
 """Real servers on 127.0.0.1 for the tests (uvicorn in a background thread, engine ranks in spawned
-processes), and what the tests read from them."""
+processes), and what the tests read from them. A test's server lives in a fixture that stops it
+(yield, then `stop()`) or in `with start_server(...) as running:`; the launcher also stops the
+ranks of any server left running when the interpreter exits."""
 
 from __future__ import annotations
 
@@ -47,11 +49,24 @@ class RunningServer:
                              timeout=120)
 
     def stop(self) -> None:
-        procs = list(self.state.client.handle.procs)
+        """Stop the server (a no-op once it has exited); its rank processes are stopped whether
+        or not its thread ends in time."""
+        handle = self.state.client.handle
         self.server.should_exit = True
         self.thread.join(60)
-        assert not self.thread.is_alive(), "the server thread did not stop"
-        assert not any(p.is_alive() for p in procs), "engine rank processes outlived the server"
+        stuck = self.thread.is_alive()
+        if stuck:
+            self.server.force_exit = True
+            handle.shutdown(timeout_s=5.0)
+        assert not stuck, "the server thread did not stop"
+        assert not any(p.is_alive() for p in handle.procs), (
+            "engine rank processes outlived the server")
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
@@ -83,7 +98,9 @@ def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
     deadline = time.monotonic() + start_timeout_s
     while not server.started:
         assert thread.is_alive(), "the server failed to start (see the log)"
-        assert time.monotonic() < deadline, "the server did not start in time"
+        if time.monotonic() >= deadline:
+            server.should_exit = True  # it stops as soon as its start-up ends
+            raise AssertionError("the server did not start in time")
         time.sleep(0.05)
     return RunningServer(f"http://127.0.0.1:{port}", server, thread)
 
