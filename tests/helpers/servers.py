@@ -12,6 +12,8 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -104,6 +106,20 @@ def start_server(start_timeout_s: float = 180.0, **overrides) -> RunningServer:
         time.sleep(0.05)
     return RunningServer(f"http://127.0.0.1:{port}", server, thread)
 
+
+
+@contextmanager
+def servers(*overrides: dict) -> Iterator[list[RunningServer]]:
+    """A server per `start_server` overrides, every one started stopped when the block ends (one
+    that fails to start included)."""
+    made: list[RunningServer] = []
+    try:
+        for o in overrides:
+            made.append(start_server(**o))
+        yield made
+    finally:
+        for running in made:
+            running.stop()
 
 
 def wait_idle(http: httpx.Client, timeout_s: float = 30.0) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -29,7 +29,7 @@ from benchmarks.router import (
     tenant_workload,
 )
 from compiled_engine.ranks.launcher import free_port
-from tests.helpers.servers import RunningServer, start_server
+from tests.helpers.servers import RunningServer, servers
 
 pytestmark = pytest.mark.slow
 
@@ -42,19 +42,6 @@ def hit_rate(replicas: list[RunningServer], url: str, seed: int) -> float:
     run = run_workload(url, tenant_workload(8, 8, 500, seed, "demo"), [r.url for r in replicas], 4)
     print("prompt tokens looked up per replica:", run["tokens_looked_up_per_replica"])
     return run["hit_rate"]
-
-
-@contextmanager
-def servers(*overrides: dict) -> Iterator[list[RunningServer]]:
-    """A server per `start_server` overrides, stopped when the block ends."""
-    made: list[RunningServer] = []
-    try:
-        for o in overrides:
-            made.append(start_server(**o))
-        yield made
-    finally:
-        for running in made:
-            running.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from benchmarks.router import ROUTERS, running_router
-from tests.helpers.servers import RunningServer, start_server
+from tests.helpers.servers import RunningServer, servers
 
 pytestmark = pytest.mark.slow
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Name a color."}],
@@ -24,10 +24,8 @@ NATIVE = {"text": "The sky is", "sampling_params": {"max_new_tokens": 12, "tempe
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[RunningServer]]:
-    made = [start_server(), start_server()]
-    yield made
-    for running in made:
-        running.stop()
+    with servers({}, {}) as made:
+        yield made
 
 
 @pytest.fixture(scope="module", params=sorted(ROUTERS))

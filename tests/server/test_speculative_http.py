@@ -13,7 +13,8 @@ import pytest
 
 from benchmarks.speculative import PASSAGE
 from tests.helpers.parity import ENGINE
-from tests.helpers.servers import RunningServer, start_server
+from tests.helpers.servers import RunningServer
+from tests.helpers.servers import servers as running_servers
 
 pytestmark = pytest.mark.slow
 SPEC = {"method": "ngram", "num_speculative_tokens": 7}
@@ -24,11 +25,10 @@ COPY = [{"role": "user",
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, RunningServer]]:
     engine = dict(model="smollm2", enforce_eager=False, deterministic=True) | ENGINE
-    made = {"plain": start_server(start_timeout_s=900, engine=engine),
-            "spec": start_server(start_timeout_s=900, engine=engine | {"speculative": SPEC})}
-    yield made
-    for running in made.values():
-        running.stop()
+    spec = engine | {"speculative": SPEC}
+    with running_servers({"start_timeout_s": 900, "engine": engine},
+                         {"start_timeout_s": 900, "engine": spec}) as made:
+        yield dict(zip(("plain", "spec"), made))
 
 
 def _spec_counters(http: httpx.Client) -> dict[str, float]:
