@@ -99,7 +99,8 @@ def test_a_constraint_past_the_memory_limit_is_a_remembered_400(small_checker) -
 
 
 def test_the_worker_ends_itself_past_its_cpu_backstop() -> None:
-    """The worker's own CPU limit per compile (SIGXCPU), behind the server's wall-clock budget."""
+    """The worker's own CPU limit per compile (SIGXCPU), behind the server's wall-clock budget
+    (memory set far past what the compile takes, so that CPU is what ends it)."""
     import multiprocessing
 
     from compiled_engine.grammar_worker import READY, serve_compiles
@@ -109,12 +110,13 @@ def test_the_worker_ends_itself_past_its_cpu_backstop() -> None:
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     worker = ctx.Process(target=serve_compiles, daemon=True, args=(
-        theirs, str(demo_model_dir()), len(tokenizer), [tokenizer.eos_token_id], 256 << 20, 1.0))
+        theirs, str(demo_model_dir()), len(tokenizer), [tokenizer.eos_token_id], 8 << 30, 1.0))
     worker.start()
     theirs.close()
     try:
         assert ours.poll(300) and ours.recv() == READY
-        ours.send(StructuredOutput("json", slow_schema(4000, "cpu")))
+        # 40,000 properties: a compile of far more than the 1 s budget on any CPU
+        ours.send(StructuredOutput("json", slow_schema(40000, "cpu")))
         assert ours.poll(300), "the worker neither answered nor ended"
         with pytest.raises(EOFError):
             ours.recv()
