@@ -93,31 +93,39 @@ def batches(app: Starlette, config: ServerConfig, store: BatchStore,
     return Batches(store, runner)
 
 
+@contextlib.asynccontextmanager
+async def _serving(app: Starlette, config: ServerConfig, store: BatchStore) -> AsyncIterator[None]:
+    """The engine started, and the app's state and the Batch API's runner over it, until the
+    block ends."""
+    tokenizer, limits, handle, reasoning = await asyncio.to_thread(_start_engine, config)
+    client = EngineClient(handle, config.max_queue)
+    client.start()
+    metrics = Metrics()
+    metrics.weight_bytes.set(handle.ready.weight_bytes)
+    metrics.kv_pool_bytes.set(handle.ready.kv_pool_bytes)
+    grammars = GrammarChecker(resolve_model(config.engine.model), handle.ready.vocab_size,
+                              handle.ready.eos_token_ids, config.grammar_compile_timeout_s,
+                              config.grammar_compile_memory_bytes)
+    state = app.state.server = ServerState(
+        config, client, tokenizer, limits, metrics, config.engine.model, grammars,
+        adapters=dict(config.engine.lora_modules), reasoning=reasoning,
+    )
+    try:
+        state.batches = batches(app, config, store, client)
+        async with running(state.batches.runner):
+            yield
+    finally:
+        grammars.close()
+        await client.close()
+
+
 def create_app(config: ServerConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = await asyncio.to_thread(batch_store, config)  # refused before the engine starts
-        tokenizer, limits, handle, reasoning = await asyncio.to_thread(_start_engine, config)
-        client = EngineClient(handle, config.max_queue)
-        client.start()
-        metrics = Metrics()
-        metrics.weight_bytes.set(handle.ready.weight_bytes)
-        metrics.kv_pool_bytes.set(handle.ready.kv_pool_bytes)
-        grammars = GrammarChecker(resolve_model(config.engine.model), handle.ready.vocab_size,
-                                  handle.ready.eos_token_ids, config.grammar_compile_timeout_s,
-                                  config.grammar_compile_memory_bytes)
-        state = app.state.server = ServerState(
-            config, client, tokenizer, limits, metrics, config.engine.model, grammars,
-            adapters=dict(config.engine.lora_modules), reasoning=reasoning,
-        )
-        try:
-            state.batches = batches(app, config, store, client)
-            async with running(state.batches.runner):
+        with contextlib.closing(store):  # its folder's lock let go on every path
+            async with _serving(app, config, store):
                 yield
-        finally:
-            grammars.close()
-            await client.close()
-            store.close()
 
     table = [
         Route("/", chat_page, methods=["GET"]),

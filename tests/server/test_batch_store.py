@@ -16,10 +16,13 @@ import uuid
 
 import pytest
 
+import server.app
 from compiled_engine.private_dir import FolderBusy
+from compiled_engine.ranks.launcher import StartupRefusal
 from server.batch.runner import BatchRunner
 from server.batch.store import BatchStore, owner_of
 from server.request_errors import ProtocolError
+from server.state import ServerConfig
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
 LONG_IDS = ("file-" + "é" * 200, "batch_" + "文" * 300, "file-" + "a" * 32 + "/..", "x" * 5000)
@@ -160,6 +163,24 @@ def test_one_store_a_folder_until_it_is_closed(tmp_path) -> None:
         BatchStore(tmp_path)
     first.close()
     assert BatchStore(tmp_path).file(f["id"], ALICE)["id"] == f["id"]
+
+
+def test_a_server_whose_engine_fails_to_start_lets_go_of_its_store(tmp_path, monkeypatch) -> None:
+    """The store is opened (and its folder locked) before the engine starts: a start that fails
+    let go of it (it kept the lock: the next server on the folder was refused as busy)."""
+    def refused(config: ServerConfig):
+        raise StartupRefusal("no engine today")
+
+    monkeypatch.setattr(server.app, "_start_engine", refused)
+    app = server.app.create_app(ServerConfig(batch_dir=str(tmp_path)))
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(StartupRefusal):
+        asyncio.run(start())
+    BatchStore(tmp_path).close()
 
 
 def test_a_folder_of_another_users_is_refused(foreign) -> None:
