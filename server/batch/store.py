@@ -26,6 +26,7 @@ from server.request_errors import ProtocolError
 log = logging.getLogger(__name__)
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 NO_OWNER = ""  # the owner of everything when the server has no API key
+PART, TEMP = ".part", ".tmp"  # an upload, an object, while being written
 IDS = {"file": re.compile(r"file-[0-9a-f]{32}"), "batch": re.compile(r"batch_[0-9a-f]{32}")}
 # what an object of each kind must hold (key: type) to be read as one
 SHAPES = {"file": {"id": str, "created_at": int, "bytes": int, "purpose": str, "filename": str},
@@ -70,13 +71,19 @@ class BatchStore:
         self._held.close()
 
     def _tighten(self) -> int:
-        """The bytes kept; every file made 0600 (a store an older server wrote kept the umask)."""
+        """The bytes kept; every file made 0600 (a store an older server wrote kept the umask);
+        the temporary files a stop left (an upload or an object being written) removed: the
+        store holds the folder, so no one writes them now."""
         used = 0
         for folder in (self.files, self.batches):
             for entry in os.scandir(folder):
-                if entry.is_file(follow_symlinks=False):
-                    os.chmod(entry.path, 0o600)
-                    used += entry.stat().st_size
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.name.endswith((PART, TEMP)):
+                    os.unlink(entry.path)
+                    continue
+                os.chmod(entry.path, 0o600)
+                used += entry.stat().st_size
         return used
 
     def _count(self, size: int) -> None:
@@ -96,7 +103,7 @@ class BatchStore:
         or past the disk budget, nothing kept."""
         file_id = f"file-{uuid.uuid4().hex}"
         path = self.file_path(file_id)
-        part, size = path.with_suffix(".part"), 0
+        part, size = path.with_suffix(PART), 0
         try:
             with open_private(part, "wb") as out:
                 while chunk := source.read(1 << 20):
@@ -226,7 +233,7 @@ class BatchStore:
         """`obj` written whole as `path` (a temporary file, then a rename), 0600."""
         data = json.dumps(obj).encode()
         with self._lock:
-            temp = path.with_suffix(".tmp")
+            temp = path.with_suffix(TEMP)
             with open_private(temp, "wb") as f:
                 f.write(data)
             old = path.stat().st_size if path.is_file() else 0

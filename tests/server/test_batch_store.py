@@ -142,6 +142,20 @@ def test_an_existing_store_is_made_private(tmp_path) -> None:
     assert {oct(p.stat().st_mode & 0o777) for p in store.files.iterdir()} == {"0o600"}
 
 
+def test_temporary_files_a_stop_left_are_removed_at_open(tmp_path) -> None:
+    """An upload or an object cut short by a crash (`.part`, `.tmp`): removed when the store
+    opens (they were counted in its budget for good, and never removed)."""
+    store = BatchStore(tmp_path, disk_budget=8192)
+    kept = upload(store, [line(0)])
+    store.close()
+    (tmp_path / "files" / f"{new_id('file')}.part").write_bytes(b"x" * 5000)
+    (tmp_path / "batches" / f"{new_id('batch')}.tmp").write_bytes(b"{}")
+    store = BatchStore(tmp_path, disk_budget=8192)
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted(["lock", f"{kept['id']}.json", f"{kept['id']}.jsonl"])
+    upload(store, [line(i, padding="p" * 100) for i in range(30)])  # ~4 KB: fits again
+
+
 @pytest.fixture
 def foreign(tmp_path):
     """A folder owned by another user (uid 65534, "nobody"): only root can make one."""
