@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from compiled_engine.kv_tier.store import PageStore, lock_store_folder
-from compiled_engine.private_dir import UnsafeFolder, ensure_private_dir
+from compiled_engine.private_dir import UnsafeFolder, check_private_dir, ensure_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +42,12 @@ def stores(folder: Path) -> list[Path]:
 
 
 def check_folder(folder: str | Path) -> None:
-    """UnsafeFolder when `folder` (if it exists) is another user's or others may write it, or a
-    store in it is another user's (start-up flags are checked before any rank starts)."""
-    folder = Path(folder).expanduser()
-    if not folder.exists():
-        return
-    info = folder.stat()
-    if info.st_uid != os.geteuid():
-        raise UnsafeFolder(f"{folder} is owned by uid {info.st_uid}, not by this user (uid "
-                           f"{os.geteuid()}): refusing the KV tier directory")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeFolder(f"{folder} is writable by other users (mode "
-                           f"{stat.S_IMODE(info.st_mode):o}): refusing the KV tier directory")
-    if folder.is_dir():
-        stores(folder)
+    """UnsafeFolder when `folder` (if it exists) or a folder above it fails
+    `private_dir.check_private_dir`, or a store in it is another user's (start-up flags are
+    checked before any rank starts)."""
+    real = check_private_dir(Path(folder).expanduser())
+    if real.is_dir():
+        stores(real)
 
 
 def open_store(folder: str | Path, key: bytes, rank: int, world: int,

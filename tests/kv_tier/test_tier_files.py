@@ -8,17 +8,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from compiled_engine.engine_args import add_engine_args, engine_config
-from compiled_engine.kv_tier.folder import open_store
+from compiled_engine.kv_tier.folder import check_folder, open_store
 from compiled_engine.kv_tier.store import HEADER
 from compiled_engine.llm import LLM
-from compiled_engine.private_dir import UnsafeFolder
+from compiled_engine.private_dir import UnsafeFolder, ensure_private_dir
 from compiled_engine.sampling_params import SamplingParams
 from tests.helpers.checkpoints import add_demo_tokenizer, make_checkpoint
 
@@ -159,3 +161,50 @@ def test_tp_ranks_share_one_budget(tmp_path) -> None:
     used = sum(p.stat().st_size for p in kv_dir.rglob("*") if p.is_file())
     assert used <= budget, f"{used} bytes on disk over the folder's budget of {budget}"
     assert [len(s) for s in stores] == [5, 5]
+
+
+def _refused_at_start_up(kv_dir: Path, match: str) -> None:
+    """`--kv-cache-dir kv_dir` refused by the start-up check and by the store, nothing made."""
+    args = _parser().parse_args(["--kv-cache-dir", str(kv_dir)])
+    with pytest.raises(ValueError, match=f"--kv-cache-dir: {re.escape(str(kv_dir))}: {match}"):
+        engine_config(args)
+    with pytest.raises(UnsafeFolder, match=match):
+        ensure_private_dir(kv_dir)
+    assert not kv_dir.exists(), "a folder was made under an unsafe one"
+
+
+def test_a_folder_under_another_users_folder_is_refused(tmp_path) -> None:
+    """Whoever owns a folder above ours could move ours aside and put theirs in its place."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user takes root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    refusal = re.escape(f"the folder above it, {theirs}, is owned by uid {NOBODY} (neither root "
+                        "nor this user)")
+    _refused_at_start_up(theirs / "kv", refusal)
+    _refused_at_start_up(theirs / "deeper" / "kv", refusal)
+
+
+def test_a_folder_under_one_others_may_write_is_refused_unless_it_is_sticky(tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    _refused_at_start_up(shared / "kv", re.escape(f"the folder above it, {shared}, is writable "
+                                                  "by other users and not sticky (mode 777)"))
+    shared.chmod(0o1777)  # as /tmp: others may not move what is ours
+    kv_dir = shared / "kv"
+    check_folder(kv_dir)
+    assert ensure_private_dir(kv_dir) == kv_dir
+    assert stat.S_IMODE(kv_dir.stat().st_mode) == 0o700
+
+
+def test_a_folder_under_tmp_or_pytests_tmp_path_is_accepted(tmp_path) -> None:
+    if not os.stat("/tmp").st_mode & stat.S_ISVTX:
+        pytest.skip("/tmp is not sticky here")
+    with tempfile.TemporaryDirectory(dir="/tmp") as top:
+        for kv_dir in (Path(top) / "kv", tmp_path / "a" / "kv"):
+            check_folder(kv_dir)
+            assert ensure_private_dir(kv_dir) == kv_dir.resolve()
+            assert stat.S_IMODE(kv_dir.stat().st_mode) == 0o700
+
