@@ -1,5 +1,5 @@
 """Folders and files only this process's user may read: a folder is 0700 (made so, or an existing
-one of ours tightened), a file 0600 (whatever the umask). A folder owned by another
+one of ours tightened, with a warning), a file 0600 (whatever the umask). A folder owned by another
 user, or one that others may write, is refused (`UnsafeFolder`): whoever controls it could read what
 is kept there or plant what is read back. So is a folder with such a folder above it (its real
 path's parents, as OpenSSH's StrictModes checks them): each must be root's or this user's, and
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger(__name__)
 
 FOLDER_MODE = 0o700
 FILE_MODE = 0o600
@@ -64,7 +67,7 @@ def _check_parent(path: str | os.PathLike, parent: Path) -> None:
 
 def ensure_private_dir(path: str | os.PathLike) -> Path:
     """The real path of `path`, made 0700 (missing parents 0755 less the umask), or an existing
-    folder of this user set to 0700; UnsafeFolder, before anything
+    folder of this user set to 0700 (a warning when its mode changes); UnsafeFolder, before anything
     is made, for what `check_private_dir` refuses."""
     real = check_private_dir(path)
     missing = [p for p in (real, *real.parents) if not p.exists()]
@@ -75,6 +78,9 @@ def ensure_private_dir(path: str | os.PathLike) -> Path:
         real = check_private_dir(path)  # what was made in the meantime checked as well
     mode = stat.S_IMODE(real.stat().st_mode)
     if mode != FOLDER_MODE:
+        if real not in missing:
+            log.warning("%s had mode %o: set to %o (only this user may read what is kept there)",
+                        path, mode, FOLDER_MODE)
         os.chmod(real, FOLDER_MODE)
     return real
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import re
 import stat
@@ -208,3 +209,17 @@ def test_a_folder_under_tmp_or_pytests_tmp_path_is_accepted(tmp_path) -> None:
             assert ensure_private_dir(kv_dir) == kv_dir.resolve()
             assert stat.S_IMODE(kv_dir.stat().st_mode) == 0o700
 
+
+def test_an_existing_folder_tightened_is_one_warning(tmp_path, caplog) -> None:
+    """An operator's 0750 folder (or --kv-cache-dir ~) is set to 0700, and the log says so once;
+    a folder made here, or already 0700, says nothing."""
+    theirs = tmp_path / "operators"
+    theirs.mkdir()
+    theirs.chmod(0o750)
+    with caplog.at_level(logging.WARNING, logger="compiled_engine.private_dir"):
+        ensure_private_dir(theirs)
+        ensure_private_dir(theirs)
+        ensure_private_dir(tmp_path / "new")
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o700
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{theirs} had mode 750: set to 700 (only this user may read what is kept there)"]
