@@ -9,17 +9,20 @@ another origin (a form needs no CORS preflight, so the JSON-only rule cannot gua
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import BinaryIO
 
 import anyio
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response, StreamingResponse
 
 from server.batch.lines import ENDPOINTS
-from server.batch.store import NO_OWNER, owner_of, public
+from server.batch.store import public
 from server.handlers import (
     endpoint,
     json_response,
@@ -29,6 +32,7 @@ from server.handlers import (
     state_of,
 )
 from server.origin_guard import host_name, is_loopback
+from server.owners import request_owner as _owner
 from server.protocol import check_fields, get_str, require_object
 from server.request_errors import ProtocolError
 
@@ -70,14 +74,6 @@ async def upload_file(request: Request) -> Response:
     finally:
         await form.close()
     return json_response(public(obj))
-
-
-def _owner(request: Request) -> str:
-    """Who the caller is to the store: its API key (which the server's middleware checked), or
-    one owner for all where the server takes no key."""
-    if not state_of(request).config.api_keys:
-        return NO_OWNER
-    return owner_of(request.headers.get("authorization", "").removeprefix("Bearer "))
 
 
 async def _capped(request: Request, limit: int):
@@ -124,9 +120,20 @@ async def get_file(request: Request) -> Response:
 @endpoint("files")
 async def file_content(request: Request) -> Response:
     st = state_of(request)
-    store, file_id = st.batches.store, request.path_params["file_id"]
-    await asyncio.to_thread(store.file, file_id, _owner(request))  # 404 without it
-    return FileResponse(store.file_path(file_id), media_type="application/jsonl")
+    content = await asyncio.to_thread(st.batches.store.open_content,
+                                      request.path_params["file_id"], _owner(request))
+    size = os.fstat(content.fileno()).st_size
+    return StreamingResponse(_read(content), media_type="application/jsonl",
+                             headers={"content-length": str(size)})
+
+
+async def _read(content: BinaryIO) -> AsyncIterator[bytes]:
+    """An open file's bytes, a MiB at a time off the event loop; the file closed at the end."""
+    try:
+        while chunk := await asyncio.to_thread(content.read, 1 << 20):
+            yield chunk
+    finally:
+        content.close()
 
 
 @endpoint("files")

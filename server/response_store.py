@@ -1,6 +1,7 @@
 """The Responses API's stored responses, for `previous_response_id` and `GET /v1/responses/{id}`
 (with its input items): the latest ones, at most `capacity` of them and `capacity_bytes` of their
-JSON, in memory (gone at restart)."""
+JSON, in memory (gone at restart). Each belongs to the API key that made it (`server/owners.py`):
+to another key it is as unknown as an id never answered."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ STORE_CAPACITY_BYTES = 64 << 20
 @dataclass(frozen=True, slots=True)
 class Stored:
     """A stored response: its conversation as chat messages (its own output last), the response
-    object as answered, and its input items."""
+    object as answered, its input items, and the owner of the key that made it."""
 
     messages: list[dict]
     response: dict
     input_items: list[dict]
+    owner: str
 
 
 @dataclass
@@ -49,12 +51,16 @@ class ResponseStore:
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, response_id: str, param: str | None = "previous_response_id") -> Stored:
-        if response_id not in self._kept:
+    def get(self, response_id: str, owner: str,
+            param: str | None = "previous_response_id") -> Stored:
+        """The response `owner` stored as `response_id`; a 404 when there is none (another
+        owner's included)."""
+        kept = self._kept.get(response_id)
+        if kept is None or kept[0].owner != owner:
             raise ProtocolError(f"no stored response {response_id[:64]!r} (the server keeps the "
                                 f"latest {self.capacity}, up to {self.capacity_bytes >> 20} MiB, "
                                 "in memory)", param, 404, code="not_found")
-        return self._kept[response_id][0]
+        return kept[0]
 
     def delete(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)

@@ -6,7 +6,7 @@ response format; function tools and `tool_choice` in the chat shape), parsed and
 completion is, and its answer becomes output items: one `message` with its `output_text`, or one
 `function_call` per call. `previous_response_id` continues a stored response: the conversation that
 led to it and its output come first. Responses are kept in memory (`response_store.py`: the latest
-`capacity`, unless `store` is false)."""
+`capacity`, unless `store` is false), each for the API key that made it alone."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from server.handlers import (
     stream,
 )
 from server.openai_format import sse
+from server.owners import request_owner
 from server.protocol import (
     ChatRequest,
     ProtocolError,
@@ -260,8 +261,8 @@ async def responses(request: Request) -> Response:
     check_fields(body, FIELDS)
     _check_plain_fields(body)
     want_stream, keep = get_bool(body, "stream", False), get_bool(body, "store", True)
-    previous = body.get("previous_response_id")
-    conversation = [*(st.responses.get(previous).messages if previous is not None else []),
+    previous, owner = body.get("previous_response_id"), request_owner(request)
+    conversation = [*(st.responses.get(previous, owner).messages if previous is not None else []),
                     *_input_messages(body.get("input"))]
     input_items = _input_items(body["input"])
     chat = _chat_body(body, conversation)
@@ -276,7 +277,8 @@ async def responses(request: Request) -> Response:
 
     def finish(answer: _Answer, response: dict) -> None:
         if keep:
-            st.responses.put(rid, Stored([*conversation, answer.message], response, input_items))
+            st.responses.put(rid, Stored([*conversation, answer.message], response, input_items,
+                                         owner))
 
     if not want_stream:
         await collect(request, st, gen)
@@ -310,14 +312,15 @@ async def retrieve_response(request: Request) -> Response:
     if request.query_params:
         name = sorted(request.query_params)[0]
         raise ProtocolError(f"query parameter {name!r} is not supported", name)
-    return json_response(st.responses.get(request.path_params["response_id"], None).response)
+    return json_response(st.responses.get(request.path_params["response_id"],
+                                          request_owner(request), None).response)
 
 
 @endpoint("responses")
 async def delete_response(request: Request) -> Response:
     st = state_of(request)
     rid = request.path_params["response_id"]
-    st.responses.get(rid, None)  # 404 when absent
+    st.responses.get(rid, request_owner(request), None)  # 404 when absent (or another's)
     st.responses.delete(rid)
     return json_response({"id": rid, "object": "response", "deleted": True})
 
@@ -328,7 +331,7 @@ async def cancel_response(request: Request) -> Response:
     request's `background: true` is refused), so a stored response is answered as OpenAI answers
     a finished one."""
     st = state_of(request)
-    st.responses.get(request.path_params["response_id"], None)
+    st.responses.get(request.path_params["response_id"], request_owner(request), None)
     raise ProtocolError("Cannot cancel a synchronous response.", None, 400)
 
 
@@ -337,7 +340,8 @@ async def response_input_items(request: Request) -> Response:
     """OpenAI's `GET /v1/responses/{id}/input_items`: the request's input items, newest first
     (`order=asc` oldest first), `limit` (1..100, default 20) after the id `after`."""
     st = state_of(request)
-    items = list(st.responses.get(request.path_params["response_id"], None).input_items)
+    items = list(st.responses.get(request.path_params["response_id"], request_owner(request),
+                                  None).input_items)
     only_queries(request.query_params, {"order", "limit", "after"})
     return json_response(list_page(items[::-1], request.query_params))
 

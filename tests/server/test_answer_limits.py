@@ -28,17 +28,17 @@ def test_an_answer_beyond_the_logprob_limit_is_a_400() -> None:
 
 def test_the_response_store_is_bounded_in_bytes() -> None:
     store = ResponseStore(capacity=100, capacity_bytes=10_000)
-    message = Stored([{"role": "assistant", "content": "x" * 1000}], {"id": "r"}, [])
+    message = Stored([{"role": "assistant", "content": "x" * 1000}], {"id": "r"}, [], "")
     for i in range(30):
         store.put(f"r{i}", message)
     assert store.nbytes <= 10_000
     with pytest.raises(ProtocolError) as gone:
-        store.get("r0")
+        store.get("r0", "")
     assert gone.value.status == 404
-    assert store.get("r29") == message
-    huge = Stored([{"role": "assistant", "content": "x" * 20_000}], {}, [])  # alone over the bound
+    assert store.get("r29", "") == message
+    huge = Stored([{"role": "assistant", "content": "x" * 20_000}], {}, [], "")  # over the bound
     store.put("huge", huge)
     with pytest.raises(ProtocolError):
-        store.get("huge")
-    assert store.get("r29") == message and store.nbytes <= 10_000
+        store.get("huge", "")
+    assert store.get("r29", "") == message and store.nbytes <= 10_000
     assert store.delete("r29") and not store.delete("r29")
