@@ -140,6 +140,16 @@ class BatchStore:
                                 code="not_found")
         return obj
 
+    def open_content(self, file_id: str, owner: str) -> BinaryIO:
+        """`owner`'s file's content, open (a delete from now on leaves it readable to the end);
+        404 without it, as for one deleted since its object was read."""
+        self.file(file_id, owner)
+        try:
+            return open(self.file_path(file_id), "rb")  # the caller closes it
+        except FileNotFoundError:
+            raise ProtocolError(f"No such File object: {file_id[:80]}", "file_id", status=404,
+                                code="not_found") from None
+
     def list_files(self, purpose: str | None, owner: str) -> list[dict]:
         objs = [o for o in self._objects("file", self.files)
                 if o.get("owner", NO_OWNER) == owner and purpose in (None, o["purpose"])]

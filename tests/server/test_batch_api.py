@@ -326,6 +326,18 @@ def test_a_store_with_damaged_objects_still_lists_and_runs_batches(keyed, keyed_
             path.unlink()
 
 
+def test_a_files_content_deleted_under_the_route_is_a_404(keyed, keyed_dir) -> None:
+    """The content route found the object, then the file was gone (a DELETE in between): a
+    500."""
+    with keyed.http(headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+        r = http.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch"})
+        file_id = r.json()["id"]
+        (keyed_dir / "files" / f"{file_id}.jsonl").unlink()  # as the DELETE's first step does
+        r = http.get(f"/v1/files/{file_id}/content")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        http.delete(f"/v1/files/{file_id}")
+
+
 def test_the_store_is_private(keyed, keyed_dir, tmp_path) -> None:
     """Folders 0700, files 0600 (uploads, objects, answers): were the umask's."""
     run_one(as_key(keyed, KEYS[1]), tmp_path, [chat_line(0, "Why", 2)])

@@ -74,6 +74,19 @@ def test_keeping_the_answers_again_after_a_stop_finishes_the_move(tmp_path) -> N
     assert store.file_path(out).read_bytes() == answer("x") + b"\n"
 
 
+def test_a_files_content_is_a_404_once_deleted_and_whole_once_open(tmp_path) -> None:
+    """Between its object read and its content opened, a delete made the content route a 500."""
+    store = BatchStore(tmp_path)
+    f, g = upload(store, [line(0)]), upload(store, [line(1)])
+    store.file_path(f["id"]).unlink()  # deleted after its object was read
+    with pytest.raises(ProtocolError) as e:
+        store.open_content(f["id"], ALICE)
+    assert (e.value.status, e.value.code) == (404, "not_found")
+    with store.open_content(g["id"], ALICE) as content:
+        store.delete_file(g["id"], ALICE)  # while it is being read
+        assert json.loads(content.read())["custom_id"] == "r1"
+
+
 def test_ids_the_store_never_makes_are_404s(tmp_path) -> None:
     """Over-long Unicode ids were 500s ("File name too long") on every route."""
     store = BatchStore(tmp_path)
