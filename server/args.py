@@ -21,11 +21,13 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def resolve_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The API keys: --api-key-file's lines (one key a line), else --api-key's, else
-    $COMPILED_ENGINE_API_KEY; none: the server asks for no key."""
+    """The API keys: --api-key-file's (one key a line, blank lines and lines starting with `#`
+    left out), else --api-key's, else $COMPILED_ENGINE_API_KEY; none: the server asks for no
+    key."""
     if args.api_key_file:
         with open(args.api_key_file, encoding="utf-8") as f:
-            keys = tuple(dict.fromkeys(k for line in f if (k := line.strip())))
+            keys = tuple(dict.fromkeys(k for line in f
+                                       if (k := line.strip()) and not k.startswith("#")))
         if not keys:
             raise OSError(f"{args.api_key_file} holds no key")
         return keys
@@ -79,7 +81,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
              f"(one key) or --api-key-file",
     )
     p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API keys from this file (one key a line)")
+                   help="read the API keys from this file: one key a line, blank lines and "
+                        "lines starting with # left out")
     p.add_argument("--max-queue", type=int, default=1024, help="sequences in flight before 429")
     p.add_argument("--send-timeout", type=seconds, default=60.0, metavar="SECONDS",
                    help="drop a client that takes no data for this long (its requests aborted)")

@@ -3,6 +3,7 @@ dies."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from server.args import resolve_api_keys
 from tests.helpers.servers import RunningServer, start_server
 
 KEY = "sekret"
@@ -30,6 +32,18 @@ def _error(r: httpx.Response, status: int) -> dict:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     return err
+
+
+def test_an_api_key_file_takes_one_key_a_line_without_comments_or_blanks(tmp_path) -> None:
+    """A comment or a blank line in --api-key-file was taken as a key (any client sending
+    "# keys" got in)."""
+    path = tmp_path / "keys"
+    path.write_text("# the team's keys\n\nalpha\n  beta  \n#gamma\nalpha\n")
+    assert resolve_api_keys(argparse.Namespace(api_key_file=str(path), api_key=None)) == (
+        "alpha", "beta")
+    path.write_text("# none yet\n\n")
+    with pytest.raises(OSError, match="holds no key"):
+        resolve_api_keys(argparse.Namespace(api_key_file=str(path), api_key=None))
 
 
 def test_api_key_required_except_health(limited: RunningServer) -> None:
