@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         if getattr(args, "log_level", None) in ("debug", "trace"):
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"compiled-engine {args.command}: error: {e}", file=sys.stderr)  # as argparse's
         return 2
 
 

@@ -88,4 +88,5 @@ def test_an_unknown_level_is_a_clear_error() -> None:
     assert out.returncode != 0 and message in out.stderr
     cli = [sys.executable, "-m", "cli", "generate", "--prompt", "hi"]
     out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip() == f"error: {message}", out.stderr
+    said = f"compiled-engine generate: error: {message}"
+    assert out.returncode == 2 and out.stderr.strip() == said, out.stderr

@@ -185,7 +185,9 @@ def test_a_refused_start_is_one_line_and_exit_code_2(case: str, tmp_path: Path) 
     errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
     assert out.returncode == 2, out.stderr
     assert len(errors) == 1 and says in errors[0], out.stderr
-    assert "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1] == errors[0]  # the last word, after the log's lines
+    assert errors[0].startswith("compiled-engine serve: error: "), out.stderr
+    assert "Traceback" not in out.stderr and '  File "' not in out.stderr
 
 
 def test_a_refused_start_at_debug_level_shows_the_tracebacks(tmp_path: Path) -> None:
