@@ -57,6 +57,28 @@ def seconds(text: str) -> float:
     return value
 
 
+def mebibytes(text: str) -> int:
+    """A size flag's value in MiB: a whole number above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size in MiB is a whole number above 0, not {text!r}")
+    return value
+
+
+def gibibytes(text: str) -> float:
+    """A size flag's value in GiB: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a size in GiB is a number above 0, not {text!r}")
+    return value
+
+
 def template_kwargs(text: str) -> dict:
     """--default-chat-template-kwargs: a JSON object of the chat template's variables."""
     try:
@@ -128,15 +150,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(a restarted server resumes the batches it finds there; one server a "
                         "folder, a second refused; default: $XDG_STATE_HOME/compiled-engine/"
                         "batches/port-PORT, else ~/.local/state/compiled-engine/batches/port-PORT)")
-    p.add_argument("--max-batch-file-mb", type=int, default=200, metavar="MB",
-                   help="the largest file /v1/files takes")
-    p.add_argument("--batch-disk-gb", type=float, default=10.0, metavar="GB",
-                   help="what the Batch API keeps, all files and answers together (GiB): an "
-                        "upload past it is refused (413), a batch's lines past it are error "
-                        "lines, unrun")
-    p.add_argument("--max-batch-output-mb", type=int, default=1024, metavar="MB",
-                   help="a batch's answers, output and error files together: past it, its lines "
-                        "left are error lines (batch_output_too_large), unrun")
+    p.add_argument("--max-batch-file-mb", type=mebibytes, default=200, metavar="MiB",
+                   help="the largest file /v1/files takes, in MiB (2**20 bytes)")
+    p.add_argument("--batch-disk-gb", type=gibibytes, default=10.0, metavar="GiB",
+                   help="what the Batch API keeps, all files and answers together, in GiB (2**30 "
+                        "bytes; --kv-cache-disk-gb counts GB, 10**9): an upload past it is "
+                        "refused (413), a batch's lines past it are error lines, unrun")
+    p.add_argument("--max-batch-output-mb", type=mebibytes, default=1024, metavar="MiB",
+                   help="a batch's answers, output and error files together, in MiB (2**20 "
+                        "bytes): past it, its lines left are error lines "
+                        "(batch_output_too_large), unrun")
     p.add_argument(
         "--allow-runtime-lora-updating", action="store_true",
         help=f"let clients load and unload LoRA adapters while serving (/v1/load_lora_adapter, "

@@ -5,6 +5,7 @@ never makes are 404s; an object cut short is left out; folders 0700 and files 06
 another user's refused; one store a folder; a disk budget; a batch's `n` counted against its share
 of the queue; a batch's answers bounded."""
 
+import argparse
 import asyncio
 import io
 import json
@@ -19,6 +20,7 @@ import pytest
 import server.app
 from compiled_engine.private_dir import FolderBusy
 from compiled_engine.ranks.launcher import StartupRefusal
+from server.args import add_serve_args
 from server.batch.runner import BatchRunner
 from server.batch.store import BatchStore, owner_of
 from server.request_errors import ProtocolError
@@ -222,6 +224,24 @@ def test_the_server_refuses_a_batch_dir_of_another_users_in_one_line(foreign) ->
     assert run.stderr.strip().splitlines() == [
         f"compiled-engine serve: error: --batch-dir: {foreign} is owned by uid 65534, not by "
         f"this user (uid {os.geteuid()}): refusing to keep private data there"]
+
+
+@pytest.mark.parametrize("flag", ["--batch-disk-gb", "--max-batch-output-mb",
+                                  "--max-batch-file-mb"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_batch_size_flag_not_above_0_is_refused_in_one_line(flag: str, value: str,
+                                                              capsys) -> None:
+    """0 and below were taken (a budget of 0 refused every upload), an infinite --batch-disk-gb
+    crashed the start."""
+    parser = argparse.ArgumentParser(prog="compiled-engine serve")
+    add_serve_args(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([f"{flag}={value}"])
+    unit = "GiB" if flag == "--batch-disk-gb" else "MiB"
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"compiled-engine serve: error: argument {flag}: a size in {unit} is "
+        f"{'a number' if unit == 'GiB' else 'a whole number'} above 0, not {value!r}")
 
 
 def test_the_disk_budget_refuses_an_upload_past_it(tmp_path) -> None:
