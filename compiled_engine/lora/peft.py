@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from compiled_engine.lora.folder import PEFT_FILES
 from compiled_engine.lora.weights import TARGET_MODULES, AdapterError, AdapterWeights
 
 _PREFIX = "base_model.model."
@@ -20,7 +21,7 @@ _TENSOR = re.compile(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 def load_peft(path: str | Path) -> AdapterWeights:
     """The adapter in folder `path`; AdapterError names what is wrong with it."""
     folder = Path(path)
-    config_file, tensors_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    config_file, tensors_file = (folder / name for name in PEFT_FILES)
     if not config_file.is_file():
         raise AdapterError(f"{folder}: no adapter_config.json (a PEFT LoRA adapter's folder?)")
     if not tensors_file.is_file():

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+from compiled_engine.lora.folder import PEFT_FILES
 from compiled_engine.lora.gguf import load_gguf_lora
 from compiled_engine.lora.peft import load_peft
 from compiled_engine.lora.slots import LoRASlots
@@ -38,8 +39,9 @@ def read_adapter(path: str, slots: LoRASlots) -> AdapterWeights:
             return load_gguf_lora(p, adapter_targets(slots))
         if not p.exists():
             raise AdapterError(f"no adapter at {cut(path)!r}")
-        _check_size(p / "adapter_config.json", CONFIG_MAX_BYTES)
-        _check_size(p / "adapter_model.safetensors", limit)
+        config, tensors = (p / name for name in PEFT_FILES)
+        _check_size(config, CONFIG_MAX_BYTES)
+        _check_size(tensors, limit)
         return load_peft(p)
     except OSError as e:  # a name too long, a folder it may not enter, ...
         raise AdapterError(f"cannot read the adapter at {cut(path)!r}: {e.strerror or e}") from None

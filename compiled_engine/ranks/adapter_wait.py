@@ -40,7 +40,8 @@ class AdapterWait:
 
     def _read(self, msg: LoadLora) -> AdapterWeights:
         """The adapter's weights; a client's path that no longer resolves to itself inside its
-        folder (a link put in its way since the server checked it) refused unread."""
+        folder, or whose files do not (a link put in its way or in a file's place since the server
+        checked it), refused unread."""
         if msg.root is not None and not still_confined(msg.root, msg.path):
             raise AdapterError(OUTSIDE)
         return self._engine.read_lora(msg.name, msg.path)

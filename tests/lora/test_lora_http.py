@@ -2,12 +2,14 @@
 SGLang: `base:name`) or `/generate`'s `lora_path`; `/v1/models` lists them with `root` and `parent`;
 adapters are loaded, used, unloaded and loaded again live through vLLM's and SGLang's endpoints
 (turned on, loads from the operator's folder), with the answers those servers give; a bad adapter
-or one in use is a 400 that changes nothing; every path outside the folder gets the same refusal."""
+or one in use is a 400 that changes nothing; every path outside the folder gets the same refusal,
+a folder inside whose files link out of it too."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -169,6 +171,26 @@ def test_every_path_outside_the_folder_gets_one_refusal(served, tmp_path) -> Non
         assert "--lora-dir" in message and "/" not in message
         assert sglang[0].json()["error_message"] == message
         assert http.get("/v1/models").json() == before
+        # a folder inside whose files are links to another adapter's files outside: the one
+        # refusal (the server's check, and each rank's before it reads); links to files that
+        # stay inside, as the Hugging Face cache's snapshots to its blobs, are the operator's
+        for name, target in (("linked-out", outside), ("linked-in", Path(paths["b"]))):
+            (root / name).mkdir()
+            shutil.copy(target / "adapter_config.json", root / name)
+            (root / name / "adapter_model.safetensors").symlink_to(
+                target / "adapter_model.safetensors")
+        (root / "config-out").mkdir()
+        (root / "config-out" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
+        shutil.copy(outside / "adapter_model.safetensors", root / "config-out")
+        for path in ("linked-out", str(root / "config-out")):
+            for route, answers in (("/v1/load_lora_adapter", vllm), ("/load_lora_adapter", sglang)):
+                r = http.post(route, json={"lora_name": "x", "lora_path": path})
+                assert (r.status_code, r.content) == (400, answers[0].content), r.text
+        assert http.get("/v1/models").json() == before
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "in", "lora_path": "linked-in"})
+        assert r.status_code == 200, r.text
+        assert _tokens(http, "in") == refs["b"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "in"}).status_code == 200
         # inside the folder: relative, through a link that stays in it, served
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "alias", "lora_path": "alias"})
         assert r.status_code == 200, r.text

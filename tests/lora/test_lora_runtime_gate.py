@@ -2,7 +2,8 @@
 load/unload routes answer vLLM's 404 (naming the flag) and the start-up adapters keep serving;
 `--allow-runtime-lora-updating` or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING` turns them on (then,
 as in vLLM, start-up adapters may be unloaded; without `--lora-dir` nothing loads);
-`--lora-dir` must be a folder; a rank refuses a path that a link now takes out of the folder."""
+`--lora-dir` must be a folder; a rank refuses a path that a link now takes out of the folder, or
+whose files a link now takes out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 
 import pytest
 
-from compiled_engine.lora.folder import OUTSIDE, confined
+from compiled_engine.lora.folder import OUTSIDE, PEFT_FILES, confined
 from compiled_engine.ranks.adapter_wait import AdapterWait
 from compiled_engine.ranks.messages import LoadLora, LoraReply
 from server.args import add_serve_args, runtime_lora_updating
@@ -143,21 +144,29 @@ class Reader:
 
 def test_a_rank_refuses_a_path_a_link_took_out_of_the_folder(tmp_path) -> None:
     root, outside = tmp_path / "loras", tmp_path / "outside"
-    (root / "x").mkdir(parents=True)
+    for folder in ("x", "w"):
+        (root / folder).mkdir(parents=True)
+        for file in PEFT_FILES:
+            (root / folder / file).write_text("")
     outside.mkdir()
-    checked = [confined(str(root), name) for name in ("x", "y")]  # the server's check
-    assert checked == [str(root / "x"), str(root / "y")]
+    (outside / PEFT_FILES[1]).write_text("")
+    checked = [confined(str(root), name) for name in ("x", "y", "w")]  # the server's check
+    assert checked == [str(root / "x"), str(root / "y"), str(root / "w")]
     (root / "y").symlink_to(outside)  # put in its way after the check
+    (root / "w" / PEFT_FILES[1]).unlink()  # a file of the folder: now a link to one outside
+    (root / "w" / PEFT_FILES[1]).symlink_to(outside / PEFT_FILES[1])
     wait = AdapterWait(Reader())
     try:
         wait.start(LoadLora(1, "x", checked[0], str(root)))
         wait.start(LoadLora(2, "y", checked[1], str(root)))
         wait.start(LoadLora(3, "z", str(outside)))  # the offline API's own path: not confined
+        wait.start(LoadLora(4, "w", checked[2], str(root)))
         for _ in range(3000):
-            if len(wait.ready()[0]) == 3:
+            if len(wait.ready()[0]) == 4:
                 break
             threading.Event().wait(0.01)
         replies = wait.serve(*wait.ready(), control=None)
     finally:
         wait.close()
-    assert replies == [LoraReply(1), LoraReply(2, OUTSIDE, 400), LoraReply(3)]
+    assert replies == [LoraReply(1), LoraReply(2, OUTSIDE, 400), LoraReply(3),
+                       LoraReply(4, OUTSIDE, 400)]
