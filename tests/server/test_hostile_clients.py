@@ -217,6 +217,7 @@ def test_a_loopback_server_answers_loopback_hosts_only(server: RunningServer, ht
 
 
 SEND_TIMEOUT_S = 2.0
+STALL_WAIT_S = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -240,14 +241,20 @@ def test_a_client_that_stops_reading_is_dropped(quick_drop: RunningServer) -> No
     try:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        sock.settimeout(120)
+        received = b""
+        while len(received) < 12:  # the status line: the streams have their first tokens
+            chunk = sock.recv(12 - len(received))
+            assert chunk, "the server closed the connection before answering"
+            received += chunk
         with quick_drop.http() as http, probing(quick_drop):
-            time.sleep(SEND_TIMEOUT_S)  # (streams start, then stall)
-            assert_kv_all_free(wait_idle(http, timeout_s=60))
+            # the writes stall once the socket buffers hold their bytes (a few MB: a part of the
+            # streams' 1,500 steps, however fast they come), then the streams go
+            assert_kv_all_free(wait_idle(http, timeout_s=STALL_WAIT_S))
             out = http.post("/v1/completions", json={"model": "demo", "prompt": "hello",
                                                      "max_tokens": 4, "temperature": 0})
             assert out.status_code == 200
         sock.settimeout(30)
-        received = b""
         while chunk := sock.recv(1 << 16):  # what the kernel buffered, then the server's close
             received += chunk
         assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
@@ -255,48 +262,77 @@ def test_a_client_that_stops_reading_is_dropped(quick_drop: RunningServer) -> No
         sock.close()
 
 
-def _stream(server: RunningServer, body: dict, into: dict, key: str) -> threading.Thread:
-    def run() -> None:
-        with server.http() as client, client.stream("POST", "/v1/completions", json=body) as r:
-            into[key] = (r.status_code, [line for line in r.iter_lines() if line])
+class _Stream(threading.Thread):
+    """A streamed completion read on its own thread; `started` is set at its first event (or its
+    end, when it has none)."""
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    def __init__(self, server: RunningServer, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.server, self.body = server, body
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.lines: list[str] = []
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with (self.server.http() as client,
+                  client.stream("POST", "/v1/completions", json=self.body) as r):
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.started.set()
+        finally:
+            self.started.set()
 
 
-def test_sigterm_drains_then_exits(tmp_path) -> None:
+DRAIN_S = 15.0
+SHORT_TOKENS = 8
+LONG_TOKENS = 2000  # (the demo's context is 2,048)
+STREAM_WAIT_S = 120.0
+
+
+@pytest.fixture
+def draining() -> Iterator[RunningServer]:
+    """A server of the test's own (the test signals it); stopped however the test ends."""
+    with start_server(shutdown_timeout_s=DRAIN_S) as running:
+        yield running
+
+
+def test_sigterm_drains_then_exits(draining: RunningServer) -> None:
     """The first SIGTERM: /health 503, new requests 503, the streams in flight finish with their
     finish_reason and [DONE]; one still running when --shutdown-timeout runs out ends with an error
-    event and [DONE]; then the server exits and its rank processes with it."""
-    running = start_server(shutdown_timeout_s=3.0)
+    event and [DONE]; then the server exits and its rank processes with it.
+
+    Nothing here races the machine's speed: the signal goes once every stream has its first event
+    (each waits for it, bounded). From there the short streams need at most 8 more engine steps
+    and the long one (4 x 2,000 tokens) about 2,000: the drain's 15 s sit between the two however
+    loaded the machine is."""
+    running = draining
     procs = list(running.state.client.handle.procs)
-    got: dict = {}
     base = {"model": "demo", "prompt": "hi", "stream": True, "ignore_eos": True, "temperature": 0}
-    threads = [_stream(running, base | {"max_tokens": 8}, got, f"short{i}") for i in range(3)]
-    # 4 x 1,900 tokens with 20 log-probs each: far more than the drain's 3 s
-    threads.append(_stream(running, base | {"max_tokens": 1900, "n": 4, "logprobs": 20}, got,
-                           "long"))
+    long = _Stream(running, base | {"max_tokens": LONG_TOKENS, "n": 4})
+    assert long.started.wait(STREAM_WAIT_S), "the long stream never started"
+    shorts = [_Stream(running, base | {"max_tokens": SHORT_TOKENS}) for _ in range(3)]
+    for short in shorts:
+        assert short.started.wait(STREAM_WAIT_S), "a short stream never started"
+    assert long.is_alive() and long.status == 200, (long.status, long.lines[-2:])
     with running.http() as http:
-        deadline = time.monotonic() + 60
-        while running.state.client.num_in_flight < 7:
-            assert time.monotonic() < deadline, "the streams never started"
-            time.sleep(0.01)
         running.server.handle_exit(signal.SIGTERM, None)
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
         refused = http.post("/v1/completions",
                             json={"model": "demo", "prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-    for thread in threads:
-        thread.join(60)
-    for i in range(3):
-        status, lines = got[f"short{i}"]
-        assert status == 200 and lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
-    status, lines = got["long"]
-    assert status == 200 and lines[-1] == "data: [DONE]"
-    assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+    for stream in [*shorts, long]:
+        stream.join(DRAIN_S + 60)
+        assert not stream.is_alive(), "a stream did not end after the drain"
+    for short in shorts:
+        assert short.status == 200 and short.lines[-1] == "data: [DONE]"
+        assert json.loads(short.lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert long.status == 200 and long.lines[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(long.lines[-2][6:])["error"]["message"]
     running.thread.join(60)
     assert not running.thread.is_alive(), "the server did not exit after the drain"
     assert not any(p.is_alive() for p in procs)
