@@ -65,10 +65,11 @@ def _check_parent(path: str | os.PathLike, parent: Path) -> None:
                            f"and not sticky (mode {stat.S_IMODE(info.st_mode):o}): {REFUSING}")
 
 
-def ensure_private_dir(path: str | os.PathLike) -> Path:
+def ensure_private_dir(path: str | os.PathLike, warn: bool = True) -> Path:
     """The real path of `path`, made 0700 (missing parents 0755 less the umask), or an existing
-    folder of this user set to 0700 (a warning when its mode changes); UnsafeFolder, before anything
-    is made, for what `check_private_dir` refuses."""
+    folder of this user set to 0700 (a warning when its mode changes, unless not `warn`: a folder
+    inside one that warned); UnsafeFolder, before anything is made, for what `check_private_dir`
+    refuses."""
     real = check_private_dir(path)
     missing = [p for p in (real, *real.parents) if not p.exists()]
     for folder in reversed(missing):
@@ -78,7 +79,7 @@ def ensure_private_dir(path: str | os.PathLike) -> Path:
         real = check_private_dir(path)  # what was made in the meantime checked as well
     mode = stat.S_IMODE(real.stat().st_mode)
     if mode != FOLDER_MODE:
-        if real not in missing:
+        if warn and real not in missing:
             log.warning("%s had mode %o: set to %o (only this user may read what is kept there)",
                         path, mode, FOLDER_MODE)
         os.chmod(real, FOLDER_MODE)

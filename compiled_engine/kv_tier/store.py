@@ -52,7 +52,7 @@ class PageStore:
         self.budget_bytes = budget_bytes
         for sub in self.root.iterdir():
             if sub.is_dir():
-                ensure_private_dir(sub)
+                ensure_private_dir(sub, warn=False)  # the store's own folder said it
         self._lock_file = lock_store_folder(self.root)
         self._held = held
         self._mutex = threading.Lock()
