@@ -153,9 +153,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-file-mb", type=mebibytes, default=200, metavar="MiB",
                    help="the largest file /v1/files takes, in MiB (2**20 bytes)")
     p.add_argument("--batch-disk-gb", type=gibibytes, default=10.0, metavar="GiB",
-                   help="what the Batch API keeps, all files and answers together, in GiB (2**30 "
-                        "bytes; --kv-cache-disk-gb counts GB, 10**9): an upload past it is "
-                        "refused (413), a batch's lines past it are error lines, unrun")
+                   help="what the Batch API keeps, all files, batches and answers together, in "
+                        "GiB (2**30 bytes; --kv-cache-disk-gb counts GB, 10**9): an upload or a "
+                        "new batch past it is refused (413), a running batch stops there (its "
+                        "lines left failed)")
     p.add_argument("--max-batch-output-mb", type=mebibytes, default=1024, metavar="MiB",
                    help="a batch's answers, output and error files together, in MiB (2**20 "
                         "bytes): past it, its lines left are error lines "

@@ -5,8 +5,10 @@ server schedules by priority; each answer is on disk before it counts (a restart
 last one), 2xx in the output file, the rest in the error file. An answer the server could not
 give now (429 overloaded, 503 draining or engine gone) is not an answer: the line runs again
 later, or after a restart. Past its completion window a batch expires; a cancelled one stops
-taking lines and keeps those answered. A batch's answers are bounded (`max_output_bytes`, and
-the store's disk budget): past either, each line left is an error line saying so, unrun."""
+taking lines and keeps those answered. A batch's answers are bounded: past `max_output_bytes`
+each line left is an error line saying so, unrun; once the store's disk budget has no room for a
+line, the batch stops there: the lines without an answer are counted failed, and the batch's
+`errors` says why (one entry, not a line each)."""
 
 from __future__ import annotations
 
@@ -96,21 +98,19 @@ class _Flight:
 
 @dataclass
 class _Output:
-    """A running batch's answers so far, against its bound and the store's budget."""
+    """A running batch's answers so far, against its bound; whether the store has stopped it."""
 
     bytes: int
     limit: int
     full: tuple[str, str] | None = None  # (code, message) once the batch takes no more answers
+    stopped: bool = False  # the store's disk budget had no room for a line: nothing more written
 
-    def admit(self, size: int, room: int) -> bool:
+    def admit(self, size: int) -> bool:
         """Whether an answer of `size` bytes is kept (else `full` says why not)."""
         if self.full is None and self.bytes + size > self.limit:
             self.full = ("batch_output_too_large", f"the batch's answers reached their bound of "
                          f"{self.limit} bytes (--max-batch-output-mb): this request is not "
                          "answered")
-        elif self.full is None and size > room:
-            self.full = ("batch_store_full", "the Batch API's store is full (--batch-disk-gb): "
-                         "this request is not answered")
         if self.full is not None:
             return False
         self.bytes += size
@@ -219,7 +219,7 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
         todo = lines(path, batch["endpoint"], self.max_line_bytes)
         try:
-            while self._taking(batch):
+            while self._taking(batch) and not output.stopped:
                 line = await asyncio.to_thread(next, todo, None)
                 if line is None:
                     break
@@ -227,12 +227,15 @@ class BatchRunner:
                     continue
                 if output.full is not None:  # past a bound: the line is not run
                     await self._answer(batch, "errors", refusal_line(line.custom_id,
-                                                                     *output.full))
+                                                                     *output.full), output)
                     continue
                 count = min(sequences(line), self.concurrency)
                 await flight.take(count)
-                while not self.room(count) and self._taking(batch):
+                while not self.room(count) and self._taking(batch) and not output.stopped:
                     await asyncio.sleep(ROOM_POLL_S)
+                if output.stopped:
+                    flight.give(count)
+                    break
                 task = asyncio.create_task(self._one(batch, line, output))
                 running.add(task)
                 task.add_done_callback(lambda t, n=count: (running.discard(t), flight.give(n)))
@@ -241,7 +244,7 @@ class BatchRunner:
         finally:
             for task in running:
                 task.cancel()
-        await self._finish(batch)
+        await self._finish(batch, output.stopped)
 
     def _taking(self, batch: dict) -> bool:
         """Whether the batch takes more lines (not cancelled, not past its window)."""
@@ -258,25 +261,38 @@ class BatchRunner:
             return  # cancelled or expired while the server could not answer: not answered
         kind, answer = "output" if status < 400 else "errors", answer_line(line.custom_id, status,
                                                                           payload)
-        if not output.admit(len(answer) + 1, self.store.room()):
+        if not output.admit(len(answer) + 1):
             kind, answer = "errors", refusal_line(line.custom_id, *output.full)
-        await self._answer(batch, kind, answer)
+        await self._answer(batch, kind, answer, output)
 
-    async def _answer(self, batch: dict, kind: str, answer: bytes) -> None:
-        """One line answered: on disk, then counted."""
-        await asyncio.to_thread(self.store.append_answer, batch["id"], kind, answer)
+    async def _answer(self, batch: dict, kind: str, answer: bytes, output: _Output) -> None:
+        """One line answered: on disk, then counted; none once the store has stopped the batch
+        (the line is then counted with the rest when the batch ends)."""
+        if output.stopped or not await asyncio.to_thread(self.store.append_answer, batch["id"],
+                                                         kind, answer):
+            output.stopped = True
+            return
         batch["request_counts"]["completed" if kind == "output" else "failed"] += 1
         if time.monotonic() - self._saved >= COUNTS_EVERY_S:  # (a restart counts the files)
             self._saved = time.monotonic()
             await self._put(batch)
 
-    async def _finish(self, batch: dict) -> None:
-        """Keep the answers as files and close the batch: completed, cancelled or expired. The
-        files' ids are saved before the answers move, so that a restart in between finishes the
-        move instead of losing them."""
+    async def _finish(self, batch: dict, stopped: bool) -> None:
+        """Keep the answers as files and close the batch: completed, cancelled or expired
+        (`stopped`, by the store's disk budget: completed, the lines without an answer failed).
+        The files' ids are saved before the answers move, so that a restart in between finishes
+        the move instead of losing them."""
         async with self._lock:
             status = batch["status"]
             counts = batch["request_counts"]
+            left = counts["total"] - counts["completed"] - counts["failed"]
+            if stopped and status != "cancelling" and left > 0:
+                counts["failed"] += left
+                batch["errors"] = {"object": "list", "data": [{
+                    "code": "batch_store_full", "param": None, "line": None,
+                    "message": f"the Batch API's store is full (--batch-disk-gb): {left} requests "
+                               "were not answered and are in neither the output nor the error "
+                               "file"}]}
             whole = counts["completed"] + counts["failed"] >= counts["total"]
             ending = ("cancelled" if status == "cancelling" else "completed" if whole
                       else "expired")

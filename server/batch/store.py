@@ -4,8 +4,11 @@
 (a temporary file, then a rename), so a restart finds each as it last was; one that cannot be read
 (cut short by a power loss, say) is left out, with one log line. Each object belongs to the API
 key that made it (its `owner`, a hash of the key): another key finds no such object. Folders are
-0700 and files 0600; everything kept counts against one disk budget. Blocking file work: callers
-run it off the event loop."""
+0700 and files 0600. Every byte written counts against one disk budget: what a client asks for (an
+upload, a new batch, a batch's answers) is refused past it; what finishes a batch already taken (its
+status and counts, its answer files' objects: a few KiB a batch) is written even past it. An owner
+has at most `MAX_UNFINISHED` batches not yet finished. Blocking file work: callers run it off the
+event loop."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from server.request_errors import ProtocolError
 log = logging.getLogger(__name__)
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 NO_OWNER = ""  # the owner of everything when the server has no API key
+MAX_UNFINISHED = 64  # an owner's batches not yet finished (ACTIVE)
 PART, TEMP = ".part", ".tmp"  # an upload, an object, while being written
 IDS = {"file": re.compile(r"file-[0-9a-f]{32}"), "batch": re.compile(r"batch_[0-9a-f]{32}")}
 # what an object of each kind must hold (key: type) to be read as one
@@ -90,10 +94,6 @@ class BatchStore:
         with self._lock:
             self.used += size
 
-    def room(self) -> int:
-        """Bytes left in the disk budget."""
-        return self.disk_budget - self.used
-
     # ---- files ----------------------------------------------------------------------------------
     def file_path(self, file_id: str) -> Path:
         return self.files / f"{_checked_id(file_id, 'file')}.jsonl"
@@ -117,19 +117,22 @@ class BatchStore:
                     size += len(chunk)
                     out.write(chunk)
             os.replace(part, path)
+            return self._describe(file_id, filename, "batch", owner, within_budget=True)
         except BaseException:
             part.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             self._count(-size)
             raise
-        return self._describe(file_id, filename, "batch", owner)
 
-    def _describe(self, file_id: str, filename: str, purpose: str, owner: str) -> dict:
+    def _describe(self, file_id: str, filename: str, purpose: str, owner: str,
+                  within_budget: bool = False) -> dict:
         """Write the object of the file kept as `file_id`; the object."""
         obj = {"id": file_id, "object": "file", "bytes": self.file_path(file_id).stat().st_size,
                "created_at": int(time.time()), "filename": filename, "purpose": purpose,
                "status": "processed", "expires_at": None, "status_details": None,
                "owner": owner}
-        self._put(self.files / f"{file_id}.json", obj)
+        with self._lock:
+            self._write(self.files / f"{file_id}.json", obj, within_budget)
         return obj
 
     def file(self, file_id: str, owner: str | None, param: str = "file_id") -> dict:
@@ -162,12 +165,25 @@ class BatchStore:
 
     # ---- batches --------------------------------------------------------------------------------
     def new_batch(self, obj: dict, owner: str) -> dict:
+        """A new batch of `owner`'s: 429 while it has `MAX_UNFINISHED` batches not yet finished,
+        413 past the disk budget."""
         obj = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", **obj, "owner": owner}
-        self.put_batch(obj)
+        with self._lock:
+            unfinished = sum(1 for o in self._objects("batch", self.batches)
+                             if o.get("owner", NO_OWNER) == owner and o["status"] in ACTIVE)
+            if unfinished >= MAX_UNFINISHED:
+                raise ProtocolError(f"at most {MAX_UNFINISHED} of your batches may be unfinished "
+                                    "at once: wait for one to end, or cancel one", None,
+                                    status=429, kind="rate_limit_error",
+                                    code="too_many_unfinished_batches")
+            self._write(self.batches / f"{obj['id']}.json", obj, within_budget=True)
         return obj
 
     def put_batch(self, obj: dict) -> None:
-        self._put(self.batches / f"{obj['id']}.json", obj)
+        """A batch's object saved as it is now (written even past the disk budget: a batch
+        already taken must be able to finish)."""
+        with self._lock:
+            self._write(self.batches / f"{obj['id']}.json", obj, within_budget=False)
 
     def batch(self, batch_id: str, owner: str | None) -> dict:
         """A batch's object (`owner` None: whoever owns it); 404 without it."""
@@ -218,12 +234,17 @@ class BatchStore:
             done[kind] = ids
         return done
 
-    def append_answer(self, batch_id: str, kind: str, line: bytes) -> None:
+    def append_answer(self, batch_id: str, kind: str, line: bytes) -> bool:
         """One answered line (JSON, no newline), written to the file before this returns (in the
-        OS's cache: a machine that stops may lose the last ones, which then run again)."""
-        with self._lock, open_private(self.answers_path(batch_id, kind), "ab") as f:
-            f.write(line + b"\n")
+        OS's cache: a machine that stops may lose the last ones, which then run again); False,
+        nothing written, when it does not fit in the disk budget."""
+        with self._lock:
+            if self.used + len(line) + 1 > self.disk_budget:
+                return False
+            with open_private(self.answers_path(batch_id, kind), "ab") as f:
+                f.write(line + b"\n")
             self.used += len(line) + 1
+        return True
 
     def keep_answers(self, batch_id: str, kind: str, file_id: str, owner: str) -> str | None:
         """A batch's answered lines of `kind` as `owner`'s file `file_id` (None when there are
@@ -239,16 +260,18 @@ class BatchStore:
         return self._describe(file_id, name, "batch_output", owner)["id"]
 
     # ---- objects --------------------------------------------------------------------------------
-    def _put(self, path: Path, obj: dict) -> None:
-        """`obj` written whole as `path` (a temporary file, then a rename), 0600."""
+    def _write(self, path: Path, obj: dict, within_budget: bool) -> None:
+        """`obj` written whole as `path` (a temporary file, then a rename), 0600, and counted;
+        `within_budget`: 413 (nothing written) when it does not fit. The caller holds `_lock`."""
         data = json.dumps(obj).encode()
-        with self._lock:
-            temp = path.with_suffix(TEMP)
-            with open_private(temp, "wb") as f:
-                f.write(data)
-            old = path.stat().st_size if path.is_file() else 0
-            os.replace(temp, path)
-            self.used += len(data) - old
+        old = path.stat().st_size if path.is_file() else 0
+        if within_budget and self.used + len(data) - old > self.disk_budget:
+            raise _store_full(self.disk_budget)
+        temp = path.with_suffix(TEMP)
+        with open_private(temp, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+        self.used += len(data) - old
 
     def _object(self, kind: str, folder: Path, object_id: str, param: str) -> dict | None:
         """The object `object_id` names, None when there is none or it cannot be read."""
@@ -291,9 +314,9 @@ def _checked_id(value: str, kind: str, param: str | None = None) -> str:
 
 
 def _store_full(budget: int) -> ProtocolError:
-    return ProtocolError(f"the Batch API's store is full: its files and answers may take "
-                         f"{budget} bytes (--batch-disk-gb); delete files you no longer need",
-                         "file", status=413, code="batch_store_full")
+    return ProtocolError(f"the Batch API's store is full: its files, batches and answers may "
+                         f"take {budget} bytes (--batch-disk-gb); delete files you no longer need",
+                         None, status=413, code="batch_store_full")
 
 
 def _unlink(path: Path) -> int:

@@ -22,7 +22,7 @@ from compiled_engine.private_dir import FolderBusy
 from compiled_engine.ranks.launcher import StartupRefusal
 from server.args import add_serve_args
 from server.batch.runner import BatchRunner
-from server.batch.store import BatchStore, owner_of
+from server.batch.store import MAX_UNFINISHED, BatchStore, owner_of
 from server.request_errors import ProtocolError
 from server.state import ServerConfig
 
@@ -253,6 +253,72 @@ def test_the_disk_budget_refuses_an_upload_past_it(tmp_path) -> None:
     assert (e.value.status, e.value.code) == (413, "batch_store_full")
     assert store.used == used and len(store.list_files(None, ALICE)) == 1
     assert not list(store.files.glob("*.part"))
+
+
+def on_disk(store: BatchStore) -> int:
+    """The bytes of every file the store keeps (its lock left out)."""
+    return sum(p.stat().st_size for folder in (store.files, store.batches)
+               for p in folder.iterdir())
+
+
+def test_every_write_counts_against_the_disk_budget_and_a_batch_past_it_is_refused(
+        tmp_path) -> None:
+    """Answers were appended and batches created past the budget: repeated batches on one file
+    filled the disk."""
+    store = BatchStore(tmp_path, disk_budget=4096)
+    f = upload(store, [line(0)])
+    bid = batch_of(store, f["id"])["id"]
+    kept = [store.append_answer(bid, "errors", answer(f"r{i}")) for i in range(80)]
+    assert False in kept and kept == sorted(kept, reverse=True)  # kept until full, then none
+    assert store.used == on_disk(store) <= 4096
+    for call in (lambda: batch_of(store, f["id"]), lambda: upload(store, [line(1)])):
+        with pytest.raises(ProtocolError) as e:
+            call()
+        assert (e.value.status, e.value.code) == (413, "batch_store_full")
+    assert store.used == on_disk(store) and len(store.list_batches(None)) == 1
+
+
+def test_an_owners_unfinished_batches_are_bounded(tmp_path) -> None:
+    store = BatchStore(tmp_path)
+    f, g = upload(store, [line(0)]), upload(store, [line(0)], owner=BOB)
+    batches = [batch_of(store, f["id"]) for _ in range(MAX_UNFINISHED)]
+    with pytest.raises(ProtocolError) as e:
+        batch_of(store, f["id"])
+    assert (e.value.status, e.value.code) == (429, "too_many_unfinished_batches")
+    assert "at most 64 of your batches" in e.value.message
+    batch_of(store, g["id"], owner=BOB)  # another owner's are its own
+    store.put_batch(batches[0] | {"status": "completed"})
+    batch_of(store, f["id"])  # one ended: room for one more
+
+
+@pytest.mark.parametrize("bound", ["answers", "disk"])
+def test_a_batch_the_disk_budget_stops_ends_with_one_error_not_a_line_each(tmp_path,
+                                                                           bound: str) -> None:
+    """Past --max-batch-output-mb (`answers`) or with long answers (`disk`), the lines left were
+    error lines written whatever the budget: a 50,000-line file wrote ~12 MB a batch."""
+    store = BatchStore(tmp_path, disk_budget=1 << 30)
+    batch_of(store, upload(store, [line(i) for i in range(200)])["id"])
+    store.disk_budget = store.used + 4096
+    ran = []
+
+    async def execute(url: str, body: dict) -> tuple[int, bytes]:
+        ran.append(body)
+        return 200, json.dumps({"text": "t" * 600}).encode()
+
+    done = run_batch(store, execute, concurrency=1,
+                     max_output_bytes=1500 if bound == "answers" else 1 << 30)
+    counts = done["request_counts"]
+    assert done["status"] == "completed" and counts["total"] == 200
+    assert counts["completed"] + counts["failed"] == 200 and counts["completed"] >= 1
+    assert on_disk(store) <= store.disk_budget + 2048  # the batch's own objects past it
+    assert len(ran) <= 8
+    assert [e["code"] for e in done["errors"]["data"]] == ["batch_store_full"]
+    assert f"{200 - counts['completed'] - lines_in(store, done['error_file_id'])} requests were " \
+        "not answered" in done["errors"]["data"][0]["message"]
+
+
+def lines_in(store: BatchStore, file_id: str | None) -> int:
+    return 0 if file_id is None else len(store.file_path(file_id).read_bytes().splitlines())
 
 
 def run_batch(store: BatchStore, execute, **runner) -> dict:
