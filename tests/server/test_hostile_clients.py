@@ -1,5 +1,6 @@
 """Hostile input through the served default (compiled demo model): while each hostile request
-runs, a probe keeps calling a route that needs no engine work and every answer comes within 1 s;
+runs, a probe keeps calling a route that needs no engine work and every answer comes within 5 s
+(a stall is the hostile work's length, seconds to minutes; the margin is for a loaded machine);
 the hostile request gets a 4xx in OpenAI's shape (or a plain answer); the server serves normally
 afterwards. Also: stalled readers, SIGTERM's drain, browser-origin requests, oversized answers."""
 
@@ -25,7 +26,7 @@ from tests.helpers.servers import (
     wait_idle,
 )
 
-PROBE_LIMIT_S = 1.0
+PROBE_LIMIT_S = 5.0
 # what the process family may grow by while it refuses an oversized answer (the answer itself would
 # take more)
 MEMORY_GROWTH_LIMIT = 128 * 2**20
