@@ -117,7 +117,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-compile-timeout", type=seconds, default=10.0, metavar="SECONDS",
                    help="an output constraint (JSON schema, regex, grammar) that takes longer to "
                         "compile is refused with a 400")
-    p.add_argument("--grammar-compile-memory", type=int, default=MEMORY_BYTES >> 20, metavar="MiB",
+    p.add_argument("--grammar-compile-memory", type=mebibytes, default=MEMORY_BYTES >> 20,
+                   metavar="MiB",
                    help="what compiling one output constraint may allocate in the server's "
                         "compiler process; a constraint that needs more is refused with a 400")
     p.add_argument("--debug", action="store_true", help="expose GET /debug/integrity")

@@ -227,12 +227,11 @@ def test_the_server_refuses_a_batch_dir_of_another_users_in_one_line(foreign) ->
 
 
 @pytest.mark.parametrize("flag", ["--batch-disk-gb", "--max-batch-output-mb",
-                                  "--max-batch-file-mb"])
+                                  "--max-batch-file-mb", "--grammar-compile-memory"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
-def test_a_batch_size_flag_not_above_0_is_refused_in_one_line(flag: str, value: str,
-                                                              capsys) -> None:
-    """0 and below were taken (a budget of 0 refused every upload), an infinite --batch-disk-gb
-    crashed the start."""
+def test_a_size_flag_not_above_0_is_refused_in_one_line(flag: str, value: str, capsys) -> None:
+    """0 and below were taken (a budget of 0 refused every upload, a compile memory of 0 every
+    constraint), an infinite --batch-disk-gb crashed the start."""
     parser = argparse.ArgumentParser(prog="compiled-engine serve")
     add_serve_args(parser)
     with pytest.raises(SystemExit) as e:
