@@ -57,26 +57,21 @@ def seconds(text: str) -> float:
     return value
 
 
-def mebibytes(text: str) -> int:
-    """A size flag's value in MiB: a whole number above 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"a size in MiB is a whole number above 0, not {text!r}")
-    return value
+def _above_zero(parse, what: str):
+    """An argparse type: `parse(text)` (int or float), finite and above 0; else `what` said."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{what} above 0, not {text!r}")
+        return value
+    return check
 
 
-def gibibytes(text: str) -> float:
-    """A size flag's value in GiB: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"a size in GiB is a number above 0, not {text!r}")
-    return value
+mebibytes = _above_zero(int, "a size in MiB is a whole number")  # a size flag's value in MiB
+gibibytes = _above_zero(float, "a size in GiB is a number")  # a size flag's value in GiB
 
 
 def template_kwargs(text: str) -> dict:
