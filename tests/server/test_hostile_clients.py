@@ -7,6 +7,7 @@ afterwards. Also: stalled readers, SIGTERM's drain, browser-origin requests, ove
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import socket
@@ -288,8 +289,8 @@ class _Stream(threading.Thread):
             self.started.set()
 
 
-DRAIN_S = 15.0
-SHORT_TOKENS = 8
+DRAIN_S = 600.0  # run out by the test itself
+SHORT_TOKENS = 200
 LONG_TOKENS = 2000  # (the demo's context is 2,048)
 STREAM_WAIT_S = 120.0
 
@@ -307,9 +308,9 @@ def test_sigterm_drains_then_exits(draining: RunningServer) -> None:
     event and [DONE]; then the server exits and its rank processes with it.
 
     Nothing here races the machine's speed: the signal goes once every stream has its first event
-    (each waits for it, bounded). From there the short streams need at most 8 more engine steps
-    and the long one (4 x 2,000 tokens) about 2,000: the drain's 15 s sit between the two however
-    loaded the machine is."""
+    (each waits for it, bounded), so all are in flight; the drain's time (600 s) outlasts the short
+    streams (200 tokens each), and once they have ended the test runs the drain's time out itself
+    (the long stream, 4 x 2,000 tokens, has 1,800 steps left then, on any machine)."""
     running = draining
     procs = list(running.state.client.handle.procs)
     base = {"model": "demo", "prompt": "hi", "stream": True, "ignore_eos": True, "temperature": 0}
@@ -326,9 +327,14 @@ def test_sigterm_drains_then_exits(draining: RunningServer) -> None:
         refused = http.post("/v1/completions",
                             json={"model": "demo", "prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-    for stream in [*shorts, long]:
-        stream.join(DRAIN_S + 60)
-        assert not stream.is_alive(), "a stream did not end after the drain"
+    for short in shorts:
+        short.join(STREAM_WAIT_S)
+        assert not short.is_alive(), "a short stream did not end in the drain"
+    assert long.is_alive(), "the long stream ended before the drain's time ran out"
+    state = running.state
+    state.config = dataclasses.replace(state.config, shutdown_timeout_s=0.0)  # time is up now
+    long.join(STREAM_WAIT_S)
+    assert not long.is_alive(), "the long stream did not end when the drain's time ran out"
     for short in shorts:
         assert short.status == 200 and short.lines[-1] == "data: [DONE]"
         assert json.loads(short.lines[-2][6:])["choices"][0]["finish_reason"] == "length"
